@@ -1,0 +1,36 @@
+# Two commands on a fresh machine with only Python 3.10+: `make train` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.DEFAULT_GOAL := help
+.PHONY: help install train test test-all lint bench clean
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+install: $(STAMP) ## build .venv: CPU torch pinned by constraints.txt, lm editable, dev + hf extras
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,hf]'
+	touch $(STAMP)
+
+train: install ## train the default model (tiny MHA) on the standard-library corpus
+	$(PY) scripts/train.py
+
+test: install ## the test suite, without tests marked slow
+	$(PY) -m pytest -m "not slow" -q
+
+test-all: install ## every test, slow ones included
+	$(PY) -m pytest -q
+
+lint: install ## ruff
+	$(VENV)/bin/ruff check lm scripts tests
+
+bench: install ## training throughput against transformers' Llama (see scripts/bench.py)
+	$(PY) scripts/bench.py train
+
+clean: ## remove the venv and caches (checkpoints are kept)
+	rm -rf $(VENV) .cache .pytest_cache outputs multirun

@@ -1,0 +1,68 @@
+"""Reading checkpoints safely: plain data and tensors only, never arbitrary pickled objects.
+
+A training checkpoint is Lightning's file plus an "lm" entry holding the model config (a
+dict), the tokenizer (its JSON text) and the resolved run config (a dict).
+"""
+
+from __future__ import annotations
+
+import pickle
+import zipfile
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from lm.config import ModelConfig
+from lm.model import Transformer
+
+FORMAT_VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, unreadable or incompatible; the message says which, in one line."""
+
+
+def read_checkpoint(path: str | Path) -> dict:
+    """The checkpoint's contents, loaded with `weights_only=True` so no code in it can run."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0]
+        raise CheckpointError(f"checkpoint {str(path)!r} was refused by the safe loader: {first}") from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"checkpoint {str(path)!r} is not a readable torch file ({first})") from None
+    if not isinstance(ckpt, dict) or "lm" not in ckpt or "state_dict" not in ckpt:
+        raise CheckpointError(f"checkpoint {str(path)!r} is not an lm training checkpoint (no 'lm' entry)")
+    version = ckpt["lm"].get("format_version")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} has format_version={version!r}; this lm reads version {FORMAT_VERSION}"
+        )
+    return ckpt
+
+
+def model_state_dict(ckpt: dict) -> dict[str, torch.Tensor]:
+    """The Transformer's own parameters out of a LightningModule state dict."""
+    prefix = "model."
+    return {k[len(prefix):]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
+
+
+def load(path: str | Path, device: str | torch.device = "cpu") -> tuple[Transformer, Tokenizer]:
+    """(model in eval mode, tokenizer) from a training checkpoint."""
+    ckpt = read_checkpoint(path)
+    config = ModelConfig.from_dict(ckpt["lm"]["model_config"])
+    model = Transformer(config)
+    try:
+        model.load_state_dict(model_state_dict(ckpt))
+    except RuntimeError as e:
+        detail = " ".join(str(e).split())[:300]
+        raise CheckpointError(f"checkpoint {str(path)!r} does not match its model config: {detail}") from None
+    if not ckpt["lm"].get("tokenizer"):
+        raise CheckpointError(f"checkpoint {str(path)!r} holds no tokenizer")
+    tokenizer = Tokenizer.from_str(ckpt["lm"]["tokenizer"])
+    return model.to(device).eval(), tokenizer

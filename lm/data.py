@@ -1,0 +1,325 @@
+"""Corpora, tokenizer training, the on-disk token cache and the LightningDataModule.
+
+A corpus is a stream of (doc_id, text) documents from one of three sources: the running
+interpreter's standard library (`pystdlib`), local files and globs (`text`), or a
+`datasets.load_dataset` call (`hf`). Documents are split into train/val by a hash of their
+id, so the split does not depend on file order or machine. A byte-level BPE tokenizer is
+trained on the train split, both splits are tokenized once into flat token arrays, and
+those are memory-mapped on later runs: the cache key covers the corpus and tokenizer.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import shutil
+import sysconfig
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from torch.utils.data import DataLoader, Dataset
+from tqdm.auto import tqdm
+
+EOT = "<|endoftext|>"
+CACHE_FORMAT = 1  # bump when the cache layout or the tokenizer recipe changes
+SKIPPED_STDLIB_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__"}
+
+
+class DataError(ValueError):
+    """The corpus or a data setting cannot work; the message says which, in one line."""
+
+
+@dataclass
+class Corpus:
+    """A named stream of documents plus a fingerprint that changes when the documents do."""
+
+    name: str
+    fingerprint: str
+    documents: Callable[[], Iterator[tuple[str, str]]]  # yields (doc_id, text)
+
+
+# ---------------------------------------------------------------------------- sources
+
+
+def read_text(path: Path) -> str:
+    # Undecodable bytes become U+FFFD instead of stopping a run over one odd file.
+    return path.read_bytes().decode("utf-8", errors="replace")
+
+
+def files_corpus(name: str, files: list[Path], root: Path | None = None) -> Corpus:
+    files = sorted(files)
+    ids = [str(f.relative_to(root)) if root else str(f) for f in files]
+    stats = [(i, f.stat().st_size, f.stat().st_mtime_ns) for i, f in zip(ids, files)]
+    fingerprint = _digest(["files", stats])
+
+    def documents() -> Iterator[tuple[str, str]]:
+        for doc_id, f in zip(ids, files):
+            yield doc_id, read_text(f)
+
+    return Corpus(name, fingerprint, documents)
+
+
+def pystdlib_corpus() -> Corpus:
+    """The `.py` files of this interpreter's standard library, without its test suites."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [
+        p for p in root.rglob("*.py")
+        if not SKIPPED_STDLIB_DIRS.intersection(p.relative_to(root).parts[:-1])
+    ]
+    if not files:
+        raise DataError(f"data=pystdlib found no .py files under {root}")
+    return files_corpus("pystdlib", files, root)
+
+
+def text_corpus(paths: list[str]) -> Corpus:
+    """Local files; each entry of `paths` is a file, a directory (all files below) or a glob."""
+    if not paths:
+        raise DataError("data.paths is empty: give files, directories or globs, e.g. data.paths=[notes/*.txt]")
+    files: set[Path] = set()
+    for pattern in paths:
+        matched = [Path(m) for m in glob.glob(os.path.expanduser(str(pattern)), recursive=True)]
+        if not matched:
+            raise DataError(f"data.paths entry {str(pattern)!r} matches no file")
+        for m in matched:
+            files.update(p for p in m.rglob("*") if p.is_file()) if m.is_dir() else files.add(m)
+    return files_corpus("text", [f.resolve() for f in files])
+
+
+def hf_corpus(name: str, config_name: str | None, split: str, text_field: str,
+              streaming: bool, data_files: str | list[str] | None, max_docs: int | None) -> Corpus:
+    """Documents of a `datasets.load_dataset` split: a hub name, or a local directory or script."""
+    if not name:
+        raise DataError("data.name is required for data=hf (a hub dataset name or a local directory)")
+    local = Path(name).expanduser()
+    if local.exists():
+        # Local datasets change in place, so their content stats join the fingerprint.
+        files = sorted(p for p in (local.rglob("*") if local.is_dir() else [local]) if p.is_file())
+        source = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    else:
+        source = name  # a hub name: its revision is pinned by the `datasets` cache
+    fingerprint = _digest(["hf", source, config_name, split, text_field, data_files, max_docs])
+
+    def documents() -> Iterator[tuple[str, str]]:
+        import datasets
+
+        ds = datasets.load_dataset(str(local) if local.exists() else name, config_name, split=split,
+                                   streaming=streaming, data_files=data_files)
+        for i, row in enumerate(ds):
+            if max_docs is not None and i >= max_docs:
+                break
+            if text_field not in row:
+                raise DataError(f"data.text_field={text_field!r} is not a column of {name!r}; columns: {sorted(row)}")
+            yield f"{i}", row[text_field]
+
+    return Corpus(f"hf:{name}", fingerprint, documents)
+
+
+def build_corpus(data_cfg) -> Corpus:
+    """The corpus a `data` config group describes."""
+    source = data_cfg.get("source")
+    if source == "pystdlib":
+        return pystdlib_corpus()
+    if source == "text":
+        return text_corpus(list(data_cfg.get("paths") or []))
+    if source == "hf":
+        return hf_corpus(data_cfg.get("name"), data_cfg.get("config_name"), data_cfg.get("split", "train"),
+                         data_cfg.get("text_field", "text"), bool(data_cfg.get("streaming", False)),
+                         data_cfg.get("data_files"), data_cfg.get("max_docs"))
+    raise DataError(f"data.source={source!r} is not one of 'pystdlib', 'text', 'hf'")
+
+
+# ------------------------------------------------------------------ split and tokenizer
+
+
+def is_validation(doc_id: str, val_fraction: float) -> bool:
+    """Deterministic split: a document is held out when its id hashes below val_fraction."""
+    h = int.from_bytes(hashlib.sha256(doc_id.encode()).digest()[:8], "big")
+    return h / 2**64 < val_fraction
+
+
+def train_tokenizer(texts: Iterator[str], vocab_size: int) -> Tokenizer:
+    """Byte-level BPE (GPT-2 style): any byte sequence encodes, so no text is ever unknown."""
+    if vocab_size < 257:
+        raise DataError(f"data.vocab_size={vocab_size} is too small: byte-level BPE needs 256 bytes + {EOT}")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[EOT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=True,
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    return tokenizer
+
+
+# ------------------------------------------------------------------------ token cache
+
+
+@dataclass
+class TokenCache:
+    """A finished cache folder: tokenizer.json, train.bin, val.bin and meta.json."""
+
+    path: Path
+
+    @property
+    def meta(self) -> dict:
+        return json.loads((self.path / "meta.json").read_text())
+
+    def tokenizer(self) -> Tokenizer:
+        return Tokenizer.from_file(str(self.path / "tokenizer.json"))
+
+    def tokens(self, split: str) -> np.ndarray:
+        return np.memmap(self.path / f"{split}.bin", dtype=self.meta["dtype"], mode="r")
+
+
+def cache_key(corpus: Corpus, vocab_size: int, val_fraction: float) -> str:
+    return _digest([CACHE_FORMAT, corpus.fingerprint, vocab_size, val_fraction])[:16]
+
+
+def build_token_cache(corpus: Corpus, cache_dir: Path, vocab_size: int, val_fraction: float,
+                      min_val_tokens: int) -> TokenCache:
+    """Train the tokenizer and tokenize the corpus once; later calls return the cache at once.
+
+    The folder is assembled under a temporary name and renamed into place, so an
+    interrupted run never leaves a half-written cache behind.
+    """
+    final = cache_dir / f"{corpus.name.replace('/', '_').replace(':', '_')}-{cache_key(corpus, vocab_size, val_fraction)}"
+    if (final / "meta.json").exists():
+        return TokenCache(final)
+    tmp = final.with_name(final.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        train_texts = (text for doc_id, text in corpus.documents() if not is_validation(doc_id, val_fraction))
+        tokenizer = train_tokenizer(train_texts, vocab_size)
+        tokenizer.save(str(tmp / "tokenizer.json"))
+        dtype = np.uint16 if tokenizer.get_vocab_size() <= 2**16 else np.uint32
+        counts = _tokenize_splits(corpus, tokenizer, tmp, dtype, val_fraction)
+        if counts["train"] == 0:
+            raise DataError(f"corpus {corpus.name!r} is empty: no text to train on")
+        if counts["val"] < min_val_tokens:
+            counts = _move_tail_to_val(tmp, dtype, min_val_tokens, val_fraction)
+        meta = {"corpus": corpus.name, "fingerprint": corpus.fingerprint, "vocab_size": tokenizer.get_vocab_size(),
+                "val_fraction": val_fraction, "dtype": np.dtype(dtype).name, **{f"{k}_tokens": v for k, v in counts.items()}}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+        if final.exists():  # a stale, unfinished folder from an older run
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return TokenCache(final)
+
+
+def _tokenize_splits(corpus: Corpus, tokenizer: Tokenizer, out: Path, dtype, val_fraction: float) -> dict:
+    eot = tokenizer.token_to_id(EOT)
+    counts = {"train": 0, "val": 0}
+    files = {split: open(out / f"{split}.bin", "wb") for split in counts}
+    pending: dict[str, list[str]] = {"train": [], "val": []}
+
+    def flush(split: str) -> None:
+        for enc in tokenizer.encode_batch(pending[split]):
+            ids = np.asarray(enc.ids + [eot], dtype=dtype)  # EOT closes every document
+            files[split].write(ids.tobytes())
+            counts[split] += len(ids)
+        pending[split].clear()
+
+    try:
+        for doc_id, text in tqdm(corpus.documents(), desc=f"tokenizing {corpus.name}", unit="doc"):
+            split = "val" if is_validation(doc_id, val_fraction) else "train"
+            pending[split].append(text)
+            if len(pending[split]) >= 256:
+                flush(split)
+        for split in counts:
+            flush(split)
+    finally:
+        for f in files.values():
+            f.close()
+    return counts
+
+
+def _move_tail_to_val(folder: Path, dtype, min_val_tokens: int, val_fraction: float) -> dict:
+    """Too few documents landed in val (a one-file corpus, say): hold out the train tail instead."""
+    train = np.fromfile(folder / "train.bin", dtype=dtype)
+    val = np.fromfile(folder / "val.bin", dtype=dtype)
+    n_val = max(min_val_tokens - len(val), int(len(train) * val_fraction))
+    if n_val >= len(train):
+        raise DataError(
+            f"corpus has {len(train) + len(val)} tokens: too small for a train and a validation sequence "
+            f"of {min_val_tokens} tokens each"
+        )
+    train, val = train[:-n_val], np.concatenate([val, train[-n_val:]])
+    train.tofile(folder / "train.bin")
+    val.tofile(folder / "val.bin")
+    return {"train": len(train), "val": len(val)}
+
+
+def _digest(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
+
+
+# ------------------------------------------------------------------ datasets and module
+
+
+class TokenWindows(Dataset):
+    """Non-overlapping windows of seq_len + 1 tokens: input is [:-1], target is [1:]."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, split: str):
+        self.tokens, self.seq_len = tokens, seq_len
+        self.n = (len(tokens) - 1) // seq_len
+        if self.n < 1:
+            raise DataError(f"the {split} split has {len(tokens)} tokens, fewer than one sequence of "
+                            f"seq_len+1={seq_len + 1}; use more text or a smaller model.max_seq_len")
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        start = i * self.seq_len
+        return torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
+
+
+class TokenDataModule(L.LightningDataModule):
+    def __init__(self, corpus: Corpus, cache_dir: Path, seq_len: int, batch_size: int, vocab_size: int,
+                 val_fraction: float = 0.05, seed: int = 0, num_workers: int = 0):
+        super().__init__()
+        if batch_size < 1:
+            raise DataError(f"data.batch_size={batch_size} must be >= 1")
+        if not 0 < val_fraction < 1:
+            raise DataError(f"data.val_fraction={val_fraction} must be between 0 and 1")
+        self.corpus, self.cache_dir = corpus, Path(cache_dir)
+        self.seq_len, self.batch_size, self.vocab_size = seq_len, batch_size, vocab_size
+        self.val_fraction, self.seed, self.num_workers = val_fraction, seed, num_workers
+        self.cache: TokenCache | None = None
+
+    def prepare_data(self) -> None:
+        self.cache = build_token_cache(self.corpus, self.cache_dir, self.vocab_size, self.val_fraction,
+                                       min_val_tokens=self.seq_len + 1)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.cache is None:
+            self.prepare_data()
+        self.tokenizer = self.cache.tokenizer()
+        self.train_set = TokenWindows(self.cache.tokens("train"), self.seq_len, "train")
+        self.val_set = TokenWindows(self.cache.tokens("val"), self.seq_len, "val")
+        if len(self.train_set) < self.batch_size:
+            raise DataError(f"data.batch_size={self.batch_size} is larger than the {len(self.train_set)} "
+                            f"training sequences of the corpus")
+
+    def train_dataloader(self) -> DataLoader:
+        # A seeded generator makes the shuffle order a function of the run's seed alone.
+        generator = torch.Generator().manual_seed(self.seed)
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True,
+                          generator=generator, num_workers=self.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)

@@ -1,0 +1,66 @@
+"""Building blocks shared by every attention kind: RMSNorm, SwiGLU MLP and rotary embeddings.
+
+Shapes: B batch, T sequence length, C d_model, nh heads, hs head size, F d_ff.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (Zhang & Sennrich 2019): no mean subtraction, no bias."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class SwiGLU(nn.Module):
+    """Gated MLP of Shazeer 2020: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, d_model: int, d_ff: int):
+        super().__init__()
+        self.d_ff = d_ff
+        # gate and up share one matmul: one (C, 2F) GEMM runs faster than two (C, F) ones.
+        self.gate_up = nn.Linear(d_model, 2 * d_ff, bias=False)
+        self.down = nn.Linear(d_ff, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split(self.d_ff, dim=-1)  # 2 x (B, T, F)
+        return self.down(F.silu(gate) * up)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (Su et al. 2021) in the rotate-half layout Llama uses.
+
+    Angles are computed for the positions asked for rather than read from a fixed table,
+    so kinds without a context limit (sliding, linear) can run past `max_seq_len`.
+    """
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # (hs/2,)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of shape (T, hs) for integer `positions` of shape (T,)."""
+        angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # (T, hs/2)
+        angles = torch.cat((angles, angles), dim=-1)  # (T, hs)
+        return angles.cos(), angles.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)  # 2 x (..., hs/2)
+    return torch.cat((-second, first), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, nh, T, hs) by the angles cos/sin (T, hs)."""
+    return x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)

@@ -1,0 +1,119 @@
+"""LightningModule around an injected Transformer: loss, optimizer, schedule, metrics.
+
+The network is built outside and passed in (lightning-hydra-template style), so the
+model code stays free of Lightning and the same module trains any attention kind.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+from lm.checkpoint import FORMAT_VERSION
+from lm.model import Transformer
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    fused: bool = True
+
+
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
+    """LR multiplier: linear warm-up to 1, then cosine decay to min_ratio at total_steps."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class LitLM(L.LightningModule):
+    def __init__(self, model: Transformer, optim: OptimConfig, total_steps: int,
+                 tokenizer_json: str | None = None, run_config: dict | None = None, compile: bool = False):
+        super().__init__()
+        self.model = model
+        self.optim = optim
+        self.total_steps = total_steps
+        self.tokenizer_json = tokenizer_json
+        self.run_config = run_config or {}
+        # The compiled callable is kept out of the module tree so checkpoints hold the
+        # plain model's parameter names, loadable with or without compile.
+        self._forward = torch.compile(model) if compile else model
+        self._batch_start = 0.0
+        self._val_sums: list[torch.Tensor] = []
+        self.last_val_step = -1
+
+    def loss(self, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
+        inputs, targets = batch[:, :-1], batch[:, 1:]  # (B, T) each
+        logits = self._forward(inputs)  # (B, T, V)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return loss, targets.numel()
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss, _ = self.loss(batch)
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/lr", self.optimizers().param_groups[0]["lr"])
+        return loss
+
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        self._batch_start = time.perf_counter()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        seconds = time.perf_counter() - self._batch_start
+        tokens = (batch.shape[1] - 1) * batch.shape[0] * self.trainer.world_size
+        self.log("train/tokens_per_s", tokens / seconds, prog_bar=True)
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        # Measured before Lightning clips, so a spike shows in the log.
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        self.log("train/grad_norm", torch.nn.utils.get_total_norm(grads))
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        loss, n = self.loss(batch)
+        self._val_sums.append(torch.stack([loss.detach() * n, torch.tensor(float(n), device=loss.device)]))
+
+    def on_validation_epoch_end(self) -> None:
+        total_loss, total_tokens = torch.stack(self._val_sums).sum(0)
+        self._val_sums.clear()
+        total_loss = self.trainer.strategy.reduce(total_loss, reduce_op="sum")
+        total_tokens = self.trainer.strategy.reduce(total_tokens, reduce_op="sum")
+        val_loss = total_loss / total_tokens  # token-weighted, exact over the whole val set
+        self.log("val/loss", val_loss, prog_bar=True)
+        self.log("val/ppl", val_loss.exp())
+        self.last_val_step = self.global_step
+
+    def configure_optimizers(self):
+        # Decay matmul weights only; norms and embeddings are not decayed (a tied head is the
+        # embedding, so it is not decayed either).
+        embedding = self.model.embed.weight
+        decay = [p for p in self.model.parameters() if p.dim() >= 2 and p is not embedding]
+        no_decay = [p for p in self.model.parameters() if p.dim() < 2 or p is embedding]
+        o = self.optim
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=o.lr, betas=(o.beta1, o.beta2), fused=o.fused,
+        )
+        total, warmup, floor = self.total_steps, o.warmup_steps, o.min_lr_ratio
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: warmup_cosine(step, warmup, total, floor)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # Everything needed to use the weights, as plain data (safe for weights_only loading).
+        checkpoint["lm"] = {
+            "format_version": FORMAT_VERSION,
+            "model_config": self.model.config.to_dict(),
+            "tokenizer": self.tokenizer_json,
+            "run_config": self.run_config,
+        }

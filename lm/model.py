@@ -1,0 +1,76 @@
+"""The decoder-only transformer: embed -> Block x n_layer -> RMSNorm -> head.
+
+Llama-style: pre-norm RMSNorm, rotary positions, SwiGLU MLP, no biases. The model knows
+nothing of attention internals: each block asks the registry for the configured kind.
+Shapes: B batch, T sequence length, C d_model, V vocab size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from lm.attention import build_attention
+from lm.config import ModelConfig
+from lm.layers import RMSNorm, RotaryEmbedding, SwiGLU
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.attn = build_attention(config, layer_idx)
+        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.mlp = SwiGLU(config.d_model, config.d_ff)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.head.weight = self.embed.weight
+        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std) weights; residual output projections scaled by 1/sqrt(2 n_layer)
+        so the residual stream's variance does not grow with depth (GPT-2, Radford et al. 2019)."""
+        std = self.config.init_std
+        for name, p in self.named_parameters():
+            if p.dim() < 2:
+                continue  # norm gains stay at one
+            scale = 1 / math.sqrt(2 * self.config.n_layer) if name.endswith(("attn.out.weight", "mlp.down.weight")) else 1.0
+            nn.init.normal_(p, mean=0.0, std=std * scale)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits (B, T, V) for token ids idx (B, T)."""
+        T = idx.shape[1]
+        if T > self.config.max_seq_len:
+            raise ValueError(f"sequence of {T} tokens exceeds max_seq_len={self.config.max_seq_len}")
+        cos, sin = self.rope(torch.arange(T, device=idx.device))  # (T, hs) each
+        x = self.embed(idx)  # (B, T, C)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        return self.head(self.norm(x))
+
+    def num_params(self) -> int:
+        """Distinct parameters (a tied head counts once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward) by the PaLM appendix B count:
+        6 per weight of every matmul plus 12 * n_layer * d_model * T for attention scores."""
+        matmul_weights = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+        c = self.config
+        return 6 * matmul_weights + 12 * c.n_layer * c.n_head * c.head_dim * seq_len

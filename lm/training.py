@@ -1,0 +1,163 @@
+"""`train(cfg)`: one training run from a resolved Hydra config. Scripts and tests call it.
+
+It builds the data module, the model and the Lightning trainer from the config, fits,
+validates once more at the end and prints a short sample from the trained model.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import warnings
+
+import lightning as L
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from lm.config import ConfigError, ModelConfig
+from lm.data import TokenDataModule, build_corpus
+from lm.generation import generate
+from lm.lit import LitLM, OptimConfig
+from lm.model import Transformer
+
+# The repository root: relative paths in configs resolve here, not in Hydra's run folder.
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+# Lightning's own use of a deprecated torch API; nothing a user can act on.
+warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+
+
+def resolve_path(path: str | Path) -> Path:
+    path = Path(os.path.expanduser(str(path)))
+    return path if path.is_absolute() else PROJECT_ROOT / path
+
+
+def model_config_from(cfg: DictConfig, vocab_size: int) -> ModelConfig:
+    """ModelConfig from the `model` and `attn` groups; the vocabulary comes from the tokenizer."""
+    model = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k != "name"}
+    attn = OmegaConf.to_container(cfg.attn, resolve=True)
+    kind = attn.pop("kind")
+    attn.pop("name", None)
+    n_kv_head = attn.pop("n_kv_head", None)
+    return ModelConfig(vocab_size=vocab_size, attention=kind, n_kv_head=n_kv_head, attention_options=attn, **model)
+
+
+def pick_precision(trainer_cfg: DictConfig) -> str:
+    """`precision: auto` is bf16-mixed on a GPU and 32-true on the CPU, where bf16 matmuls are
+    about 100x slower than fp32."""
+    if trainer_cfg.precision != "auto":
+        return str(trainer_cfg.precision)
+    on_gpu = trainer_cfg.accelerator in ("gpu", "cuda") or (trainer_cfg.accelerator == "auto" and torch.cuda.is_available())
+    return "bf16-mixed" if on_gpu else "32-true"
+
+
+def make_logger(cfg: DictConfig, run_dir: Path):
+    kind = cfg.logger.kind
+    if kind == "none":
+        return False
+    if kind == "csv":
+        return L.pytorch.loggers.CSVLogger(save_dir=str(run_dir), name="csv")
+    if kind == "wandb":
+        from lightning.pytorch.loggers import WandbLogger
+
+        # Offline unless the environment asks for online: `wandb sync` uploads later.
+        if "WANDB_MODE" not in os.environ and "WANDB_API_KEY" not in os.environ:
+            os.environ["WANDB_MODE"] = "offline"
+        return WandbLogger(project=cfg.logger.project, name=cfg.run_name, save_dir=str(run_dir),
+                           config=OmegaConf.to_container(cfg, resolve=True))
+    raise ConfigError(f"logger.kind={kind!r} is not one of 'wandb', 'csv', 'none'")
+
+
+def resume_path(cfg: DictConfig, run_dir: Path) -> str | None:
+    if cfg.get("ckpt_path"):
+        path = resolve_path(cfg.ckpt_path)
+        if not path.is_file():
+            raise ConfigError(f"ckpt_path={str(cfg.ckpt_path)!r} does not exist")
+        return str(path)
+    if cfg.resume:
+        last = run_dir / "last.ckpt"
+        if not last.is_file():
+            raise ConfigError(f"resume=true but run {cfg.run_name!r} has no checkpoint at {last}")
+        return str(last)
+    return None
+
+
+def check_trainer(cfg: DictConfig) -> None:
+    t = cfg.trainer
+    if not isinstance(t.max_steps, int) or t.max_steps < 1:
+        raise ConfigError(f"trainer.max_steps={t.max_steps!r} must be a positive integer")
+    if not isinstance(t.accumulate_grad_batches, int) or t.accumulate_grad_batches < 1:
+        raise ConfigError(f"trainer.accumulate_grad_batches={t.accumulate_grad_batches!r} must be a positive integer")
+
+
+def train(cfg: DictConfig) -> dict:
+    """Fit the configured model; returns the final val loss and where the checkpoints are."""
+    check_trainer(cfg)
+    # Validate the model settings before spending time on data; the tokenizer fixes the
+    # final vocabulary size later.
+    model_config_from(cfg, cfg.data.vocab_size)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    run_dir = resolve_path(cfg.checkpoint_dir) / cfg.run_name
+    ckpt_path = resume_path(cfg, run_dir)
+
+    data = TokenDataModule(
+        build_corpus(cfg.data), resolve_path(cfg.data.cache_dir), seq_len=cfg.model.max_seq_len,
+        batch_size=cfg.data.batch_size, vocab_size=cfg.data.vocab_size, val_fraction=cfg.data.val_fraction,
+        seed=cfg.seed, num_workers=cfg.data.num_workers,
+    )
+    data.prepare_data()
+    data.setup("fit")
+    model = Transformer(model_config_from(cfg, data.tokenizer.get_vocab_size()))
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    data.tokenizer.save(str(run_dir / "tokenizer.json"))
+    run_config = OmegaConf.to_container(cfg, resolve=True)
+    lit = LitLM(model, OptimConfig(**cfg.optim), total_steps=cfg.trainer.max_steps,
+                tokenizer_json=data.tokenizer.to_str(), run_config=run_config, compile=cfg.compile)
+
+    precision = pick_precision(cfg.trainer)
+    print(f"run {cfg.run_name}: {model.num_params() / 1e6:.2f}M parameters, attention={model.config.attention} "
+          f"n_head={model.config.n_head} n_kv_head={model.config.n_kv_head}, precision={precision}, "
+          f"checkpoints in {run_dir}" + (f", resuming {ckpt_path}" if ckpt_path else ""))
+    checkpoints = L.pytorch.callbacks.ModelCheckpoint(
+        dirpath=run_dir, filename="best", monitor="val/loss", mode="min", save_top_k=1, save_last=True,
+        enable_version_counter=False,
+    )
+    t = cfg.trainer
+    trainer = L.Trainer(
+        accelerator=t.accelerator, devices=t.devices, strategy=t.strategy, num_nodes=t.num_nodes,
+        precision=precision, max_steps=t.max_steps, val_check_interval=min(t.val_every_n_steps, t.max_steps),
+        check_val_every_n_epoch=None, limit_val_batches=t.limit_val_batches,
+        gradient_clip_val=t.gradient_clip_val, accumulate_grad_batches=t.accumulate_grad_batches,
+        log_every_n_steps=t.log_every_n_steps, num_sanity_val_steps=0, logger=make_logger(cfg, run_dir),
+        callbacks=[checkpoints, L.pytorch.callbacks.TQDMProgressBar(refresh_rate=t.progress_refresh_steps)],
+        enable_progress_bar=t.progress_bar, enable_model_summary=False,
+        default_root_dir=str(run_dir),
+    )
+    trainer.fit(lit, datamodule=data, ckpt_path=ckpt_path)
+    if lit.last_val_step != trainer.global_step:
+        # max_steps is not a multiple of the validation interval: measure the final weights
+        # and make `last.ckpt` hold them.
+        trainer.validate(lit, datamodule=data, verbose=False)
+        trainer.save_checkpoint(run_dir / "last.ckpt")
+    val_loss = float(trainer.callback_metrics["val/loss"])
+    result = {"val_loss": val_loss, "run_dir": str(run_dir), "last": str(run_dir / "last.ckpt"),
+              "best": checkpoints.best_model_path, "steps": trainer.global_step}
+    if trainer.is_global_zero:
+        print(f"final val loss {val_loss:.4f} (ppl {torch.tensor(val_loss).exp():.1f}) after {trainer.global_step} steps")
+        if cfg.sample.max_new_tokens > 0:
+            result["sample"] = sample_text(model, data.tokenizer, cfg.sample)
+            print(f"sample:\n{result['sample']}")
+    if isinstance(trainer.logger, L.pytorch.loggers.WandbLogger):
+        trainer.logger.experiment.finish()
+    return result
+
+
+def sample_text(model: Transformer, tokenizer, sample_cfg: DictConfig) -> str:
+    model.eval()
+    prompt_ids = tokenizer.encode(sample_cfg.prompt).ids
+    idx = torch.tensor([prompt_ids], device=next(model.parameters()).device)
+    out = generate(model, idx, sample_cfg.max_new_tokens, temperature=sample_cfg.temperature,
+                   top_k=sample_cfg.top_k, seed=sample_cfg.seed)
+    return tokenizer.decode(out[0].tolist())

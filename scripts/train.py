@@ -1,0 +1,20 @@
+"""Train a model: python scripts/train.py [attn=gqa] [model=small] [trainer.max_steps=2000] ..."""
+
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from lm.cli import exit_on_user_error
+
+
+@hydra.main(config_path="../conf", config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    from lm.training import train
+
+    with exit_on_user_error():
+        train(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

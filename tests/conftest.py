@@ -1,0 +1,48 @@
+"""Shared fixtures: Hydra configs composed as the scripts compose them, shrunk to test size."""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig, open_dict
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+# Small models that still have several heads, so GQA/MQA groupings are real.
+TINY_MODEL = ["model.n_layer=2", "model.d_model=64", "model.n_head=4", "model.d_ff=128", "model.max_seq_len=32"]
+
+
+def compose_config(config_name: str, overrides: list[str]) -> DictConfig:
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name=config_name, overrides=overrides)
+
+
+@pytest.fixture(scope="session")
+def small_corpus(tmp_path_factory) -> Path:
+    """About 40 real standard-library modules copied into a folder: a quick `data=text` corpus."""
+    folder = tmp_path_factory.mktemp("corpus")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for name in sorted(p.name for p in stdlib.glob("*.py"))[:40]:
+        (folder / name).write_bytes((stdlib / name).read_bytes())
+    return folder
+
+
+@pytest.fixture
+def train_config(tmp_path, small_corpus):
+    """A factory: the training config over the small corpus, writing only under tmp_path."""
+
+    def make(*overrides: str) -> DictConfig:
+        cfg = compose_config("train", [
+            "data=text", f"data.paths=[{small_corpus}]", "data.vocab_size=512", "data.batch_size=4",
+            *TINY_MODEL, "trainer=cpu", "trainer.max_steps=6", "trainer.val_every_n_steps=3",
+            "trainer.limit_val_batches=2", "trainer.progress_bar=false", "logger=csv", "optim.warmup_steps=2",
+            "sample.max_new_tokens=4", *overrides,
+        ])
+        with open_dict(cfg):
+            cfg.checkpoint_dir = str(tmp_path / "checkpoints")
+            cfg.data.cache_dir = str(tmp_path / "cache")
+        return cfg
+
+    return make

@@ -1,0 +1,109 @@
+import json
+import time
+
+import numpy as np
+import pytest
+
+from lm.data import (
+    DataError,
+    TokenDataModule,
+    build_token_cache,
+    files_corpus,
+    hf_corpus,
+    is_validation,
+    pystdlib_corpus,
+    text_corpus,
+)
+
+
+def test_split_is_deterministic_and_holds_out_about_the_asked_share():
+    ids = [f"pkg/module_{i}.py" for i in range(4000)]
+    first = [is_validation(i, 0.05) for i in ids]
+    assert first == [is_validation(i, 0.05) for i in reversed(ids)][::-1]
+    assert 0.035 < sum(first) / len(ids) < 0.065
+
+
+def test_stdlib_corpus_is_real_python_without_test_suites():
+    corpus = pystdlib_corpus()
+    ids = [doc_id for doc_id, _ in corpus.documents()]
+    assert "os.py" in ids and "json/decoder.py" in ids
+    assert not [i for i in ids if i.startswith(("test/", "site-packages/"))]
+    assert len(ids) > 500
+
+
+def test_token_cache_is_built_once_and_reused(tmp_path, small_corpus):
+    corpus = text_corpus([str(small_corpus)])
+    first = build_token_cache(corpus, tmp_path, vocab_size=300, val_fraction=0.1, min_val_tokens=33)
+    built_at = (first.path / "meta.json").stat().st_mtime_ns
+    started = time.perf_counter()
+    second = build_token_cache(text_corpus([str(small_corpus)]), tmp_path, 300, 0.1, 33)
+    assert second.path == first.path
+    assert (second.path / "meta.json").stat().st_mtime_ns == built_at
+    assert time.perf_counter() - started < 1.0
+    meta = first.meta
+    assert meta["vocab_size"] == 300
+    assert len(first.tokens("train")) == meta["train_tokens"] > 10_000
+    assert len(first.tokens("val")) == meta["val_tokens"] >= 33
+    # The tokenizer encodes and decodes the corpus text losslessly (byte-level BPE).
+    text = next(corpus.documents())[1][:2000]
+    tok = first.tokenizer()
+    assert tok.decode(tok.encode(text).ids) == text
+
+
+def test_changing_a_file_changes_the_cache_key(tmp_path):
+    f = tmp_path / "a.txt"
+    f.write_text("hello world\n" * 50)
+    before = files_corpus("text", [f]).fingerprint
+    time.sleep(0.01)
+    f.write_text("hello there\n" * 50)
+    assert files_corpus("text", [f]).fingerprint != before
+
+
+def test_single_file_corpus_gets_a_validation_tail_and_odd_bytes_are_read(tmp_path):
+    f = tmp_path / "only.txt"
+    f.write_bytes(b"caf\xe9 latin-1 bytes and ordinary text. " * 300)  # not valid UTF-8
+    cache = build_token_cache(text_corpus([str(f)]), tmp_path / "c", 300, 0.05, min_val_tokens=65)
+    assert cache.meta["val_tokens"] >= 65 and cache.meta["train_tokens"] > 65
+
+
+def test_glob_matching_nothing_is_one_clear_error(tmp_path):
+    with pytest.raises(DataError, match="matches no file"):
+        text_corpus([str(tmp_path / "*.nothing")])
+
+
+def test_corpus_smaller_than_a_sequence_is_refused(tmp_path):
+    f = tmp_path / "tiny.txt"
+    f.write_text("x = 1\n")
+    with pytest.raises(DataError):
+        dm = TokenDataModule(text_corpus([str(f)]), tmp_path / "c", seq_len=64, batch_size=2, vocab_size=300)
+        dm.setup()
+
+
+def test_hf_source_reads_a_local_dataset_folder_through_load_dataset(tmp_path):
+    folder = tmp_path / "my_dataset"
+    folder.mkdir()
+    with open(folder / "train.jsonl", "w") as f:
+        for i in range(200):
+            f.write(json.dumps({"text": f"def function_{i}(x):\n    return x * {i}\n", "id": i}) + "\n")
+    corpus = hf_corpus(str(folder), None, "train", "text", streaming=False, data_files=None, max_docs=None)
+    docs = list(corpus.documents())
+    assert len(docs) == 200 and docs[3][1].startswith("def function_3")
+    streamed = hf_corpus(str(folder), None, "train", "text", streaming=True, data_files=None, max_docs=50)
+    assert [t for _, t in streamed.documents()] == [t for _, t in docs[:50]]
+    cache = build_token_cache(corpus, tmp_path / "c", 300, 0.1, min_val_tokens=17)
+    assert cache.meta["train_tokens"] > 1000
+    wrong_field = hf_corpus(str(folder), None, "train", "body", False, None, None)
+    with pytest.raises(DataError, match="data.text_field='body' is not a column"):
+        next(wrong_field.documents())
+
+
+def test_datamodule_batches_are_shifted_windows(tmp_path, small_corpus):
+    dm = TokenDataModule(text_corpus([str(small_corpus)]), tmp_path, seq_len=16, batch_size=4, vocab_size=300)
+    dm.setup()
+    batch = next(iter(dm.train_dataloader()))
+    assert batch.shape == (4, 17)
+    tokens = np.asarray(dm.cache.tokens("train"))
+    first_window = dm.train_set[0].numpy()
+    assert (first_window == tokens[:17]).all()
+    again = next(iter(dm.train_dataloader()))
+    assert (again == batch).all()  # the shuffle is seeded

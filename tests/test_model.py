@@ -1,0 +1,98 @@
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lm import ModelConfig, Transformer
+from lm.attention.reference import causal_softmax_attention
+from lm.attention.softmax import SoftmaxAttention
+
+SMALL = dict(vocab_size=97, n_layer=2, d_model=64, n_head=4, d_ff=96, max_seq_len=32)
+
+
+def model(n_kv_head: int, **overrides) -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(ModelConfig(**{**SMALL, "n_kv_head": n_kv_head, **overrides})).eval()
+
+
+@pytest.mark.parametrize("n_kv_head", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_logits_shape_and_kv_projection_size(n_kv_head):
+    m = model(n_kv_head)
+    idx = torch.randint(0, 97, (3, 11))
+    assert m(idx).shape == (3, 11, 97)
+    head_dim = 64 // 4
+    qkv_rows = m.blocks[0].attn.qkv.weight.shape[0]
+    assert qkv_rows == (4 + 2 * n_kv_head) * head_dim  # K and V only get n_kv_head heads
+
+
+def test_gqa_equals_mha_whose_kv_heads_repeat_within_groups():
+    """A GQA model computes what an MHA model computes when each group's K/V heads are copies."""
+    gqa = model(2)
+    mha = model(4)
+    state = gqa.state_dict()
+    hs, nh, nkv = 16, 4, 2
+    for i in range(2):
+        w = state[f"blocks.{i}.attn.qkv.weight"]
+        q, k, v = w.split([nh * hs, nkv * hs, nkv * hs])
+        repeat = lambda t: t.view(nkv, hs, -1).repeat_interleave(nh // nkv, dim=0).reshape(nh * hs, -1)
+        state[f"blocks.{i}.attn.qkv.weight"] = torch.cat([q, repeat(k), repeat(v)])
+    mha.load_state_dict(state)
+    idx = torch.randint(0, 97, (2, 20))
+    torch.testing.assert_close(mha(idx), gqa(idx), atol=1e-5, rtol=1e-5)
+
+
+def test_gqa_with_as_many_kv_heads_as_query_heads_is_mha():
+    mha = model(4)
+    gqa = Transformer(ModelConfig(**{**SMALL, "n_kv_head": 4})).eval()
+    gqa.load_state_dict(mha.state_dict())
+    idx = torch.randint(0, 97, (2, 9))
+    assert torch.equal(mha(idx), gqa(idx))
+
+
+@pytest.mark.parametrize("n_kv_head", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_changing_a_future_token_leaves_earlier_logits_unchanged(n_kv_head):
+    m = model(n_kv_head)
+    idx = torch.randint(0, 97, (2, 16))
+    changed = idx.clone()
+    changed[:, 10] = (changed[:, 10] + 1) % 97
+    before, after = m(idx), m(changed)
+    torch.testing.assert_close(before[:, :10], after[:, :10], atol=1e-6, rtol=0)
+    assert (before[:, 10:] - after[:, 10:]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("n_head, n_kv_head", [(4, 4), (4, 2), (4, 1), (6, 3)])
+@pytest.mark.parametrize("T", [1, 7, 33])
+def test_sdpa_path_equals_naive_softmax_in_values_and_gradients(n_head, n_kv_head, T):
+    cfg = ModelConfig(vocab_size=11, n_layer=1, d_model=8 * n_head, n_head=n_head, n_kv_head=n_kv_head, max_seq_len=64)
+    attn = SoftmaxAttention(cfg, 0).double()
+    torch.manual_seed(T)
+    q = torch.randn(2, n_head, T, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, n_kv_head, T, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, n_kv_head, T, 8, dtype=torch.float64, requires_grad=True)
+    fast = attn.attend(q, k, v)
+    naive = causal_softmax_attention(q, k, v)
+    torch.testing.assert_close(fast, naive, atol=1e-10, rtol=1e-10)
+    grad_out = torch.randn_like(fast)
+    fast_grads = torch.autograd.grad(fast, (q, k, v), grad_out)
+    naive_grads = torch.autograd.grad(naive, (q, k, v), grad_out)
+    for a, b in zip(fast_grads, naive_grads):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
+def test_tied_head_shares_the_embedding_and_untied_does_not():
+    tied, untied = model(4), model(4, tie_embeddings=False)
+    assert tied.head.weight is tied.embed.weight
+    assert untied.head.weight is not untied.embed.weight
+    assert untied.num_params() - tied.num_params() == 97 * 64
+
+
+def test_sequence_longer_than_the_context_is_refused():
+    with pytest.raises(ValueError, match="exceeds max_seq_len=32"):
+        model(4)(torch.zeros(1, 33, dtype=torch.long))
+
+
+def test_model_code_imports_neither_lightning_nor_wandb():
+    code = "import sys, lm.model, lm.attention; print(sorted(m for m in ('lightning', 'wandb', 'hydra') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -1,0 +1,72 @@
+"""End-to-end runs through the same config composition and `train` the script uses."""
+
+from pathlib import Path
+
+import torch
+
+import lm
+from lm.checkpoint import read_checkpoint
+from lm.data import TokenDataModule, text_corpus
+from lm.lit import warmup_cosine
+from lm.training import train
+
+
+def test_gqa_run_leaves_checkpoint_tokenizer_and_offline_wandb_run(train_config, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    cfg = train_config("attn=gqa", "logger=wandb")
+    result = train(cfg)
+    run_dir = Path(result["run_dir"])
+    assert run_dir.name == "gqa-tiny" and result["steps"] == 6
+    assert (run_dir / "last.ckpt").is_file() and (run_dir / "best.ckpt").is_file()
+    assert (run_dir / "tokenizer.json").is_file()
+    assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1
+
+    model, tokenizer = lm.load(run_dir / "last.ckpt")
+    assert (model.config.n_head, model.config.n_kv_head) == (4, 2)
+    assert tokenizer.get_vocab_size() == 512
+    # The loaded weights reproduce the val loss the run reported.
+    dm = TokenDataModule(text_corpus(list(cfg.data.paths)), Path(cfg.data.cache_dir), seq_len=32,
+                         batch_size=4, vocab_size=512, val_fraction=cfg.data.val_fraction)
+    dm.setup()
+    losses, counts = [], []
+    with torch.no_grad():
+        for i, batch in enumerate(dm.val_dataloader()):
+            if i == 2:  # trainer.limit_val_batches=2
+                break
+            logits = model(batch[:, :-1])
+            losses.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()) * batch[:, 1:].numel())
+            counts.append(batch[:, 1:].numel())
+    assert abs(float(sum(losses) / sum(counts)) - result["val_loss"]) < 1e-4
+
+
+def test_checkpoint_holds_config_and_tokenizer_as_plain_data(train_config):
+    result = train(train_config("attn=mqa"))
+    ckpt = read_checkpoint(result["last"])  # weights_only=True inside
+    assert ckpt["lm"]["model_config"]["n_kv_head"] == 1
+    assert ckpt["lm"]["run_config"]["attn"]["name"] == "mqa"
+    assert isinstance(ckpt["lm"]["tokenizer"], str)
+
+
+def test_loss_falls_on_repeated_text(train_config, tmp_path):
+    text = tmp_path / "repeat.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    cfg = train_config(f"data.paths=[{text}]", "trainer.max_steps=40", "trainer.val_every_n_steps=40",
+                       "optim.lr=3e-3", "optim.warmup_steps=5")
+    result = train(cfg)
+    assert result["val_loss"] < 0.5  # from ln(vocab) ~ 6.2 at initialisation
+
+
+def test_resume_continues_the_run_of_that_name(train_config):
+    first = train(train_config("trainer.max_steps=4", "trainer.val_every_n_steps=2"))
+    assert first["steps"] == 4
+    resumed = train(train_config("resume=true", "trainer.max_steps=7", "trainer.val_every_n_steps=2"))
+    assert resumed["steps"] == 7
+    assert read_checkpoint(resumed["last"])["global_step"] == 7
+
+
+def test_warmup_then_cosine_schedule():
+    values = [warmup_cosine(s, warmup_steps=10, total_steps=110, min_ratio=0.1) for s in range(120)]
+    assert values[0] == 0.1 and values[9] == 1.0
+    assert abs(values[60] - 0.55) < 1e-9  # halfway through the decay
+    assert abs(values[110] - 0.1) < 1e-9 and values[119] == values[110]
