@@ -56,11 +56,11 @@ def read_text(path: Path) -> str:
 def files_corpus(name: str, files: list[Path], root: Path | None = None) -> Corpus:
     files = sorted(files)
     ids = [str(f.relative_to(root)) if root else str(f) for f in files]
-    stats = [(i, f.stat().st_size, f.stat().st_mtime_ns) for i, f in zip(ids, files)]
+    stats = [(i, f.stat().st_size, f.stat().st_mtime_ns) for i, f in zip(ids, files, strict=True)]
     fingerprint = _digest(["files", stats])
 
     def documents() -> Iterator[tuple[str, str]]:
-        for doc_id, f in zip(ids, files):
+        for doc_id, f in zip(ids, files, strict=True):
             yield doc_id, read_text(f)
 
     return Corpus(name, fingerprint, documents)
@@ -193,7 +193,8 @@ def build_token_cache(corpus: Corpus, cache_dir: Path, vocab_size: int, val_frac
     The folder is assembled under a temporary name and renamed into place, so an
     interrupted run never leaves a half-written cache behind.
     """
-    final = cache_dir / f"{corpus.name.replace('/', '_').replace(':', '_')}-{cache_key(corpus, vocab_size, val_fraction)}"
+    safe_name = corpus.name.replace("/", "_").replace(":", "_")
+    final = cache_dir / f"{safe_name}-{cache_key(corpus, vocab_size, val_fraction)}"
     if (final / "meta.json").exists():
         return TokenCache(final)
     tmp = final.with_name(final.name + f".tmp-{os.getpid()}")
@@ -210,7 +211,8 @@ def build_token_cache(corpus: Corpus, cache_dir: Path, vocab_size: int, val_frac
         if counts["val"] < min_val_tokens:
             counts = _move_tail_to_val(tmp, dtype, min_val_tokens, val_fraction)
         meta = {"corpus": corpus.name, "fingerprint": corpus.fingerprint, "vocab_size": tokenizer.get_vocab_size(),
-                "val_fraction": val_fraction, "dtype": np.dtype(dtype).name, **{f"{k}_tokens": v for k, v in counts.items()}}
+                "val_fraction": val_fraction, "dtype": np.dtype(dtype).name,
+                **{f"{split}_tokens": n for split, n in counts.items()}}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         if final.exists():  # a stale, unfinished folder from an older run
             shutil.rmtree(final)

@@ -10,7 +10,8 @@ import torch
 from lm.model import Transformer
 
 
-def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None) -> torch.Tensor:
+def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None,
+                generator: torch.Generator | None) -> torch.Tensor:
     """Next token ids (B, 1) from last-position logits (B, V); temperature 0 is greedy."""
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)

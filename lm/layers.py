@@ -50,17 +50,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # (hs/2,)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of shape (T, hs) for integer `positions` of shape (T,)."""
+        """cos and sin of shape (T, hs/2) for integer `positions` of shape (T,)."""
         angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # (T, hs/2)
-        angles = torch.cat((angles, angles), dim=-1)  # (T, hs)
         return angles.cos(), angles.sin()
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)  # 2 x (..., hs/2)
-    return torch.cat((-second, first), dim=-1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, nh, T, hs) by the angles cos/sin (T, hs)."""
-    return x * cos.to(x.dtype) + rotate_half(x) * sin.to(x.dtype)
+    """Rotate x (B, nh, T, hs) by the angles cos/sin (T, hs/2).
+
+    Dimension i pairs with i + hs/2 (Llama's rotate-half layout). Working on the two
+    halves directly avoids building full-width cos/sin and a rotated copy of x.
+    """
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    first, second = x.chunk(2, dim=-1)  # 2 x (B, nh, T, hs/2)
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)

@@ -50,7 +50,8 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             if p.dim() < 2:
                 continue  # norm gains stay at one
-            scale = 1 / math.sqrt(2 * self.config.n_layer) if name.endswith(("attn.out.weight", "mlp.down.weight")) else 1.0
+            residual_out = name.endswith(("attn.out.weight", "mlp.down.weight"))
+            scale = 1 / math.sqrt(2 * self.config.n_layer) if residual_out else 1.0
             nn.init.normal_(p, mean=0.0, std=std * scale)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -58,7 +59,7 @@ class Transformer(nn.Module):
         T = idx.shape[1]
         if T > self.config.max_seq_len:
             raise ValueError(f"sequence of {T} tokens exceeds max_seq_len={self.config.max_seq_len}")
-        cos, sin = self.rope(torch.arange(T, device=idx.device))  # (T, hs) each
+        cos, sin = self.rope(torch.arange(T, device=idx.device))  # (T, hs/2) each
         x = self.embed(idx)  # (B, T, C)
         for block in self.blocks:
             x = block(x, cos, sin)

@@ -7,9 +7,8 @@ validates once more at the end and prints a short sample from the trained model.
 from __future__ import annotations
 
 import os
-from pathlib import Path
-
 import warnings
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -26,6 +25,9 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 # Lightning's own use of a deprecated torch API; nothing a user can act on.
 warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+# The run folder always holds tokenizer.json before the first checkpoint; train() says
+# itself when an earlier run's checkpoints are about to be replaced.
+warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
 
 
 def resolve_path(path: str | Path) -> Path:
@@ -48,7 +50,8 @@ def pick_precision(trainer_cfg: DictConfig) -> str:
     about 100x slower than fp32."""
     if trainer_cfg.precision != "auto":
         return str(trainer_cfg.precision)
-    on_gpu = trainer_cfg.accelerator in ("gpu", "cuda") or (trainer_cfg.accelerator == "auto" and torch.cuda.is_available())
+    accelerator = trainer_cfg.accelerator
+    on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
     return "bf16-mixed" if on_gpu else "32-true"
 
 
@@ -91,6 +94,12 @@ def check_trainer(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.accumulate_grad_batches={t.accumulate_grad_batches!r} must be a positive integer")
 
 
+def progress_bar(trainer_cfg: DictConfig) -> list:
+    if not trainer_cfg.progress_bar:
+        return []
+    return [L.pytorch.callbacks.TQDMProgressBar(refresh_rate=trainer_cfg.progress_refresh_steps)]
+
+
 def train(cfg: DictConfig) -> dict:
     """Fit the configured model; returns the final val loss and where the checkpoints are."""
     check_trainer(cfg)
@@ -110,6 +119,9 @@ def train(cfg: DictConfig) -> dict:
     data.setup("fit")
     model = Transformer(model_config_from(cfg, data.tokenizer.get_vocab_size()))
 
+    if ckpt_path is None and (run_dir / "last.ckpt").exists():
+        print(f"note: starting run {cfg.run_name!r} afresh; its checkpoints will be replaced "
+              "(resume=true continues it)")
     run_dir.mkdir(parents=True, exist_ok=True)
     data.tokenizer.save(str(run_dir / "tokenizer.json"))
     run_config = OmegaConf.to_container(cfg, resolve=True)
@@ -131,8 +143,7 @@ def train(cfg: DictConfig) -> dict:
         check_val_every_n_epoch=None, limit_val_batches=t.limit_val_batches,
         gradient_clip_val=t.gradient_clip_val, accumulate_grad_batches=t.accumulate_grad_batches,
         log_every_n_steps=t.log_every_n_steps, num_sanity_val_steps=0, logger=make_logger(cfg, run_dir),
-        callbacks=[checkpoints, L.pytorch.callbacks.TQDMProgressBar(refresh_rate=t.progress_refresh_steps)],
-        enable_progress_bar=t.progress_bar, enable_model_summary=False,
+        callbacks=[checkpoints, *progress_bar(t)], enable_progress_bar=t.progress_bar, enable_model_summary=False,
         default_root_dir=str(run_dir),
     )
     trainer.fit(lit, datamodule=data, ckpt_path=ckpt_path)
@@ -145,7 +156,8 @@ def train(cfg: DictConfig) -> dict:
     result = {"val_loss": val_loss, "run_dir": str(run_dir), "last": str(run_dir / "last.ckpt"),
               "best": checkpoints.best_model_path, "steps": trainer.global_step}
     if trainer.is_global_zero:
-        print(f"final val loss {val_loss:.4f} (ppl {torch.tensor(val_loss).exp():.1f}) after {trainer.global_step} steps")
+        ppl = torch.tensor(val_loss).exp()
+        print(f"final val loss {val_loss:.4f} (ppl {ppl:.1f}) after {trainer.global_step} steps")
         if cfg.sample.max_new_tokens > 0:
             result["sample"] = sample_text(model, data.tokenizer, cfg.sample)
             print(f"sample:\n{result['sample']}")

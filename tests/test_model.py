@@ -76,7 +76,7 @@ def test_sdpa_path_equals_naive_softmax_in_values_and_gradients(n_head, n_kv_hea
     grad_out = torch.randn_like(fast)
     fast_grads = torch.autograd.grad(fast, (q, k, v), grad_out)
     naive_grads = torch.autograd.grad(naive, (q, k, v), grad_out)
-    for a, b in zip(fast_grads, naive_grads):
+    for a, b in zip(fast_grads, naive_grads, strict=True):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
 
 
@@ -93,6 +93,22 @@ def test_sequence_longer_than_the_context_is_refused():
 
 
 def test_model_code_imports_neither_lightning_nor_wandb():
-    code = "import sys, lm.model, lm.attention; print(sorted(m for m in ('lightning', 'wandb', 'hydra') if m in sys.modules))"
+    code = ("import sys, lm.model, lm.attention; "
+            "print(sorted(m for m in ('lightning', 'wandb', 'hydra') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_rope_matches_the_complex_rotation_it_stands_for():
+    """Pairs (i, i + hs/2) rotate by position * theta^(-2i/hs), as multiplication by e^(i angle)."""
+    from lm.layers import RotaryEmbedding, apply_rope
+
+    hs, T = 8, 5
+    x = torch.randn(1, 1, T, hs, dtype=torch.float64)
+    cos, sin = RotaryEmbedding(hs, 10000.0)(torch.arange(T))
+    rotated = apply_rope(x, cos.double(), sin.double())
+    inv_freq = 10000.0 ** (-torch.arange(0, hs, 2, dtype=torch.float64) / hs)
+    angles = torch.arange(T, dtype=torch.float64)[:, None] * inv_freq
+    as_complex = torch.complex(x[..., : hs // 2], x[..., hs // 2 :]) * torch.polar(torch.ones_like(angles), angles)
+    expected = torch.cat((as_complex.real, as_complex.imag), dim=-1)
+    torch.testing.assert_close(rotated, expected)
