@@ -89,7 +89,10 @@ def text_corpus(paths: list[str]) -> Corpus:
             raise DataError(f"data.paths entry {str(pattern)!r} matches no file")
         for m in matched:
             files.update(p for p in m.rglob("*") if p.is_file()) if m.is_dir() else files.add(m)
-    return files_corpus("text", [f.resolve() for f in files])
+    files = sorted(f.resolve() for f in files)
+    # Ids relative to the files' common folder, so the split does not depend on where the corpus lives.
+    root = Path(os.path.commonpath(files)) if len(files) > 1 else files[0].parent
+    return files_corpus("text", files, root)
 
 
 def hf_corpus(name: str, config_name: str | None, split: str, text_field: str,
@@ -201,11 +204,25 @@ def build_token_cache(corpus: Corpus, cache_dir: Path, vocab_size: int, val_frac
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        train_texts = (text for doc_id, text in corpus.documents() if not is_validation(doc_id, val_fraction))
-        tokenizer = train_tokenizer(train_texts, vocab_size)
+        n_train_docs = 0
+
+        def train_texts() -> Iterator[str]:
+            nonlocal n_train_docs
+            for doc_id, text in corpus.documents():
+                if not is_validation(doc_id, val_fraction):
+                    n_train_docs += 1
+                    yield text
+
+        tokenizer = train_tokenizer(train_texts(), vocab_size)
+        doc_val_fraction = val_fraction
+        if n_train_docs == 0:
+            # Every document hashed into val (a corpus of one or two files): train on all of
+            # them and hold out the tail of the token stream below instead.
+            doc_val_fraction = 0.0
+            tokenizer = train_tokenizer((text for _, text in corpus.documents()), vocab_size)
         tokenizer.save(str(tmp / "tokenizer.json"))
         dtype = np.uint16 if tokenizer.get_vocab_size() <= 2**16 else np.uint32
-        counts = _tokenize_splits(corpus, tokenizer, tmp, dtype, val_fraction)
+        counts = _tokenize_splits(corpus, tokenizer, tmp, dtype, doc_val_fraction)
         if counts["train"] == 0:
             raise DataError(f"corpus {corpus.name!r} is empty: no text to train on")
         if counts["val"] < min_val_tokens:

@@ -107,3 +107,13 @@ def test_datamodule_batches_are_shifted_windows(tmp_path, small_corpus):
     assert (first_window == tokens[:17]).all()
     again = next(iter(dm.train_dataloader()))
     assert (again == batch).all()  # the shuffle is seeded
+
+
+def test_a_lone_document_that_hashes_into_val_still_trains(tmp_path):
+    # Find a file name whose hash puts it in the validation share.
+    name = next(f"doc{i}.txt" for i in range(1000) if is_validation(f"doc{i}.txt", 0.05))
+    f = tmp_path / name
+    f.write_text("a short sentence about nothing in particular. " * 200)
+    cache = build_token_cache(text_corpus([str(f)]), tmp_path / "c", 300, 0.05, min_val_tokens=33)
+    assert cache.meta["train_tokens"] > 33 and cache.meta["val_tokens"] >= 33
+    assert cache.tokenizer().get_vocab_size() > 257  # merges were learned from the text
