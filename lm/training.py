@@ -132,9 +132,12 @@ def train(cfg: DictConfig) -> dict:
     print(f"run {cfg.run_name}: {model.num_params() / 1e6:.2f}M parameters, attention={model.config.attention} "
           f"n_head={model.config.n_head} n_kv_head={model.config.n_kv_head}, precision={precision}, "
           f"checkpoints in {run_dir}" + (f", resuming {ckpt_path}" if ckpt_path else ""))
-    checkpoints = L.pytorch.callbacks.ModelCheckpoint(
-        dirpath=run_dir, filename="best", monitor="val/loss", mode="min", save_top_k=1, save_last=True,
-        enable_version_counter=False,
+    # Two callbacks: Lightning's `save_last` only refreshes last.ckpt when the best one changes.
+    best = L.pytorch.callbacks.ModelCheckpoint(
+        dirpath=run_dir, filename="best", monitor="val/loss", mode="min", save_top_k=1, enable_version_counter=False
+    )
+    last = L.pytorch.callbacks.ModelCheckpoint(
+        dirpath=run_dir, filename="last", monitor=None, save_top_k=1, enable_version_counter=False
     )
     t = cfg.trainer
     trainer = L.Trainer(
@@ -143,7 +146,7 @@ def train(cfg: DictConfig) -> dict:
         check_val_every_n_epoch=None, limit_val_batches=t.limit_val_batches,
         gradient_clip_val=t.gradient_clip_val, accumulate_grad_batches=t.accumulate_grad_batches,
         log_every_n_steps=t.log_every_n_steps, num_sanity_val_steps=0, logger=make_logger(cfg, run_dir),
-        callbacks=[checkpoints, *progress_bar(t)], enable_progress_bar=t.progress_bar, enable_model_summary=False,
+        callbacks=[best, last, *progress_bar(t)], enable_progress_bar=t.progress_bar, enable_model_summary=False,
         default_root_dir=str(run_dir),
     )
     trainer.fit(lit, datamodule=data, ckpt_path=ckpt_path)
@@ -154,7 +157,7 @@ def train(cfg: DictConfig) -> dict:
         trainer.save_checkpoint(run_dir / "last.ckpt")
     val_loss = float(trainer.callback_metrics["val/loss"])
     result = {"val_loss": val_loss, "run_dir": str(run_dir), "last": str(run_dir / "last.ckpt"),
-              "best": checkpoints.best_model_path, "steps": trainer.global_step}
+              "best": best.best_model_path, "steps": trainer.global_step}
     if trainer.is_global_zero:
         ppl = torch.tensor(val_loss).exp()
         print(f"final val loss {val_loss:.4f} (ppl {ppl:.1f}) after {trainer.global_step} steps")

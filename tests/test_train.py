@@ -22,6 +22,8 @@ def test_gqa_run_leaves_checkpoint_tokenizer_and_offline_wandb_run(train_config,
     assert (run_dir / "tokenizer.json").is_file()
     assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1
 
+    assert read_checkpoint(run_dir / "last.ckpt")["global_step"] == 6
+
     model, tokenizer = lm.load(run_dir / "last.ckpt")
     assert (model.config.n_head, model.config.n_kv_head) == (4, 2)
     assert tokenizer.get_vocab_size() == 512
