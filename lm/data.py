@@ -128,6 +128,8 @@ def build_corpus(data_cfg) -> Corpus:
     """The corpus a `data` config group describes."""
     source = data_cfg.get("source")
     if source == "pystdlib":
+        if data_cfg.get("paths"):
+            raise DataError("data.paths is set but data=pystdlib; train on your files with data=text data.paths=[...]")
         return pystdlib_corpus()
     if source == "text":
         return text_corpus(list(data_cfg.get("paths") or []))

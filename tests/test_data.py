@@ -117,3 +117,12 @@ def test_a_lone_document_that_hashes_into_val_still_trains(tmp_path):
     cache = build_token_cache(text_corpus([str(f)]), tmp_path / "c", 300, 0.05, min_val_tokens=33)
     assert cache.meta["train_tokens"] > 33 and cache.meta["val_tokens"] >= 33
     assert cache.tokenizer().get_vocab_size() > 257  # merges were learned from the text
+
+
+def test_paths_without_data_text_is_refused():
+    from omegaconf import OmegaConf
+
+    from lm.data import build_corpus
+
+    with pytest.raises(DataError, match="data.paths is set but data=pystdlib"):
+        build_corpus(OmegaConf.create({"source": "pystdlib", "paths": ["notes.txt"]}))
