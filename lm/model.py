@@ -41,6 +41,9 @@ class Transformer(nn.Module):
         if config.tie_embeddings:
             self.head.weight = self.embed.weight
         self.rope = RotaryEmbedding(config.head_dim, config.rope_theta)
+        # Full-attention layers were trained on at most max_seq_len positions; sliding and
+        # linear layers have no such limit.
+        self.context_limited = any(block.attn.context_limited for block in self.blocks)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -57,7 +60,7 @@ class Transformer(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Logits (B, T, V) for token ids idx (B, T)."""
         T = idx.shape[1]
-        if T > self.config.max_seq_len:
+        if self.context_limited and T > self.config.max_seq_len:
             raise ValueError(f"sequence of {T} tokens exceeds max_seq_len={self.config.max_seq_len}")
         cos, sin = self.rope(torch.arange(T, device=idx.device))  # (T, hs/2) each
         x = self.embed(idx)  # (B, T, C)

@@ -73,3 +73,13 @@ def test_warmup_then_cosine_schedule():
     assert values[0] == 0.1 and values[9] == 1.0
     assert abs(values[60] - 0.55) < 1e-9  # halfway through the decay
     assert abs(values[110] - 0.1) < 1e-9 and values[119] == values[110]
+
+
+def test_hybrid_sliding_and_linear_models_train_end_to_end(train_config):
+    for overrides in (["attn=hybrid", "attn.pattern=[linear,sliding]", "attn.window=8"],
+                      ["attn=sliding", "attn.window=[4,8]", "attn.dilation=[1,2]", "attn.n_kv_head=2"],
+                      ["attn=linear", "attn.feature_map=taylor", "attn.n_kv_head=1"]):
+        result = train(train_config(*overrides, "trainer.max_steps=4", "trainer.val_every_n_steps=4"))
+        assert result["steps"] == 4 and result["val_loss"] < 6.3  # ln 512 = 6.24 at initialisation
+        model, _ = lm.load(result["last"])
+        assert model.config.attention == overrides[0].split("=")[1]

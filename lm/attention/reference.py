@@ -21,3 +21,55 @@ def causal_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
     future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
     scores = scores.masked_fill(future, float("-inf"))
     return scores.softmax(dim=-1) @ v
+
+
+def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
+                             dilation: int = 1) -> torch.Tensor:
+    """Full masked softmax where query i sees keys j = i - m*dilation, 0 <= m < window."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)  # (B, nh, T, hs)
+    v = v.repeat_interleave(group, dim=1)  # (B, nh, T, hs)
+    T = q.shape[2]
+    back = torch.arange(T)[:, None] - torch.arange(T)[None, :]  # (T, T): i - j
+    visible = (back >= 0) & (back % dilation == 0) & (back // dilation < window)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, nh, T, T)
+    return scores.masked_fill(~visible, float("-inf")).softmax(dim=-1) @ v
+
+
+def _initial_state(k: torch.Tensor, v: torch.Tensor, state):
+    if state is not None:
+        return state
+    B, nkv, _, F = k.shape
+    return torch.zeros(B, nkv, F, v.shape[-1], dtype=k.dtype), torch.zeros(B, nkv, F, dtype=k.dtype)
+
+
+def quadratic_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eps: float, state=None):
+    """Causal linear attention as a masked T x T product, the way it is written on paper.
+
+    q (B, nh, T, F), k (B, nkv, T, F), v (B, nkv, T, hs); state (S, z) carried in from earlier tokens.
+    """
+    S0, z0 = _initial_state(k, v, state)
+    group = q.shape[1] // k.shape[1]
+    kq, vq = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, nh, T, .)
+    T = q.shape[2]
+    weights = (q @ kq.transpose(-2, -1)).tril()  # (B, nh, T, T)
+    num = weights @ vq + q @ S0.repeat_interleave(group, dim=1)  # (B, nh, T, hs)
+    den = weights.sum(-1) + (q @ z0.repeat_interleave(group, dim=1)[..., None])[..., 0]  # (B, nh, T)
+    out = num / (den[..., None] + eps)
+    assert out.shape[2] == T
+    return out, (S0 + k.transpose(-2, -1) @ v, z0 + k.sum(2))
+
+
+def recurrent_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eps: float, state=None):
+    """Causal linear attention one token at a time, as an RNN: S += phi(k) v^T, z += phi(k)."""
+    S, z = _initial_state(k, v, state)
+    group = q.shape[1] // k.shape[1]
+    outputs = []
+    for t in range(q.shape[2]):
+        S = S + k[:, :, t, :, None] * v[:, :, t, None, :]  # (B, nkv, F, hs)
+        z = z + k[:, :, t]  # (B, nkv, F)
+        qt = q[:, :, t]  # (B, nh, F)
+        num = (qt[..., None] * S.repeat_interleave(group, dim=1)).sum(-2)  # (B, nh, hs)
+        den = (qt * z.repeat_interleave(group, dim=1)).sum(-1)  # (B, nh)
+        outputs.append(num / (den[..., None] + eps))
+    return torch.stack(outputs, dim=2), (S, z)

@@ -1,0 +1,51 @@
+"""Feature maps phi for linear attention: phi(q) . phi(k) stands in for exp(q . k / sqrt(hs)).
+
+Each map takes (..., hs) and returns non-negative features (..., feature_dim(hs)).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+FEATURE_MAPS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[int], int]]] = {}
+
+
+def register_feature_map(name: str, dim: Callable[[int], int] = lambda hs: hs):
+    def add(fn):
+        FEATURE_MAPS[name] = (fn, dim)
+        return fn
+
+    return add
+
+
+@register_feature_map("elu")
+def elu_plus_one(x: torch.Tensor) -> torch.Tensor:
+    """elu(x) + 1 (Katharopoulos et al. 2020): positive, and linear for x > 0."""
+    return F.elu(x) + 1
+
+
+@register_feature_map("relu")
+def relu(x: torch.Tensor) -> torch.Tensor:
+    return F.relu(x)
+
+
+@register_feature_map("taylor", dim=lambda hs: 1 + hs + hs * hs)
+def taylor(x: torch.Tensor) -> torch.Tensor:
+    """Second-order Taylor features of exp (Based, Arora et al. 2024):
+    phi(q) . phi(k) = 1 + s + s^2 / 2 with s = q . k / sqrt(hs), which is always positive.
+    The feature size grows as hs^2, so this suits small head sizes."""
+    hs = x.shape[-1]
+    x = x / hs**0.25  # so that x'.y' = q.k / sqrt(hs)
+    outer = (x[..., :, None] * x[..., None, :]).flatten(-2) / 2**0.5  # (..., hs*hs)
+    return torch.cat((torch.ones_like(x[..., :1]), x, outer), dim=-1)
+
+
+def feature_map(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    return FEATURE_MAPS[name][0]
+
+
+def feature_dim(name: str, head_dim: int) -> int:
+    return FEATURE_MAPS[name][1](head_dim)

@@ -1,0 +1,109 @@
+"""Causal linear attention (Katharopoulos et al. 2020) with grouped K/V heads.
+
+Shapes: B batch, T sequence length, nh query heads, nkv K/V heads, g = nh / nkv, F feature
+size, hs head size, N chunks of C positions.
+
+    out_i = phi(q_i) S_i / (phi(q_i) . z_i + eps),  S_i = sum_{j<=i} phi(k_j) v_j^T,  z_i = sum_{j<=i} phi(k_j)
+
+The non-causal form phi(Q) (phi(K)^T V) lets every position see the future, so it cannot
+train a decoder. The training path here is chunkwise: inside a chunk of C positions the
+masked quadratic form, across chunks the running state (S, z), all accumulated in float32.
+The state is passed in and returned, so generation can prefill with this function and then
+update (S, z) token by token. The naive twins in reference.py share this signature.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lm.attention import option, register
+from lm.attention.feature_maps import FEATURE_MAPS, feature_dim, feature_map
+from lm.attention.projections import GroupedQKV
+from lm.cache import CacheSpec
+from lm.config import ConfigError, ModelConfig
+
+State = tuple[torch.Tensor, torch.Tensor]  # S (B, nkv, F, hs), z (B, nkv, F), at least float32
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half-precision inputs (bf16 sums over thousands of positions lose the state);
+    float64 stays float64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def zero_state(k: torch.Tensor, v: torch.Tensor) -> State:
+    B, nkv, _, Fdim = k.shape
+    dtype = accumulation_dtype(k.dtype)
+    return k.new_zeros(B, nkv, Fdim, v.shape[-1], dtype=dtype), k.new_zeros(B, nkv, Fdim, dtype=dtype)
+
+
+def chunked_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eps: float,
+                             state: State | None = None, chunk_size: int = 64) -> tuple[torch.Tensor, State]:
+    """Featurised q (B, nh, T, F), k (B, nkv, T, F), v (B, nkv, T, hs) -> out (B, nh, T, hs), final state."""
+    B, nh, T, Fdim = q.shape
+    nkv, hs, C = k.shape[1], v.shape[-1], chunk_size
+    g, N = nh // nkv, -(-T // chunk_size)
+    S0, z0 = state if state is not None else zero_state(k, v)
+    pad = N * C - T  # zero features at the end add nothing to any sum
+    q, k, v = (F.pad(t.to(S0.dtype), (0, 0, 0, pad)) for t in (q, k, v))
+    q = q.view(B, nkv, g, N, C, Fdim)  # query heads of one group share their K/V head
+    k = k.view(B, nkv, N, C, Fdim)
+    v = v.view(B, nkv, N, C, hs)
+
+    # Inside each chunk: the masked quadratic form.
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    scores = torch.einsum("bhgncf,bhndf->bhgncd", q, k) * causal  # (B, nkv, g, N, C, C)
+    num = torch.einsum("bhgncd,bhnde->bhgnce", scores, v)  # (B, nkv, g, N, C, hs)
+    den = scores.sum(-1)  # (B, nkv, g, N, C)
+
+    # Across chunks: the state accumulated before each chunk (an exclusive prefix sum).
+    kv = torch.einsum("bhncf,bhnce->bhnfe", k, v)  # (B, nkv, N, F, hs)
+    k_sum = k.sum(3)  # (B, nkv, N, F)
+    # Shift-then-sum rather than cumsum minus self: the subtraction would cancel badly when a
+    # query's normaliser is small next to the running sums (relu features).
+    S_before = torch.cat((S0[:, :, None], kv[:, :, :-1]), dim=2).cumsum(2)  # (B, nkv, N, F, hs)
+    z_before = torch.cat((z0[:, :, None], k_sum[:, :, :-1]), dim=2).cumsum(2)  # (B, nkv, N, F)
+    num = num + torch.einsum("bhgncf,bhnfe->bhgnce", q, S_before)
+    den = den + torch.einsum("bhgncf,bhnf->bhgnc", q, z_before)
+
+    out = num / (den[..., None] + eps)  # (B, nkv, g, N, C, hs)
+    out = out.reshape(B, nh, N * C, hs)[:, :, :T]  # (B, nh, T, hs)
+    return out, (S_before[:, :, -1] + kv[:, :, -1], z_before[:, :, -1] + k_sum[:, :, -1])
+
+
+@register("linear")
+class LinearAttention(GroupedQKV):
+    options = {"feature_map": "elu", "chunk_size": 64, "eps": 1e-6}
+    # Position enters through causality alone, as in Katharopoulos et al.; RoPE before a
+    # feature map would not preserve the kernel's meaning.
+    uses_rope = False
+    context_limited = False
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        cls = type(self)
+        self.feature_map_name = option(config, cls, "feature_map")
+        self.phi = feature_map(self.feature_map_name)
+        self.chunk_size = option(config, cls, "chunk_size")
+        self.eps = option(config, cls, "eps")
+
+    @classmethod
+    def validate(cls, config: ModelConfig) -> None:
+        name = option(config, cls, "feature_map")
+        if name not in FEATURE_MAPS:
+            raise ConfigError(f"feature_map={name!r} is not one of {sorted(FEATURE_MAPS)}")
+        chunk = option(config, cls, "chunk_size")
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ConfigError(f"chunk_size={chunk!r} must be an integer >= 1")
+        eps = option(config, cls, "eps")
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps <= 0:
+            raise ConfigError(f"eps={eps!r} must be a positive number")
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out, _ = chunked_linear_attention(self.phi(q), self.phi(k), v, self.eps, chunk_size=self.chunk_size)
+        return out.to(q.dtype)
+
+    def generation_state(self) -> CacheSpec:
+        Fdim = feature_dim(self.feature_map_name, self.head_dim)
+        return CacheSpec("recurrent", self.n_kv_head, self.head_dim, state_numel=Fdim * self.head_dim + Fdim)

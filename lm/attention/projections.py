@@ -1,0 +1,46 @@
+"""The projections every attention kind shares: Q with n_head heads, K and V with n_kv_head.
+
+Shapes: B batch, T sequence length, C d_model, nh query heads, nkv K/V heads, hs head size.
+Subclasses implement `attend(q, k, v)` on q (B, nh, T, hs) and k, v (B, nkv, T, hs).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lm.config import ModelConfig
+from lm.layers import apply_rope
+
+
+class GroupedQKV(nn.Module):
+    uses_rope = True
+    context_limited = True  # whether positions past max_seq_len are out of reach
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_head = config.n_head
+        self.n_kv_head = config.n_kv_head
+        self.head_dim = config.head_dim
+        q_size, kv_size = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
+        self.split_sizes = (q_size, kv_size, kv_size)
+        # One projection for Q, K and V: a single GEMM is faster than three on small models.
+        # K and V get n_kv_head heads only, which is what makes GQA/MQA cheaper to cache.
+        self.qkv = nn.Linear(config.d_model, q_size + 2 * kv_size, bias=False)
+        self.out = nn.Linear(q_size, config.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).split(self.split_sizes, dim=-1)
+        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        if self.uses_rope:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = self.attend(q, k, v)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, nh*hs)
+        return self.out(y)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError

@@ -1,0 +1,111 @@
+"""Causal sliding-window attention, with dilation and per-layer windows (Longformer-style).
+
+Shapes: B batch, T sequence length, nh query heads, nkv K/V heads, hs head size, W window.
+Query i attends keys j = i - k*d for 0 <= k < W (d the dilation), so each layer sees a
+fixed span of W*d positions and the cost grows linearly with T.
+
+The fast path never forms a T x T score matrix. Without dilation it cuts the sequence into
+blocks of W queries; block b attends the keys of blocks b-1 and b (2W keys) under one fixed
+(W, 2W) band mask, which SDPA's CPU/GPU kernels take directly. With dilation d, positions
+sharing a residue mod d form an undilated sequence of their own (i - k*d stays in the same
+residue class), so the d subsequences are folded into the batch and solved as above.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lm.attention import check_per_layer_int, option, per_layer, register
+from lm.attention.projections import GroupedQKV
+from lm.attention.softmax import SoftmaxAttention
+from lm.cache import CacheSpec
+from lm.config import ConfigError, ModelConfig
+
+
+def band_mask(window: int, device: torch.device) -> torch.Tensor:
+    """(W, 2W) bool: query a of a block may see key c of [previous block, own block]."""
+    a = torch.arange(window, device=device)[:, None]
+    offset = torch.arange(2 * window, device=device)[None, :] - window  # key position - block start
+    return (offset <= a) & (offset > a - window)
+
+
+def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
+                             dilation: int = 1) -> torch.Tensor:
+    """q (B, nh, T, hs), k and v (B, nkv, T, hs) -> (B, nh, T, hs)."""
+    if dilation > 1:
+        return _dilated(q, k, v, window, dilation)
+    B, nh, T, hs = q.shape
+    gqa = k.shape[1] != nh
+    if window >= T:  # the window covers every earlier position: plain causal attention
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    W = window
+    n_blocks = -(-T // W)
+    pad = n_blocks * W - T  # padded positions come after every real one, so causality hides them
+    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    # Block 0 has no previous block; inside it the window reaches back to position 0.
+    first = F.scaled_dot_product_attention(q[:, :, :W], k[:, :, :W], v[:, :, :W], is_causal=True, enable_gqa=gqa)
+    if n_blocks == 1:
+        return first[:, :, :T]
+    rest = n_blocks - 1
+    q_blocks = _blocks(q[:, :, W:], rest, W)  # (B*rest, nh, W, hs)
+    k_pairs = torch.cat((_blocks(k[:, :, :-W], rest, W), _blocks(k[:, :, W:], rest, W)), dim=2)  # (B*rest, nkv, 2W, hs)
+    v_pairs = torch.cat((_blocks(v[:, :, :-W], rest, W), _blocks(v[:, :, W:], rest, W)), dim=2)  # (B*rest, nkv, 2W, hs)
+    out = F.scaled_dot_product_attention(q_blocks, k_pairs, v_pairs, attn_mask=band_mask(W, q.device), enable_gqa=gqa)
+    out = out.view(B, rest, nh, W, hs).transpose(1, 2).reshape(B, nh, rest * W, hs)  # (B, nh, T - W, hs)
+    return torch.cat((first, out), dim=2)[:, :, :T]
+
+
+def _blocks(x: torch.Tensor, n_blocks: int, W: int) -> torch.Tensor:
+    """(B, h, n_blocks*W, hs) -> (B*n_blocks, h, W, hs): each block becomes a batch entry."""
+    B, h, _, hs = x.shape
+    return x.view(B, h, n_blocks, W, hs).transpose(1, 2).reshape(B * n_blocks, h, W, hs)
+
+
+def _dilated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, d: int) -> torch.Tensor:
+    B, nh, T, hs = q.shape
+    pad = -T % d
+    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    m = (T + pad) // d
+
+    def fold(x: torch.Tensor) -> torch.Tensor:  # (B, h, m*d, hs) -> (B*d, h, m, hs), residue r at [b*d + r]
+        h = x.shape[1]
+        return x.view(B, h, m, d, hs).permute(0, 3, 1, 2, 4).reshape(B * d, h, m, hs)
+
+    out = sliding_window_attention(fold(q), fold(k), fold(v), window, 1)  # (B*d, nh, m, hs)
+    out = out.view(B, d, nh, m, hs).permute(0, 2, 3, 1, 4).reshape(B, nh, m * d, hs)  # (B, nh, T + pad, hs)
+    return out[:, :, :T]
+
+
+@register("sliding")
+class SlidingWindowAttention(GroupedQKV):
+    options = {"window": 128, "dilation": 1, "global_every": None}
+    context_limited = False
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__(config, layer_idx)
+        self.window = per_layer(option(config, type(self), "window"), layer_idx)
+        self.dilation = per_layer(option(config, type(self), "dilation"), layer_idx)
+
+    @classmethod
+    def validate(cls, config: ModelConfig) -> None:
+        check_per_layer_int(config, "window", option(config, cls, "window"), 1)
+        check_per_layer_int(config, "dilation", option(config, cls, "dilation"), 1)
+        every = option(config, cls, "global_every")
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise ConfigError(f"global_every={every!r} must be an integer >= 1 or null")
+
+    @classmethod
+    def build(cls, config: ModelConfig, layer_idx: int) -> GroupedQKV:
+        """Every `global_every`-th layer (the last of each group) is full attention, as Gemma alternates."""
+        every = option(config, cls, "global_every")
+        if every is not None and (layer_idx + 1) % every == 0:
+            return SoftmaxAttention(config, layer_idx)
+        return cls(config, layer_idx)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return sliding_window_attention(q, k, v, self.window, self.dilation)
+
+    def generation_state(self) -> CacheSpec:
+        # Query i reaches back to i - (W-1)*d, so the last (W-1)*d + 1 <= W*d positions suffice.
+        return CacheSpec("ring", self.n_kv_head, self.head_dim, positions=self.window * self.dilation)

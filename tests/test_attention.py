@@ -1,0 +1,162 @@
+"""Each fast attention path against its naive twin(s): values, gradients and final states."""
+
+import pytest
+import torch
+
+from lm import ModelConfig, Transformer
+from lm.attention import reference
+from lm.attention.feature_maps import FEATURE_MAPS, feature_map
+from lm.attention.linear import chunked_linear_attention
+from lm.attention.sliding import sliding_window_attention
+
+HEADS = [(4, 4), (4, 2), (4, 1)]
+HEAD_IDS = ["mha", "gqa", "mqa"]
+
+
+def qkv(n_head, n_kv_head, T, hs=8, seed=0, B=2):
+    g = torch.Generator().manual_seed(seed)
+    make = lambda h: torch.randn(B, h, T, hs, generator=g, dtype=torch.float64).requires_grad_()
+    return make(n_head), make(n_kv_head), make(n_kv_head)
+
+
+def assert_same_values_and_grads(fast, naive, inputs, atol=1e-10):
+    torch.testing.assert_close(fast, naive, atol=atol, rtol=atol)
+    grad_out = torch.randn_like(fast)
+    fast_grads = torch.autograd.grad(fast, inputs, grad_out, retain_graph=True)
+    naive_grads = torch.autograd.grad(naive, inputs, grad_out, retain_graph=True)
+    for a, b in zip(fast_grads, naive_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize("heads", HEADS, ids=HEAD_IDS)
+@pytest.mark.parametrize("T", [1, 5, 16, 33, 64])
+@pytest.mark.parametrize("window", [1, 4, 16, 100])
+@pytest.mark.parametrize("dilation", [1, 2, 3])
+def test_sliding_window_equals_masked_softmax(heads, T, window, dilation):
+    q, k, v = qkv(*heads, T, seed=T * 31 + window)
+    fast = sliding_window_attention(q, k, v, window, dilation)
+    naive = reference.sliding_window_attention(q, k, v, window, dilation)
+    assert_same_values_and_grads(fast, naive, (q, k, v))
+
+
+@pytest.mark.parametrize("T", [7, 40])
+def test_window_covering_the_sequence_is_full_causal_attention(T):
+    q, k, v = qkv(4, 2, T)
+    torch.testing.assert_close(sliding_window_attention(q, k, v, window=T), reference.causal_softmax_attention(q, k, v))
+    torch.testing.assert_close(sliding_window_attention(q, k, v, window=10 * T),
+                               reference.causal_softmax_attention(q, k, v))
+
+
+def featurised(name, n_head, n_kv_head, T, seed=0, state=False):
+    q, k, v = qkv(n_head, n_kv_head, T, hs=4, seed=seed)
+    phi = feature_map(name)
+    fq, fk = phi(q), phi(k)
+    init = None
+    if state:  # a state as if earlier tokens had been seen
+        _, pk, pv = qkv(n_head, n_kv_head, 9, hs=4, seed=seed + 1)
+        _, init = reference.recurrent_linear_attention(phi(pk[:, :1].expand(-1, n_head, -1, -1)), phi(pk), pv, 1e-6)
+        init = tuple(t.detach() for t in init)
+    return (q, k, v), (fq, fk, v), init
+
+
+@pytest.mark.parametrize("heads", HEADS, ids=HEAD_IDS)
+@pytest.mark.parametrize("name", sorted(FEATURE_MAPS))
+@pytest.mark.parametrize("T, chunk", [(1, 4), (7, 4), (16, 4), (33, 8), (20, 64)])
+@pytest.mark.parametrize("with_state", [False, True], ids=["fresh", "carried-state"])
+def test_chunked_linear_attention_equals_both_naive_twins(heads, name, T, chunk, with_state):
+    leaves, (fq, fk, v), state = featurised(name, *heads, T, seed=T + chunk, state=with_state)
+    fast, (S, z) = chunked_linear_attention(fq, fk, v, 1e-6, state, chunk_size=chunk)
+    quadratic, (S_q, z_q) = reference.quadratic_linear_attention(fq, fk, v, 1e-6, state)
+    recurrent, (S_r, z_r) = reference.recurrent_linear_attention(fq, fk, v, 1e-6, state)
+    torch.testing.assert_close(quadratic, recurrent)  # the two references agree with each other
+    torch.testing.assert_close(S_q, S_r)
+    torch.testing.assert_close(z_q, z_r)
+    torch.testing.assert_close(S, S_q)
+    torch.testing.assert_close(z, z_q)
+    assert_same_values_and_grads(fast, quadratic, leaves)
+
+
+def test_linear_attention_accumulates_half_precision_inputs_in_float32():
+    _, (fq, fk, v), _ = featurised("elu", 4, 2, 300)
+    out, (S, z) = chunked_linear_attention(fq.bfloat16(), fk.bfloat16(), v.bfloat16(), 1e-6, chunk_size=16)
+    assert S.dtype == z.dtype == torch.float32
+    exact, _ = reference.quadratic_linear_attention(fq.bfloat16().double(), fk.bfloat16().double(),
+                                                    v.bfloat16().double(), 1e-6)
+    torch.testing.assert_close(out.double(), exact, atol=1e-4, rtol=1e-4)
+
+
+def test_linear_attention_state_carries_across_calls():
+    """Running a sequence in two calls, passing the state, equals running it in one."""
+    _, (fq, fk, v), _ = featurised("elu", 4, 2, 50)
+    whole, state_whole = chunked_linear_attention(fq, fk, v, 1e-6, chunk_size=8)
+    first, state = chunked_linear_attention(fq[:, :, :21], fk[:, :, :21], v[:, :, :21], 1e-6, chunk_size=8)
+    second, state = chunked_linear_attention(fq[:, :, 21:], fk[:, :, 21:], v[:, :, 21:], 1e-6, state, chunk_size=8)
+    torch.testing.assert_close(torch.cat((first, second), dim=2), whole)
+    torch.testing.assert_close(state[0], state_whole[0])
+
+
+def test_gradcheck_of_sliding_and_linear_fast_paths():
+    q, k, v = qkv(2, 1, 9, hs=4, B=1)
+    assert torch.autograd.gradcheck(lambda q, k, v: sliding_window_attention(q, k, v, 3, 2), (q, k, v))
+    phi = feature_map("elu")
+
+    def linear64(q, k, v):
+        # gradcheck needs float64 throughout; the fp32 accumulation is checked above
+        return reference.quadratic_linear_attention(phi(q), phi(k), v, 1e-6)[0]
+
+    assert torch.autograd.gradcheck(linear64, (q, k, v))
+
+
+KINDS = {
+    "softmax": ("softmax", {}),
+    "sliding": ("sliding", {"window": 4}),
+    "sliding-dilated-per-layer": ("sliding", {"window": [3, 5], "dilation": [1, 2]}),
+    "sliding-global": ("sliding", {"window": 3, "global_every": 2}),
+    "linear-elu": ("linear", {"chunk_size": 4}),
+    "linear-relu": ("linear", {"feature_map": "relu", "chunk_size": 4}),
+    "linear-taylor": ("linear", {"feature_map": "taylor", "chunk_size": 4}),
+    "hybrid": ("hybrid", {"pattern": ["linear", "sliding"], "window": 4}),
+}
+
+
+def small_model(kind, options, n_kv_head=2):
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=61, n_layer=2, d_model=32, n_head=4, n_kv_head=n_kv_head, d_ff=48,
+                      max_seq_len=16, attention=kind, attention_options=options)
+    return Transformer(cfg).eval()
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+@pytest.mark.parametrize("n_kv_head", [1, 2, 4])
+def test_every_kind_is_causal(name, n_kv_head):
+    m = small_model(*KINDS[name], n_kv_head=n_kv_head)
+    idx = torch.randint(0, 61, (2, 14))
+    changed = idx.clone()
+    changed[:, 9] = (changed[:, 9] + 1) % 61
+    with torch.no_grad():
+        before, after = m(idx), m(changed)
+    torch.testing.assert_close(before[:, :9], after[:, :9], atol=1e-6, rtol=0)
+    assert (before[:, 9:] - after[:, 9:]).abs().max() > 1e-4
+
+
+def test_sliding_and_linear_run_past_the_context_but_full_attention_does_not():
+    idx = torch.randint(0, 61, (1, 40))  # max_seq_len is 16
+    assert small_model("sliding", {"window": 4})(idx).shape == (1, 40, 61)
+    assert small_model("linear", {})(idx).shape == (1, 40, 61)
+    for kind, options in (("softmax", {}), ("sliding", {"window": 4, "global_every": 2})):
+        with pytest.raises(ValueError, match="exceeds max_seq_len=16"):
+            small_model(kind, options)(idx)
+
+
+def test_generation_state_each_kind_declares():
+    def total(model, tokens):
+        return sum(b.attn.generation_state().numel(tokens) for b in model.blocks)
+
+    mha, mqa = small_model("softmax", {}, 4), small_model("softmax", {}, 1)
+    assert total(mqa, 100) * 4 == total(mha, 100)  # MQA keeps 1/n_head of MHA's K/V
+    sliding = small_model("sliding", {"window": 4, "dilation": 2})
+    assert total(sliding, 1000) == total(sliding, 10_000) == 2 * 2 * (2 * 4 * 2 * 8)  # ring of W*d
+    linear = small_model("linear", {})
+    assert total(linear, 10) == total(linear, 10_000) == 2 * 2 * (8 * 8 + 8)  # (S, z) per K/V head
+    hybrid = small_model("hybrid", {"pattern": ["linear", "softmax"]})
+    assert [b.attn.generation_state().kind for b in hybrid.blocks] == ["recurrent", "kv"]
