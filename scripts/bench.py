@@ -1,6 +1,7 @@
 """Benchmarks, measured side by side in one process and reported as ratios.
 
-    python scripts/bench.py train     # training tokens/s vs transformers' LlamaForCausalLM, and MFU
+    python scripts/bench.py train       # training tokens/s vs transformers' LlamaForCausalLM, and MFU
+    python scripts/bench.py attention   # time and peak memory of each attention kind vs sequence length
 
 The machine may be shared and noisy, so the contenders run in alternating rounds and each
 reports its median step time; compare the ratio, not a single absolute figure.
@@ -9,8 +10,11 @@ reports its median step time; compare the ratio, not a single absolute figure.
 from __future__ import annotations
 
 import argparse
+import csv
+import math
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -94,6 +98,187 @@ def bench_train(args) -> None:
     print(f"lm / transformers tokens/s: {medians['transformers'] / medians['lm']:.2f}x")
 
 
+# ---------------------------------------------------------------------------- attention
+
+ATTENTION_KINDS = {  # name -> (attention kind, n_kv_head or None for n_head, options)
+    "mha": ("softmax", None, {}),
+    "gqa": ("softmax", 2, {}),
+    "mqa": ("softmax", 1, {}),
+    "sliding": ("sliding", None, {"window": 512}),
+    "linear": ("linear", None, {"feature_map": "elu"}),
+}
+
+
+def _proc_status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def exact_resident_memory() -> None:
+    """Make resident memory track live tensors: glibc otherwise keeps freed blocks below its
+    (growing) mmap threshold resident and serves later allocations from them unseen."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: blocks >= 64 KiB are mapped and unmapped
+    libc.malloc_trim(0)
+
+
+def peak_memory_of(fn) -> tuple[float, int]:
+    """(seconds, peak bytes above the resident size before the call) of fn().
+
+    The CPU has no allocator statistics like CUDA's, so the peak is the process' high-water
+    resident size, which Linux resets on writing 5 to /proc/self/clear_refs."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _proc_status_bytes("VmRSS")
+    start = time.perf_counter()
+    fn()
+    seconds = time.perf_counter() - start
+    return seconds, _proc_status_bytes("VmHWM") - before
+
+
+def attention_module(kind: str, n_kv_head: int | None, options: dict, d_model: int, n_head: int, seq_len: int):
+    from lm.attention import build_attention
+
+    cfg = ModelConfig(vocab_size=256, n_layer=1, d_model=d_model, n_head=n_head, n_kv_head=n_kv_head or n_head,
+                      max_seq_len=seq_len, attention=kind, attention_options=options)
+    return build_attention(cfg, 0), cfg
+
+
+def time_attention(module, cfg: ModelConfig, seq_len: int, backward: bool, repeats: int,
+                   whole_module: bool = False) -> tuple[float, int]:
+    """Best time and peak memory of one forward (or forward + backward) of the kind's attention
+    op, `module.attend(q, k, v)` on q (1, nh, N, hs) and k, v (1, nkv, N, hs); with
+    `whole_module`, of the layer with its projections (and RoPE) on x (1, N, C)."""
+    from lm.layers import RotaryEmbedding
+
+    if whole_module:
+        cos, sin = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)(torch.arange(seq_len))
+        inputs = [torch.randn(1, seq_len, cfg.d_model, requires_grad=backward)]
+        op = lambda x: module(x, cos, sin)  # noqa: E731
+    else:
+        shapes = [(1, h, seq_len, cfg.head_dim) for h in (cfg.n_head, cfg.n_kv_head, cfg.n_kv_head)]
+        inputs = [torch.randn(shape, requires_grad=backward) for shape in shapes]
+        op = module.attend
+
+    def run() -> None:
+        if backward:
+            op(*inputs).sum().backward()
+        else:
+            with torch.no_grad():
+                op(*inputs)
+
+    run()  # warm-up
+    results = [peak_memory_of(run) for _ in range(repeats)]
+    return min(r[0] for r in results), max(r[1] for r in results)
+
+
+def bench_attention(args) -> None:
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    exact_resident_memory()
+    rows = []
+    cases = [(name, *spec, args.heads) for name, spec in ATTENTION_KINDS.items()]
+    if args.single_head:  # the footing of the published GPU figures: one head of size d_model
+        cases += [("mha-1head", "softmax", None, {}, 1), ("linear-1head", "linear", None, {"feature_map": "elu"}, 1)]
+    print(f"attention op (q, k, v -> out; projections excluded), fp32, {torch.get_num_threads()} threads, "
+          f"batch 1, d_model {args.d_model}; peak = resident memory above the inputs")
+    print(f"{'kind':14}{'N':>7}{'fwd s':>9}{'fwd+bwd s':>11}{'fwd MB':>9}{'fwd+bwd MB':>12}")
+    for name, kind, n_kv_head, options, heads in cases:
+        for n in args.lengths:
+            if heads == 1 and n != max(args.lengths):
+                continue
+            torch.manual_seed(0)
+            module, cfg = attention_module(kind, n_kv_head, options, args.d_model, heads, n)
+            fwd_s, fwd_mem = time_attention(module, cfg, n, backward=False, repeats=args.repeats)
+            bwd_s, bwd_mem = time_attention(module, cfg, n, backward=True, repeats=args.repeats)
+            row = {"kind": name, "n_head": heads, "n_kv_head": cfg.n_kv_head, "seq_len": n, "forward_s": fwd_s,
+                   "forward_backward_s": bwd_s, "forward_peak_mb": fwd_mem / 2**20,
+                   "forward_backward_peak_mb": bwd_mem / 2**20}
+            rows.append(row)
+            print(f"{name:14}{n:7}{fwd_s:9.4f}{bwd_s:11.4f}{row['forward_peak_mb']:9.1f}"
+                  f"{row['forward_backward_peak_mb']:12.1f}", flush=True)
+    csv_path = out_dir / "attention.csv"
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print_attention_ratios(rows, max(args.lengths))
+    print_whole_layer_times(args)
+    png_path = plot_attention(rows, args.heads, out_dir / "attention.png")
+    print(f"wrote {csv_path} and {png_path}")
+
+
+def print_attention_ratios(rows: list[dict], n_max: int) -> None:
+    at = {(r["kind"], r["seq_len"]): r for r in rows}
+    full = at.get(("mha", n_max))
+    if full is None:
+        return
+    print(f"at N={n_max}, against full causal softmax (mha, SDPA):")
+    for name in ("sliding", "linear"):
+        r = at.get((name, n_max))
+        if r is None:
+            continue
+        print(f"  {name:8} forward {full['forward_s'] / r['forward_s']:5.1f}x faster, "
+              f"forward+backward {full['forward_backward_s'] / r['forward_backward_s']:5.1f}x faster, "
+              f"peak memory forward {r['forward_peak_mb'] / full['forward_peak_mb']:.2f}x, "
+              f"forward+backward {r['forward_backward_peak_mb'] / full['forward_backward_peak_mb']:.2f}x of mha's")
+        lengths = sorted(n for (kind, n) in at if kind == name and n >= n_max // 4)
+        if len(lengths) >= 2 and lengths[0] < lengths[-1]:
+            doublings = math.log2(lengths[-1] / lengths[0])
+            growth = (at[(name, lengths[-1])]["forward_s"] / at[(name, lengths[0])]["forward_s"]) ** (1 / doublings)
+            print(f"  {name:8} forward time grows {growth:.2f}x per doubling of N from {lengths[0]} to {lengths[-1]}")
+    single = at.get(("mha-1head", n_max)), at.get(("linear-1head", n_max))
+    if all(single):
+        print(f"  one head of size d_model: softmax {single[0]['forward_s']:.3f} s vs linear "
+              f"{single[1]['forward_s']:.3f} s forward ({single[0]['forward_s'] / single[1]['forward_s']:.1f}x)")
+
+
+def print_whole_layer_times(args) -> None:
+    """The same kinds as whole layers at the longest N: the Q/K/V/O projections every kind
+    shares are added to each, which narrows the ratios."""
+    n = max(args.lengths)
+    times = {}
+    for name in ("mha", "sliding", "linear"):
+        kind, n_kv_head, options = ATTENTION_KINDS[name]
+        module, cfg = attention_module(kind, n_kv_head, options, args.d_model, args.heads, n)
+        times[name], _ = time_attention(module, cfg, n, backward=False, repeats=args.repeats, whole_module=True)
+    print(f"whole layer (with projections) forward at N={n}: " + ", ".join(
+        f"{name} {t:.3f} s ({times['mha'] / t:.1f}x)" for name, t in times.items()))
+
+
+def plot_attention(rows: list[dict], heads: int, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=False)
+    for ax, key, title in ((axes[0], "forward_s", "forward"), (axes[1], "forward_backward_s", "forward + backward")):
+        for name in ATTENTION_KINDS:
+            points = sorted((r["seq_len"], r[key]) for r in rows if r["kind"] == name)
+            if points:
+                ax.plot(*zip(*points, strict=True), marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length N")
+        ax.set_ylabel("seconds")
+        ax.set_title(f"{title} (CPU fp32, {heads} heads)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
@@ -102,6 +287,15 @@ def main() -> None:
     train.add_argument("--warmup", type=int, default=2, help="unmeasured steps per contender first")
     train.add_argument("--batch", type=int, default=8)
     train.set_defaults(run=bench_train)
+    attention = sub.add_parser("attention", help="time and peak memory of each attention kind against N")
+    attention.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    attention.add_argument("--d-model", type=int, default=512)
+    attention.add_argument("--heads", type=int, default=8)
+    attention.add_argument("--repeats", type=int, default=2, help="measured runs per case; the best is kept")
+    attention.add_argument("--no-single-head", dest="single_head", action="store_false",
+                           help="skip the one-head comparison at the longest N")
+    attention.add_argument("--out", default="bench", help="folder for attention.csv and attention.png")
+    attention.set_defaults(run=bench_attention)
     args = parser.parse_args()
     args.run(args)
 

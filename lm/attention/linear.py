@@ -44,32 +44,43 @@ def chunked_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     B, nh, T, Fdim = q.shape
     nkv, hs, C = k.shape[1], v.shape[-1], chunk_size
     g, N = nh // nkv, -(-T // chunk_size)
-    S0, z0 = state if state is not None else zero_state(k, v)
-    pad = N * C - T  # zero features at the end add nothing to any sum
-    q, k, v = (F.pad(t.to(S0.dtype), (0, 0, 0, pad)) for t in (q, k, v))
-    q = q.view(B, nkv, g, N, C, Fdim)  # query heads of one group share their K/V head
-    k = k.view(B, nkv, N, C, Fdim)
-    v = v.view(B, nkv, N, C, hs)
+    S, z = state if state is not None else zero_state(k, v)
+    q, k, v = (_padded(t, N * C - T, S.dtype) for t in (q, k, v))  # zero features add nothing to any sum
+    q = q.reshape(B, nkv, g, N, C, Fdim)  # query heads of one group share their K/V head
+    k = k.reshape(B, nkv, N, C, Fdim)
+    v = v.reshape(B, nkv, N, C, hs)
 
     # Inside each chunk: the masked quadratic form.
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    scores = torch.einsum("bhgncf,bhndf->bhgncd", q, k) * causal  # (B, nkv, g, N, C, C)
+    scores = torch.einsum("bhgncf,bhndf->bhgncd", q, k).masked_fill_(~causal, 0)  # (B, nkv, g, N, C, C)
     num = torch.einsum("bhgncd,bhnde->bhgnce", scores, v)  # (B, nkv, g, N, C, hs)
     den = scores.sum(-1)  # (B, nkv, g, N, C)
 
-    # Across chunks: the state accumulated before each chunk (an exclusive prefix sum).
+    # Across chunks: the state accumulated before each chunk. A running sum over the N
+    # chunks beats torch.cumsum along a middle dimension by 2x on CPU, and adds nothing
+    # it must later subtract (which would cancel badly for small normalisers).
     kv = torch.einsum("bhncf,bhnce->bhnfe", k, v)  # (B, nkv, N, F, hs)
     k_sum = k.sum(3)  # (B, nkv, N, F)
-    # Shift-then-sum rather than cumsum minus self: the subtraction would cancel badly when a
-    # query's normaliser is small next to the running sums (relu features).
-    S_before = torch.cat((S0[:, :, None], kv[:, :, :-1]), dim=2).cumsum(2)  # (B, nkv, N, F, hs)
-    z_before = torch.cat((z0[:, :, None], k_sum[:, :, :-1]), dim=2).cumsum(2)  # (B, nkv, N, F)
+    S_before, z_before = [], []
+    # unbind, not kv[:, :, n]: the backward of N separate selects would build N full-size
+    # zero gradients, quadratic in the number of chunks.
+    for kv_n, k_sum_n in zip(kv.unbind(2), k_sum.unbind(2), strict=True):
+        S_before.append(S)
+        z_before.append(z)
+        S, z = S + kv_n, z + k_sum_n
+    S_before = torch.stack(S_before, dim=2)  # (B, nkv, N, F, hs)
+    z_before = torch.stack(z_before, dim=2)  # (B, nkv, N, F)
     num = num + torch.einsum("bhgncf,bhnfe->bhgnce", q, S_before)
     den = den + torch.einsum("bhgncf,bhnf->bhgnc", q, z_before)
 
-    out = num / (den[..., None] + eps)  # (B, nkv, g, N, C, hs)
+    out = num / (den.unsqueeze(-1) + eps)  # (B, nkv, g, N, C, hs)
     out = out.reshape(B, nh, N * C, hs)[:, :, :T]  # (B, nh, T, hs)
-    return out, (S_before[:, :, -1] + kv[:, :, -1], z_before[:, :, -1] + k_sum[:, :, -1])
+    return out, (S, z)
+
+
+def _padded(x: torch.Tensor, pad: int, dtype: torch.dtype) -> torch.Tensor:
+    x = x.to(dtype)
+    return F.pad(x, (0, 0, 0, pad)) if pad else x
 
 
 @register("linear")

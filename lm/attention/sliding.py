@@ -41,25 +41,26 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     W = window
     n_blocks = -(-T // W)
-    pad = n_blocks * W - T  # padded positions come after every real one, so causality hides them
-    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    if n_blocks * W != T:  # padded positions come after every real one, so causality hides them
+        q, k, v = (F.pad(t, (0, 0, 0, n_blocks * W - T)) for t in (q, k, v))
     # Block 0 has no previous block; inside it the window reaches back to position 0.
     first = F.scaled_dot_product_attention(q[:, :, :W], k[:, :, :W], v[:, :, :W], is_causal=True, enable_gqa=gqa)
     if n_blocks == 1:
         return first[:, :, :T]
     rest = n_blocks - 1
-    q_blocks = _blocks(q[:, :, W:], rest, W)  # (B*rest, nh, W, hs)
-    k_pairs = torch.cat((_blocks(k[:, :, :-W], rest, W), _blocks(k[:, :, W:], rest, W)), dim=2)  # (B*rest, nkv, 2W, hs)
-    v_pairs = torch.cat((_blocks(v[:, :, :-W], rest, W), _blocks(v[:, :, W:], rest, W)), dim=2)  # (B*rest, nkv, 2W, hs)
+    q_blocks = q[:, :, W:].unflatten(2, (rest, W)).transpose(1, 2).flatten(0, 1)  # (B*rest, nh, W, hs)
+    k_pairs, v_pairs = _block_pairs(k, W), _block_pairs(v, W)  # (B*rest, nkv, 2W, hs) each
     out = F.scaled_dot_product_attention(q_blocks, k_pairs, v_pairs, attn_mask=band_mask(W, q.device), enable_gqa=gqa)
-    out = out.view(B, rest, nh, W, hs).transpose(1, 2).reshape(B, nh, rest * W, hs)  # (B, nh, T - W, hs)
+    out = out.unflatten(0, (B, rest)).transpose(1, 2).flatten(2, 3)  # (B, nh, T - W, hs)
     return torch.cat((first, out), dim=2)[:, :, :T]
 
 
-def _blocks(x: torch.Tensor, n_blocks: int, W: int) -> torch.Tensor:
-    """(B, h, n_blocks*W, hs) -> (B*n_blocks, h, W, hs): each block becomes a batch entry."""
-    B, h, _, hs = x.shape
-    return x.view(B, h, n_blocks, W, hs).transpose(1, 2).reshape(B * n_blocks, h, W, hs)
+def _block_pairs(x: torch.Tensor, W: int) -> torch.Tensor:
+    """(B, h, n*W, hs) -> (B*(n-1), h, 2W, hs): blocks r and r+1 side by side for every r.
+
+    `unfold` makes the overlapping pairs a strided view of x, so (for B = 1) nothing is copied."""
+    pairs = x.unfold(2, 2 * W, W)  # (B, h, n-1, hs, 2W)
+    return pairs.transpose(-1, -2).transpose(1, 2).flatten(0, 1)  # (B*(n-1), h, 2W, hs)
 
 
 def _dilated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, d: int) -> torch.Tensor:
