@@ -1,12 +1,20 @@
-"""What each attention kind must keep to generate token by token.
+"""Generation caches: what each attention kind keeps between decoding steps.
 
-A kind's `generation_state()` returns a CacheSpec; generation builds its caches from these,
-and the benchmarks and README compute cache sizes from them.
+Every kind declares its needs as a CacheSpec (`module.generation_state()`) and builds its own
+cache object (`module.build_cache(context, max_len)`): full K/V buffers for softmax, a ring
+buffer for sliding windows, the recurrent state (S, z) for linear attention. A GenerationCache
+holds one per layer plus what they share: how many slots have been consumed, and how many
+leading slots of each row are left padding (prompts of different lengths are left-padded into
+one batch; padded slots are never attended and never enter a linear state).
+
+Shapes: B batch, T new tokens in this call, S slots consumed so far.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -33,3 +41,55 @@ class CacheSpec:
         if self.kind == "recurrent":
             return batch * self.n_kv_head * self.state_numel
         raise ValueError(f"unknown cache kind {self.kind!r}")
+
+
+class GenerationCache:
+    """The per-layer caches of one batch of sequences, and the slot bookkeeping they share."""
+
+    def __init__(self, model, pad: torch.Tensor, max_len: int, dtype: torch.dtype | None = None):
+        self.pad = pad  # (B,) leading padding slots of each row
+        self.batch_size = pad.shape[0]
+        self.max_len = max_len  # slots this cache can take in all
+        self.seen = 0  # slots consumed so far
+        self.device = pad.device
+        self.dtype = dtype or next(model.parameters()).dtype
+        self.layers = [block.attn.build_cache(self, max_len) for block in model.blocks]
+
+    def positions(self, T: int) -> torch.Tensor:
+        """(B, T) RoPE positions of the next T slots: each row counts from its first real token."""
+        slots = torch.arange(self.seen, self.seen + T, device=self.device)
+        return (slots[None, :] - self.pad[:, None]).clamp(min=0)
+
+    def real(self, first_slot: int, T: int) -> torch.Tensor:
+        """(B, T) bool: which of slots first_slot .. first_slot+T-1 hold real tokens, not padding."""
+        slots = torch.arange(first_slot, first_slot + T, device=self.device)
+        return slots[None, :] >= self.pad[:, None]
+
+    @property
+    def has_padding(self) -> bool:
+        return bool((self.pad > 0).any())
+
+    def advance(self, T: int) -> None:
+        self.seen += T
+
+    def nbytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers)
+
+
+def tensor_bytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def visibility_mask(context: GenerationCache, q_slots: torch.Tensor, k_slots: torch.Tensor,
+                    visible: torch.Tensor) -> torch.Tensor:
+    """The boolean SDPA mask for queries at q_slots (T,) over keys at k_slots (K,).
+
+    `visible` (T, K) is the kind's own rule (causal, a window ...). With padded rows, padding
+    keys are hidden too, giving (B, 1, T, K); a padding query still sees itself, so no row of
+    the mask is empty (an all-masked softmax row is NaN, and 0 x NaN would leak into real rows).
+    """
+    if not context.has_padding:
+        return visible
+    real_keys = k_slots[None, None, :] >= context.pad[:, None, None]  # (B, 1, K)
+    itself = k_slots[None, :] == q_slots[:, None]  # (T, K)
+    return ((visible[None] & real_keys) | itself[None])[:, None]  # (B, 1, T, K)

@@ -10,8 +10,9 @@ from omegaconf.errors import OmegaConfBaseException
 from lm.checkpoint import CheckpointError
 from lm.config import ConfigError
 from lm.data import DataError
+from lm.generation import GenerationError
 
-USER_ERRORS = (ConfigError, DataError, CheckpointError)
+USER_ERRORS = (ConfigError, DataError, CheckpointError, GenerationError)
 
 
 @contextmanager

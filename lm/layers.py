@@ -50,17 +50,19 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # (hs/2,)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of shape (T, hs/2) for integer `positions` of shape (T,)."""
-        angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # (T, hs/2)
+        """cos and sin of shape (..., hs/2) for integer `positions` of shape (T,) or (B, T)."""
+        angles = positions.to(torch.float32)[..., None] * self.inv_freq  # (..., T, hs/2)
         return angles.cos(), angles.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, nh, T, hs) by the angles cos/sin (T, hs/2).
+    """Rotate x (B, nh, T, hs) by the angles cos/sin: (T, hs/2), or (B, T, hs/2) per row.
 
     Dimension i pairs with i + hs/2 (Llama's rotate-half layout). Working on the two
     halves directly avoids building full-width cos/sin and a rotated copy of x.
     """
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    if cos.dim() == 3:  # per-row positions: broadcast over heads
+        cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, hs/2)
     first, second = x.chunk(2, dim=-1)  # 2 x (B, nh, T, hs/2)
     return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)

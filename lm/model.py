@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from lm.attention import build_attention
+from lm.cache import GenerationCache
 from lm.config import ModelConfig
 from lm.layers import RMSNorm, RotaryEmbedding, SwiGLU
 
@@ -25,8 +26,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = SwiGLU(config.d_model, config.d_ff)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -57,15 +58,25 @@ class Transformer(nn.Module):
             scale = 1 / math.sqrt(2 * self.config.n_layer) if residual_out else 1.0
             nn.init.normal_(p, mean=0.0, std=std * scale)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Logits (B, T, V) for token ids idx (B, T)."""
+    def forward(self, idx: torch.Tensor, cache: GenerationCache | None = None) -> torch.Tensor:
+        """Logits (B, T, V) for token ids idx (B, T).
+
+        With a `cache` (see lm.cache), idx holds the next T tokens after those the cache has
+        seen: positions continue from there and each layer attends through its cache.
+        """
         T = idx.shape[1]
-        if self.context_limited and T > self.config.max_seq_len:
-            raise ValueError(f"sequence of {T} tokens exceeds max_seq_len={self.config.max_seq_len}")
-        cos, sin = self.rope(torch.arange(T, device=idx.device))  # (T, hs/2) each
+        seen = cache.seen if cache is not None else 0
+        if self.context_limited and seen + T > self.config.max_seq_len:
+            raise ValueError(f"sequence of {seen + T} tokens exceeds max_seq_len={self.config.max_seq_len}")
+        if cache is None:
+            cos, sin = self.rope(torch.arange(T, device=idx.device))  # (T, hs/2) each
+        else:
+            cos, sin = self.rope(cache.positions(T))  # (B, T, hs/2) each: rows count from their first real token
         x = self.embed(idx)  # (B, T, C)
-        for block in self.blocks:
-            x = block(x, cos, sin)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, cache.layers[i] if cache is not None else None)
+        if cache is not None:
+            cache.advance(T)
         return self.head(self.norm(x))
 
     def num_params(self) -> int:

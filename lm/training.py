@@ -172,7 +172,9 @@ def train(cfg: DictConfig) -> dict:
 def sample_text(model: Transformer, tokenizer, sample_cfg: DictConfig) -> str:
     model.eval()
     prompt_ids = tokenizer.encode(sample_cfg.prompt).ids
-    idx = torch.tensor([prompt_ids], device=next(model.parameters()).device)
-    out = generate(model, idx, sample_cfg.max_new_tokens, temperature=sample_cfg.temperature,
-                   top_k=sample_cfg.top_k, seed=sample_cfg.seed)
-    return tokenizer.decode(out[0].tolist())
+    max_new = sample_cfg.max_new_tokens
+    if model.context_limited:
+        max_new = min(max_new, model.config.max_seq_len - len(prompt_ids))
+    out = generate(model, [prompt_ids], max_new, temperature=sample_cfg.temperature, top_k=sample_cfg.top_k,
+                   seed=sample_cfg.seed)
+    return tokenizer.decode(out[0])

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from lm.attention import option, register
 from lm.attention.feature_maps import FEATURE_MAPS, feature_dim, feature_map
 from lm.attention.projections import GroupedQKV
-from lm.cache import CacheSpec
+from lm.cache import CacheSpec, GenerationCache, tensor_bytes
 from lm.config import ConfigError, ModelConfig
 
 State = tuple[torch.Tensor, torch.Tensor]  # S (B, nkv, F, hs), z (B, nkv, F), at least float32
@@ -118,3 +118,52 @@ class LinearAttention(GroupedQKV):
     def generation_state(self) -> CacheSpec:
         Fdim = feature_dim(self.feature_map_name, self.head_dim)
         return CacheSpec("recurrent", self.n_kv_head, self.head_dim, state_numel=Fdim * self.head_dim + Fdim)
+
+    def build_cache(self, context: GenerationCache, max_len: int) -> LinearState:
+        Fdim = feature_dim(self.feature_map_name, self.head_dim)
+        return LinearState(context, self.n_kv_head, Fdim, self.head_dim)
+
+    def attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LinearState) -> torch.Tensor:
+        fq, fk = self.phi(q), self.phi(k)
+        context, T = cache.context, q.shape[2]
+        if context.has_padding:
+            # Padding slots get zero features, so they add nothing to S or z.
+            real = context.real(context.seen, T)  # (B, T)
+            fk = fk * real[:, None, :, None]
+        if T == 1:
+            out, cache.state = recurrent_step(fq, fk, v, self.eps, cache.state)
+        else:
+            out, cache.state = chunked_linear_attention(fq, fk, v, self.eps, cache.state, self.chunk_size)
+        return out.to(q.dtype)
+
+
+def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eps: float,
+                   state: State) -> tuple[torch.Tensor, State]:
+    """One new position: featurised q (B, nh, 1, F), k (B, nkv, 1, F), v (B, nkv, 1, hs).
+
+    S += phi(k) v^T, z += phi(k); out = phi(q) S / (phi(q) . z + eps). O(1) in the length."""
+    S, z = state
+    B, nh, _, Fdim = q.shape
+    nkv = k.shape[1]
+    k, v = k.to(S.dtype), v.to(S.dtype)
+    S = S + k.transpose(-1, -2) @ v  # (B, nkv, F, hs)
+    z = z + k[:, :, 0]  # (B, nkv, F)
+    q = q.to(S.dtype).reshape(B, nkv, nh // nkv, Fdim)  # (B, nkv, g, F): a group shares S and z
+    num = q @ S  # (B, nkv, g, hs)
+    den = (q @ z[..., None])[..., 0]  # (B, nkv, g)
+    out = (num / (den[..., None] + eps)).reshape(B, nh, 1, -1)  # (B, nh, 1, hs)
+    return out, (S, z)
+
+
+class LinearState:
+    """The recurrent state (S, z) per K/V head: (B, nkv, F, hs) and (B, nkv, F), whatever the length."""
+
+    def __init__(self, context: GenerationCache, n_kv_head: int, feature_size: int, head_dim: int):
+        self.context = context
+        dtype = accumulation_dtype(context.dtype)
+        B, device = context.batch_size, context.device
+        self.state: State = (torch.zeros(B, n_kv_head, feature_size, head_dim, dtype=dtype, device=device),
+                             torch.zeros(B, n_kv_head, feature_size, dtype=dtype, device=device))
+
+    def nbytes(self) -> int:
+        return tensor_bytes(*self.state)

@@ -1,7 +1,8 @@
 """The projections every attention kind shares: Q with n_head heads, K and V with n_kv_head.
 
 Shapes: B batch, T sequence length, C d_model, nh query heads, nkv K/V heads, hs head size.
-Subclasses implement `attend(q, k, v)` on q (B, nh, T, hs) and k, v (B, nkv, T, hs).
+Subclasses implement `attend(q, k, v)` on q (B, nh, T, hs) and k, v (B, nkv, T, hs), and
+`build_cache(context, max_len)` for generation (see lm/cache.py).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class GroupedQKV(nn.Module):
         self.qkv = nn.Linear(config.d_model, q_size + 2 * kv_size, bias=False)
         self.out = nn.Linear(q_size, config.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.qkv(x).split(self.split_sizes, dim=-1)
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
@@ -38,9 +39,13 @@ class GroupedQKV(nn.Module):
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         if self.uses_rope:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = self.attend(q, k, v)  # (B, nh, T, hs)
+        y = self.attend(q, k, v) if cache is None else self.attend_cached(q, k, v, cache)  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, nh*hs)
         return self.out(y)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache) -> torch.Tensor:
+        """Attention of the new positions over everything the layer's cache holds, updating it."""
+        return cache.attend(q, k, v)

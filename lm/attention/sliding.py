@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from lm.attention import check_per_layer_int, option, per_layer, register
 from lm.attention.projections import GroupedQKV
 from lm.attention.softmax import SoftmaxAttention
-from lm.cache import CacheSpec
+from lm.cache import CacheSpec, GenerationCache, tensor_bytes, visibility_mask
 from lm.config import ConfigError, ModelConfig
 
 
@@ -110,3 +110,44 @@ class SlidingWindowAttention(GroupedQKV):
     def generation_state(self) -> CacheSpec:
         # Query i reaches back to i - (W-1)*d, so the last (W-1)*d + 1 <= W*d positions suffice.
         return CacheSpec("ring", self.n_kv_head, self.head_dim, positions=self.window * self.dilation)
+
+    def build_cache(self, context: GenerationCache, max_len: int) -> RingKVCache:
+        return RingKVCache(context, self.n_kv_head, self.head_dim, self.window, self.dilation)
+
+
+class RingKVCache:
+    """K and V of the last window*dilation slots, (B, nkv, W*d, hs) each, written round-robin.
+
+    Its size never grows with the generated length. New queries attend the ring's contents
+    plus their own keys under the window rule on absolute slot numbers, so a chunk longer than
+    the ring is still exact; the newest W*d keys are then kept.
+    """
+
+    def __init__(self, context: GenerationCache, n_kv_head: int, head_dim: int, window: int, dilation: int):
+        self.context, self.window, self.dilation = context, window, dilation
+        size = window * dilation
+        shape = (context.batch_size, n_kv_head, size, head_dim)
+        self.k = torch.zeros(shape, dtype=context.dtype, device=context.device)
+        self.v = torch.zeros(shape, dtype=context.dtype, device=context.device)
+        self.slot_of = torch.full((size,), -1, dtype=torch.long, device=context.device)  # -1: empty
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        start, T = self.context.seen, q.shape[2]
+        q_slots = torch.arange(start, start + T, device=q.device)
+        keys = torch.cat((self.k, k), dim=2)  # (B, nkv, W*d + T, hs)
+        values = torch.cat((self.v, v), dim=2)  # (B, nkv, W*d + T, hs)
+        k_slots = torch.cat((self.slot_of, q_slots))
+        back = q_slots[:, None] - k_slots[None, :]  # (T, W*d + T): how far back each key lies
+        in_window = (back >= 0) & (back % self.dilation == 0) & (back < self.window * self.dilation)
+        visible = in_window & (k_slots[None, :] >= 0)
+        mask = visibility_mask(self.context, q_slots, k_slots, visible)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=keys.shape[1] != q.shape[1])
+        keep = min(T, self.k.shape[2])
+        index = q_slots[-keep:] % self.k.shape[2]
+        self.k[:, :, index] = k[:, :, -keep:]
+        self.v[:, :, index] = v[:, :, -keep:]
+        self.slot_of[index] = q_slots[-keep:]
+        return out
+
+    def nbytes(self) -> int:
+        return tensor_bytes(self.k, self.v)

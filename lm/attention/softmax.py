@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from lm.attention import register
 from lm.attention.projections import GroupedQKV
-from lm.cache import CacheSpec
+from lm.cache import CacheSpec, GenerationCache, tensor_bytes, visibility_mask
 
 
 @register("softmax")
@@ -30,3 +30,37 @@ class SoftmaxAttention(GroupedQKV):
 
     def generation_state(self) -> CacheSpec:
         return CacheSpec("kv", self.n_kv_head, self.head_dim)
+
+    def build_cache(self, context: GenerationCache, max_len: int) -> KVCache:
+        return KVCache(context, self.n_kv_head, self.head_dim, max_len)
+
+
+class KVCache:
+    """Preallocated K and V of every position, n_kv_head heads only: (B, nkv, max_len, hs) each."""
+
+    def __init__(self, context: GenerationCache, n_kv_head: int, head_dim: int, max_len: int):
+        shape = (context.batch_size, n_kv_head, max_len, head_dim)
+        self.context = context
+        self.k = torch.zeros(shape, dtype=context.dtype, device=context.device)
+        self.v = torch.zeros(shape, dtype=context.dtype, device=context.device)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (B, nh, T, hs) of the next T slots over every slot so far; k, v (B, nkv, T, hs) are stored."""
+        start, T = self.context.seen, q.shape[2]
+        end = start + T
+        if end > self.k.shape[2]:
+            raise ValueError(f"the K/V cache holds {self.k.shape[2]} positions; {end} were asked for")
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        keys, values = self.k[:, :, :end], self.v[:, :, :end]  # (B, nkv, end, hs)
+        gqa = keys.shape[1] != q.shape[1]
+        if not self.context.has_padding and (T == 1 or start == 0):
+            # One new token sees every cached one; a first chunk is plain causal attention.
+            return F.scaled_dot_product_attention(q, keys, values, is_causal=T > 1, enable_gqa=gqa)
+        q_slots = torch.arange(start, end, device=q.device)
+        k_slots = torch.arange(end, device=q.device)
+        mask = visibility_mask(self.context, q_slots, k_slots, k_slots[None, :] <= q_slots[:, None])
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
+
+    def nbytes(self) -> int:
+        return tensor_bytes(self.k, self.v)

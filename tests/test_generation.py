@@ -1,0 +1,153 @@
+"""Cached decoding against the plain forward: same logits, same greedy tokens, for every kind."""
+
+import pytest
+import torch
+
+from lm import GenerationError, ModelConfig, Transformer, generate, stream
+from lm.cache import GenerationCache
+from lm.generation import Sampling
+
+KINDS = {
+    "mha": ("softmax", 4, {}),
+    "gqa": ("softmax", 2, {}),
+    "mqa": ("softmax", 1, {}),
+    # a ring of 4 x 2 = 8 slots, wrapped many times by 40-token sequences
+    "sliding-wrapped": ("sliding", 2, {"window": 4, "dilation": 2}),
+    "sliding-per-layer": ("sliding", 4, {"window": [3, 6], "dilation": [1, 3]}),
+    "sliding-global": ("sliding", 2, {"window": 5, "global_every": 2}),
+    "linear": ("linear", 2, {"chunk_size": 8}),
+    "linear-taylor": ("linear", 1, {"feature_map": "taylor", "chunk_size": 4}),
+    "hybrid": ("hybrid", 2, {"pattern": ["linear", "sliding"], "window": 3, "chunk_size": 4}),
+}
+VOCAB = 53
+
+
+def make_model(name, max_seq_len=64):
+    kind, n_kv_head, options = KINDS[name]
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=VOCAB, n_layer=2, d_model=32, n_head=4, n_kv_head=n_kv_head, d_ff=64,
+                      max_seq_len=max_seq_len, attention=kind, attention_options=options, init_std=0.1)
+    return Transformer(cfg).eval()
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+def test_cached_logits_match_the_full_forward(name):
+    """Prefill in uneven chunks, then token by token: every position's logits as one forward."""
+    model = make_model(name)
+    idx = torch.randint(0, VOCAB, (2, 40))
+    with torch.no_grad():
+        full = model(idx)  # (2, 40, V)
+        cache = GenerationCache(model, pad=torch.zeros(2, dtype=torch.long), max_len=40)
+        pieces = [model(idx[:, a:b], cache=cache) for a, b in ((0, 13), (13, 14), (14, 30))]
+        pieces += [model(idx[:, t:t + 1], cache=cache) for t in range(30, 40)]
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+def test_greedy_tokens_with_cache_equal_recomputing_the_prefix(name):
+    model = make_model(name)
+    prompt = torch.randint(0, VOCAB, (1, 9))
+    cached = generate(model, prompt, 30)
+    recomputed = generate(model, prompt, 30, use_cache=False)
+    assert cached == recomputed and len(cached[0]) == 39
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+def test_batched_prompts_of_different_lengths_decode_as_alone(name):
+    model = make_model(name)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3, 17, 9)]
+    batched = generate(model, prompts, 20)
+    alone = [generate(model, [p], 20)[0] for p in prompts]
+    assert batched == alone
+
+
+def test_linear_state_through_a_long_prompt_and_a_ring_past_the_context():
+    """Sliding and linear models decode past max_seq_len with state that does not grow."""
+    for name in ("linear", "sliding-wrapped"):
+        model = make_model(name, max_seq_len=16)
+        prompt = torch.randint(0, VOCAB, (1, 50))  # longer than the context, in one prefill
+        run = stream(model, prompt, 30)
+        tokens = [t for t in run]
+        assert len(tokens) == 30
+        assert run.tokens == generate(model, prompt, 30, use_cache=False)
+        sizes = []
+        for n in (10, 200):
+            r = stream(model, prompt, n)
+            list(r)
+            sizes.append(r.stats["cache_bytes"])
+        assert sizes[0] == sizes[1] > 0
+
+
+def test_cache_bytes_follow_the_kv_heads():
+    def cache_bytes(name):
+        run = stream(make_model(name), [[1, 2, 3]], 5)
+        list(run)
+        return run.stats["cache_bytes"]
+
+    mha, gqa, mqa = cache_bytes("mha"), cache_bytes("gqa"), cache_bytes("mqa")
+    assert mha == 4 * mqa and mha == 2 * gqa  # n_kv_head / n_head of MHA, byte for byte
+
+
+def test_full_attention_stops_at_its_context_or_truncates_left():
+    model = make_model("mha", max_seq_len=16)
+    with pytest.raises(GenerationError, match="exceeds the model's context of 16"):
+        generate(model, [list(range(10))], 10)
+    out = generate(model, [list(range(10))], 10, truncate="left")
+    assert out[0][:6] == list(range(4, 10)) and len(out[0]) == 16
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(top_p=0.0), "top_p=0.0 must be in (0, 1]"),
+    (dict(top_p=1.5), "top_p=1.5 must be in (0, 1]"),
+    (dict(temperature=-0.1), "temperature=-0.1 must be >= 0"),
+    (dict(max_new_tokens=-1), "max_new_tokens=-1 must be an integer >= 0"),
+    (dict(idx=[[]]), "prompt 0 is empty"),
+    (dict(stop=["\n"]), "stop strings need the tokenizer"),
+])
+def test_bad_generation_settings_are_one_line_errors(kwargs, message):
+    args = {"idx": [[1, 2]], "max_new_tokens": 3, **kwargs}
+    with pytest.raises(GenerationError) as err:
+        generate(make_model("mha"), **args)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_sampling_filters_keep_what_they_promise():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    seen = torch.zeros(1, 4, dtype=torch.bool)
+    g = torch.Generator().manual_seed(0)
+    draw = lambda s: {int(s.pick(logits, seen, g)) for _ in range(300)}  # noqa: E731
+    assert draw(Sampling(temperature=1.0, top_k=2)) == {0, 1}
+    assert draw(Sampling(temperature=1.0, top_p=0.7)) == {0, 1}  # 0.5 < 0.7 <= 0.8
+    assert draw(Sampling(temperature=1.0, min_p=0.5)) == {0, 1}  # p >= 0.25
+    assert draw(Sampling(temperature=1.0)) == {0, 1, 2, 3}
+    assert int(Sampling().pick(logits, seen, None)) == 0
+    # A repetition penalty moves greedy off a token already seen.
+    assert int(Sampling(repetition_penalty=3.0).pick(logits, torch.tensor([[True, False, False, False]]), None)) == 1
+
+
+def test_seed_reproduces_a_sampled_run():
+    model = make_model("gqa")
+    a = generate(model, [[1, 2, 3]], 20, temperature=1.0, top_k=20, seed=7)
+    b = generate(model, [[1, 2, 3]], 20, temperature=1.0, top_k=20, seed=7)
+    c = generate(model, [[1, 2, 3]], 20, temperature=1.0, top_k=20, seed=8)
+    assert a == b and a != c
+
+
+def test_stop_string_and_eos_end_a_row():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {chr(ord("a") + i): i for i in range(26)} | {"<eos>": 26}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    model = make_model("mha")
+    free = generate(model, [[0, 1]], 20)[0][2:]
+    text = tokenizer.decode(free)
+    stop = text[5:7]
+    stopped = generate(model, [[0, 1]], 20, stop=[stop], tokenizer=tokenizer)[0][2:]
+    assert stop in tokenizer.decode(stopped) and len(stopped) < 20
+    assert free[:len(stopped)] == stopped
+    eos = free[4]
+    ended = generate(model, [[0, 1]], 20, eos_id=eos)[0][2:]
+    assert ended == free[:free.index(eos)]
