@@ -14,13 +14,10 @@ import torch
 from tokenizers import Tokenizer
 
 from lm.config import ModelConfig
+from lm.errors import CheckpointError
 from lm.model import Transformer
 
 FORMAT_VERSION = 1
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, unreadable or incompatible; the message says which, in one line."""
 
 
 def read_checkpoint(path: str | Path) -> dict:

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from contextlib import contextmanager
 
 from omegaconf.errors import OmegaConfBaseException
 
-from lm.checkpoint import CheckpointError
-from lm.config import ConfigError
-from lm.data import DataError
-from lm.generation import GenerationError
-
-USER_ERRORS = (ConfigError, DataError, CheckpointError, GenerationError)
+from lm.errors import USER_ERRORS
 
 
 @contextmanager
@@ -28,3 +24,19 @@ def exit_on_user_error():
         message = str(e).strip().splitlines()[0]
         sys.stderr.write(f"error: {key + ': ' if key else ''}{message}\n")
         raise SystemExit(2) from None
+
+
+def quote_text_overrides(argv: list[str], keys: tuple[str, ...]) -> list[str]:
+    """Let `prompt=def f(n):` through Hydra's override grammar as the plain text it is.
+
+    The shell has already removed the user's quotes, and Hydra would read brackets, commas,
+    `=` or `${...}` in free text as syntax; quoting the value for Hydra keeps it literal."""
+    quoted = []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if sep and key in keys and not (value[:1] in "'\"" and value[-1:] == value[:1] and len(value) > 1):
+            value = re.sub(r"(\\+)(?='|$)", lambda m: m.group(1) * 2, value)  # a backslash before a quote
+            value = value.replace("'", "\\'").replace("${", "\\${")
+            arg = f"{key}='{value}'"
+        quoted.append(arg)
+    return quoted

@@ -10,9 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-
-class ConfigError(ValueError):
-    """A configuration value is wrong; the message names the field and the value in one line."""
+from lm.errors import ConfigError  # noqa: F401  (re-exported: lm.config.ConfigError)
 
 
 def _require_int(name: str, value: Any, minimum: int = 1) -> None:

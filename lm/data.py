@@ -27,13 +27,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
+from lm.errors import DataError
+
 EOT = "<|endoftext|>"
 CACHE_FORMAT = 1  # bump when the cache layout or the tokenizer recipe changes
 SKIPPED_STDLIB_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__"}
-
-
-class DataError(ValueError):
-    """The corpus or a data setting cannot work; the message says which, in one line."""
 
 
 @dataclass

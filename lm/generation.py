@@ -16,11 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from lm.cache import GenerationCache
+from lm.errors import GenerationError
 from lm.model import Transformer
-
-
-class GenerationError(ValueError):
-    """A generation setting or prompt is unusable; the message names it, in one line."""
 
 
 @dataclass

@@ -19,20 +19,13 @@ from lm.data import TokenDataModule, build_corpus
 from lm.generation import generate
 from lm.lit import LitLM, OptimConfig
 from lm.model import Transformer
-
-# The repository root: relative paths in configs resolve here, not in Hydra's run folder.
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+from lm.paths import resolve_path
 
 # Lightning's own use of a deprecated torch API; nothing a user can act on.
 warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
 # The run folder always holds tokenizer.json before the first checkpoint; train() says
 # itself when an earlier run's checkpoints are about to be replaced.
 warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
-
-
-def resolve_path(path: str | Path) -> Path:
-    path = Path(os.path.expanduser(str(path)))
-    return path if path.is_absolute() else PROJECT_ROOT / path
 
 
 def model_config_from(cfg: DictConfig, vocab_size: int) -> ModelConfig:

@@ -1,0 +1,21 @@
+"""The errors that mean "the user's input is wrong". Scripts print their one-line message and
+exit with code 2 instead of showing a traceback (lm.cli)."""
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message names the field and the value in one line."""
+
+
+class DataError(ValueError):
+    """The corpus or a data setting cannot work; the message says which, in one line."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, unreadable or incompatible; the message says which, in one line."""
+
+
+class GenerationError(ValueError):
+    """A generation setting or prompt is unusable; the message names it, in one line."""
+
+
+USER_ERRORS = (ConfigError, DataError, CheckpointError, GenerationError)

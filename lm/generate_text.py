@@ -1,0 +1,93 @@
+"""`generate_text(cfg)`: what scripts/generate.py runs. Loads a checkpoint, decodes the prompt(s)
+and streams the text to stdout; settings are checked before anything is loaded."""
+
+from __future__ import annotations
+
+import sys
+from typing import TextIO
+
+from omegaconf import DictConfig
+
+from lm.checkpoint import load
+from lm.data import EOT
+from lm.errors import GenerationError
+from lm.generation import Generation, Sampling
+from lm.paths import resolve_path
+
+
+def read_prompts(cfg: DictConfig) -> list[str]:
+    if (cfg.prompt is None) == (cfg.prompt_file is None):
+        raise GenerationError("give exactly one of prompt=... or prompt_file=...")
+    if cfg.prompt is not None:
+        prompts = [str(cfg.prompt)]
+    else:
+        path = resolve_path(cfg.prompt_file)
+        if not path.is_file():
+            raise GenerationError(f"prompt_file={str(cfg.prompt_file)!r} does not exist")
+        prompts = [line for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+    if not prompts or not all(prompts):
+        raise GenerationError("the prompt is empty: give some text to continue")
+    return prompts
+
+
+def cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
+    """text up to the first stop string, and whether one was found."""
+    cuts = [text.find(s) for s in stop if s in text]
+    return (text[: min(cuts)], True) if cuts else (text, False)
+
+
+def generate_text(cfg: DictConfig, out: TextIO | None = None, err: TextIO | None = None) -> list[str]:
+    """Continue each prompt; returns the texts (prompt + continuation). Text goes to `out`
+    (stdout), statistics to `err` (stderr)."""
+    out, err = out or sys.stdout, err or sys.stderr
+    sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p, cfg.repetition_penalty)
+    prompts = read_prompts(cfg)
+    stop = [str(s) for s in cfg.stop or []]
+    model, tokenizer = load(resolve_path(cfg.ckpt), device=cfg.device)
+    ids = [tokenizer.encode(p).ids for p in prompts]
+    run = Generation(model, ids, cfg.max_new_tokens, sampling, stop=stop, tokenizer=tokenizer,
+                     eos_id=tokenizer.token_to_id(EOT), use_cache=cfg.use_cache, seed=cfg.seed, truncate=cfg.truncate)
+    if len(prompts) == 1:
+        texts = [_stream_one(run, prompts[0], len(ids[0]), tokenizer, stop, out)]
+    else:
+        for _ in run:
+            pass
+        texts = []
+        for i, (prompt, tokens) in enumerate(zip(prompts, run.tokens, strict=True)):
+            continuation, _ = cut_at_stop(tokenizer.decode(tokens[len(ids[i]):]), stop)
+            texts.append(prompt + continuation)
+            out.write(f"=== {i + 1}/{len(prompts)} ===\n{texts[-1]}\n")
+    if cfg.stats:
+        _print_stats(run, err)
+    return texts
+
+
+def _stream_one(run: Generation, prompt: str, n_prompt: int, tokenizer, stop: list[str], out: TextIO) -> str:
+    """Write the prompt, then the continuation as it decodes. Text that could still turn into a
+    stop string, or that ends in half a UTF-8 character, waits until it is settled."""
+    out.write(prompt)
+    out.flush()
+    shown = 0
+    hold = max(map(len, stop), default=1) - 1
+    for _ in run:
+        text, stopped = cut_at_stop(tokenizer.decode(run.tokens[0][n_prompt:]), stop)
+        settled = len(text) if stopped else max(shown, len(text) - hold)
+        if text[shown:settled] and not text[:settled].endswith("\ufffd"):
+            out.write(text[shown:settled])
+            out.flush()
+            shown = settled
+    text, _ = cut_at_stop(tokenizer.decode(run.tokens[0][n_prompt:]), stop)
+    out.write(text[shown:] + "\n")
+    return prompt + text
+
+
+def _print_stats(run: Generation, err: TextIO) -> None:
+    s = run.stats
+    decode_rate = s["new_tokens"] / s["decode_s"] if s.get("decode_s") else 0.0
+    tokens = s["prompt_tokens"] + s["new_tokens"]
+    per_token = s["cache_bytes"] / tokens if tokens else 0.0
+    err.write(f"prompt tokens {s['prompt_tokens']}, new tokens {s['new_tokens']}, prefill {s['prefill_s']:.3f} s, "
+              f"decode {decode_rate:.1f} tokens/s, cache {s['cache_bytes']:,} bytes ({per_token:,.0f} per token)\n")
+
+
+__all__ = ["generate_text"]

@@ -1,0 +1,21 @@
+"""Continue text with a trained model: python scripts/generate.py ckpt=... prompt="..." [max_new_tokens=200] ..."""
+
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from lm.cli import exit_on_user_error, quote_text_overrides
+
+
+@hydra.main(config_path="../conf", config_name="generate", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    from lm.generate_text import generate_text
+
+    with exit_on_user_error():
+        generate_text(cfg)
+
+
+if __name__ == "__main__":
+    sys.argv = quote_text_overrides(sys.argv, keys=("prompt", "prompt_file"))
+    sys.exit(main())

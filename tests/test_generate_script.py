@@ -1,0 +1,118 @@
+"""scripts/generate.py on a real checkpoint: streaming output, batches, stats, and bad input."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TINY_MODEL, compose_config
+from omegaconf import open_dict
+
+from lm.cli import exit_on_user_error, quote_text_overrides
+from lm.generate_text import generate_text
+from lm.training import train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, small_corpus) -> Path:
+    tmp = tmp_path_factory.mktemp("gen")
+    cfg = compose_config("train", [
+        "data=text", f"data.paths=[{small_corpus}]", "data.vocab_size=512", "data.batch_size=4", *TINY_MODEL,
+        "attn=gqa", "trainer=cpu", "trainer.max_steps=3", "trainer.val_every_n_steps=3", "trainer.limit_val_batches=1",
+        "trainer.progress_bar=false", "logger=none", "sample.max_new_tokens=0",
+    ])
+    with open_dict(cfg):
+        cfg.checkpoint_dir = str(tmp / "checkpoints")
+        cfg.data.cache_dir = str(tmp / "cache")
+    return Path(train(cfg)["last"])
+
+
+def run_script(*args, cwd):
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "generate.py"), *args],
+                          capture_output=True, text=True, timeout=120, cwd=cwd)
+
+
+def test_script_streams_a_continuation_and_prints_stats(checkpoint, tmp_path):
+    result = run_script(f"ckpt={checkpoint}", "prompt=def fibonacci(n):", "max_new_tokens=12", "stats=true",
+                        "temperature=0", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("def fibonacci(n):") and len(result.stdout) > len("def fibonacci(n):\n")
+    assert "prompt tokens" in result.stderr and "tokens/s" in result.stderr and "bytes" in result.stderr
+    assert list(tmp_path.iterdir()) == []  # generation writes nothing
+
+
+def test_script_rejects_bad_input_in_one_line(checkpoint, tmp_path):
+    result = run_script(f"ckpt={tmp_path / 'missing.ckpt'}", "prompt=hello", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [f"error: checkpoint '{tmp_path / 'missing.ckpt'}' does not exist"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def compose_generate(*overrides):
+    return compose_config("generate", list(quote_text_overrides(list(overrides), keys=("prompt", "prompt_file"))))
+
+
+def test_prompt_file_decodes_a_batch(checkpoint, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("import os\n\ndef main():\nclass A(object):\n")
+    texts = generate_text(compose_generate(f"ckpt={checkpoint}", f"prompt_file={prompts}", "max_new_tokens=5",
+                                           "temperature=0"))
+    assert [t.split("\n")[0][:9] for t in texts] == ["import os", "def main(", "class A(o"]
+    assert capsys.readouterr().out.count("=== ") == 3
+
+
+def test_stop_string_cuts_the_streamed_text(checkpoint, capsys):
+    free = generate_text(compose_generate(f"ckpt={checkpoint}", "prompt=def f(x):", "max_new_tokens=20",
+                                          "temperature=0"))[0]
+    continuation = free[len("def f(x):"):]
+    stop = continuation[4:6]
+    capsys.readouterr()
+    cut = generate_text(compose_generate(f"ckpt={checkpoint}", "prompt=def f(x):", "max_new_tokens=20",
+                                         "temperature=0", f"stop=[{stop!r}]"))[0]
+    assert cut == free[: len("def f(x):") + continuation.find(stop)]
+    assert capsys.readouterr().out == cut + "\n"
+
+
+def incompatible_copy(checkpoint: Path, folder: Path) -> Path:
+    ckpt = torch.load(checkpoint, weights_only=True)
+    ckpt["lm"]["format_version"] = 99
+    path = folder / "old.ckpt"
+    torch.save(ckpt, path)
+    return path
+
+
+@pytest.mark.parametrize("override, message", [
+    ("prompt=", "the prompt is empty"),
+    ("top_p=1.5", "top_p=1.5 must be in (0, 1]"),
+    ("top_p=0", "top_p=0 must be in (0, 1]"),
+    ("temperature=-1", "temperature=-1 must be >= 0"),
+    ("max_new_tokens=-1", "max_new_tokens=-1 must be an integer >= 0"),
+    ("CORRUPT", "is not a readable torch file"),
+    ("INCOMPATIBLE", "has format_version=99; this lm reads version 1"),
+])
+def test_bad_input_exits_2_with_one_line(checkpoint, tmp_path, capsys, override, message):
+    ckpt = checkpoint
+    if override == "CORRUPT":
+        ckpt = tmp_path / "corrupt.ckpt"
+        ckpt.write_bytes(checkpoint.read_bytes()[:5000])
+    elif override == "INCOMPATIBLE":
+        ckpt = incompatible_copy(checkpoint, tmp_path)
+    overrides = [f"ckpt={ckpt}", "prompt=hello", "max_new_tokens=4"]
+    if "=" in override:
+        overrides.append(override)
+    with pytest.raises(SystemExit) as exit_info, exit_on_user_error():
+        generate_text(compose_generate(*overrides))
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]
+
+
+def test_free_text_overrides_are_quoted_for_hydra():
+    raw = "x = f(a, b) + '${y}' \\"
+    cfg = compose_generate("ckpt=c", f"prompt={raw}")
+    assert cfg.prompt == raw
