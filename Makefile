@@ -29,9 +29,10 @@ test-all: install ## every test, slow ones included
 lint: install ## ruff
 	$(VENV)/bin/ruff check lm scripts tests
 
-bench: install ## training throughput against transformers' Llama, then attention kinds against N
+bench: install ## training and decoding against transformers' Llama, attention kinds against N
 	$(PY) scripts/bench.py train
 	$(PY) scripts/bench.py attention
+	$(PY) scripts/bench.py generate
 
 clean: ## remove the venv and caches (checkpoints are kept)
 	rm -rf $(VENV) .cache .pytest_cache outputs multirun

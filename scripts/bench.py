@@ -2,6 +2,7 @@
 
     python scripts/bench.py train       # training tokens/s vs transformers' LlamaForCausalLM, and MFU
     python scripts/bench.py attention   # time and peak memory of each attention kind vs sequence length
+    python scripts/bench.py generate    # decode tokens/s, per-token latency and cache bytes per kind vs transformers
 
 The machine may be shared and noisy, so the contenders run in alternating rounds and each
 reports its median step time; compare the ratio, not a single absolute figure.
@@ -279,6 +280,93 @@ def plot_attention(rows: list[dict], heads: int, path: Path) -> Path:
     return path
 
 
+# ---------------------------------------------------------------------------- generate
+
+GENERATE_KINDS = {  # name -> (attention kind, n_kv_head, options) at the reference shape (6 heads)
+    "mha": ("softmax", 6, {}),
+    "gqa": ("softmax", 2, {}),
+    "mqa": ("softmax", 1, {}),
+    "sliding": ("sliding", 2, {"window": 256}),
+    "linear": ("linear", 2, {}),
+}
+
+
+def reference_model(kind: str, n_kv_head: int, options: dict, max_seq_len: int) -> Transformer:
+    torch.manual_seed(0)
+    shape = {**REFERENCE, "n_kv_head": n_kv_head, "max_seq_len": max_seq_len}
+    return Transformer(ModelConfig(**shape, attention=kind, attention_options=options)).eval()
+
+
+def decode_seconds(run_generate, repeats: int) -> float:
+    run_generate()  # warm-up
+    return min(_timed(run_generate) for _ in range(repeats))
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def step_latency(model: Transformer, position: int, steps: int = 16) -> float:
+    """Median seconds of one decoding step once `position` tokens are in the cache."""
+    from lm.cache import GenerationCache
+
+    cache = GenerationCache(model, pad=torch.zeros(1, dtype=torch.long), max_len=position + steps + 1)
+    prompt = torch.randint(0, model.config.vocab_size, (1, position))
+    times = []
+    with torch.no_grad():
+        for start in range(0, position, 1024):
+            model(prompt[:, start:start + 1024], cache=cache)
+        token = torch.zeros(1, 1, dtype=torch.long)
+        for _ in range(steps):
+            times.append(_timed(lambda: model(token, cache=cache)))
+    return statistics.median(times)
+
+
+def bench_generate(args) -> None:
+    from lm.generation import stream
+
+    prompt = torch.randint(0, REFERENCE["vocab_size"], (1, args.prompt))
+    max_len = max(args.new_tokens) + args.prompt + 1
+    long_position = args.positions[-1]
+    print(f"greedy decoding, batch 1, {args.prompt}-token prompt, fp32, {torch.get_num_threads()} threads; "
+          f"reference shape (vocab 8192, 6 layers, d_model 384, 6 heads, SwiGLU 1024)")
+    header = "".join(f"{f'tok/s @{n}':>12}" for n in args.new_tokens)
+    header += "".join(f"{f'ms @pos {p}':>13}" for p in args.positions)
+    header += f"{'latency ratio':>15}{'cache bytes/token':>19}{'cache @' + str(max_len):>14}"
+    print(f"{'kind':14}{'kv heads':>9}{header}")
+    rates: dict[str, dict[int, float]] = {}
+    for name, (kind, n_kv_head, options) in GENERATE_KINDS.items():
+        model = reference_model(kind, n_kv_head, options, max_seq_len=max(max_len, long_position + 32))
+        rates[name] = {}
+        for n in args.new_tokens:
+            seconds = decode_seconds(lambda m=model, n=n: list(stream(m, prompt, n)), args.repeats)
+            rates[name][n] = n / seconds
+        latency = [step_latency(model, p) for p in args.positions]
+        run = stream(model, prompt, max(args.new_tokens))
+        list(run)
+        total = run.stats["cache_bytes"]
+        per_token = total / (args.prompt + max(args.new_tokens))
+        cells = "".join(f"{rates[name][n]:12.1f}" for n in args.new_tokens)
+        cells += "".join(f"{t * 1e3:13.2f}" for t in latency)
+        print(f"{name:14}{n_kv_head:9}{cells}{latency[-1] / latency[0]:15.2f}{per_token:19,.0f}{total:14,}", flush=True)
+    if args.compare:
+        hf = hf_llama(ModelConfig(**{**REFERENCE, "max_seq_len": max_len})).eval()
+        hf.generation_config.eos_token_id = None
+        hf.generation_config.pad_token_id = 0
+
+        def hf_generate(n: int) -> None:
+            with torch.no_grad():
+                hf.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, use_cache=True)
+
+        hf_rates = {n: n / decode_seconds(lambda n=n: hf_generate(n), args.repeats) for n in args.new_tokens}
+        cells = "".join(f"{hf_rates[n]:12.1f}" for n in args.new_tokens)
+        print(f"{'transformers':14}{2:9}{cells}   (LlamaForCausalLM.generate, gqa shape, SDPA, cache on)")
+        for n in args.new_tokens:
+            print(f"lm gqa / transformers decode tokens/s at {n} new tokens: {rates['gqa'][n] / hf_rates[n]:.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
@@ -296,6 +384,13 @@ def main() -> None:
                            help="skip the one-head comparison at the longest N")
     attention.add_argument("--out", default="bench", help="folder for attention.csv and attention.png")
     attention.set_defaults(run=bench_attention)
+    gen = sub.add_parser("generate", help="decode tokens/s, per-token latency and cache bytes of each kind")
+    gen.add_argument("--prompt", type=int, default=32, help="prompt tokens")
+    gen.add_argument("--new-tokens", type=int, nargs="+", default=[128, 1024])
+    gen.add_argument("--positions", type=int, nargs=2, default=[64, 4096], help="where per-token latency is taken")
+    gen.add_argument("--repeats", type=int, default=2)
+    gen.add_argument("--no-compare", dest="compare", action="store_false", help="skip transformers' generate")
+    gen.set_defaults(run=bench_generate)
     args = parser.parse_args()
     args.run(args)
 

@@ -25,7 +25,6 @@ class GroupedQKV(nn.Module):
         self.n_kv_head = config.n_kv_head
         self.head_dim = config.head_dim
         q_size, kv_size = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
-        self.split_sizes = (q_size, kv_size, kv_size)
         # One projection for Q, K and V: a single GEMM is faster than three on small models.
         # K and V get n_kv_head heads only, which is what makes GQA/MQA cheaper to cache.
         self.qkv = nn.Linear(config.d_model, q_size + 2 * kv_size, bias=False)
@@ -33,12 +32,12 @@ class GroupedQKV(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
         B, T, _ = x.shape
-        q, k, v = self.qkv(x).split(self.split_sizes, dim=-1)
-        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
-        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        nh, nkv = self.n_head, self.n_kv_head
+        heads = self.qkv(x).view(B, T, nh + 2 * nkv, self.head_dim).transpose(1, 2)  # (B, nh+2nkv, T, hs)
+        qk, v = heads[:, : nh + nkv], heads[:, nh + nkv :]  # (B, nh+nkv, T, hs), (B, nkv, T, hs)
         if self.uses_rope:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            qk = apply_rope(qk, cos, sin)  # Q and K rotated in one pass
+        q, k = qk[:, :nh], qk[:, nh:]  # (B, nh, T, hs), (B, nkv, T, hs)
         y = self.attend(q, k, v) if cache is None else self.attend_cached(q, k, v, cache)  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, nh*hs)
         return self.out(y)

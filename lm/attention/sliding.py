@@ -133,6 +133,8 @@ class RingKVCache:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         start, T = self.context.seen, q.shape[2]
+        if T == 1:
+            return self._attend_one(q, k, v, start)
         q_slots = torch.arange(start, start + T, device=q.device)
         keys = torch.cat((self.k, k), dim=2)  # (B, nkv, W*d + T, hs)
         values = torch.cat((self.v, v), dim=2)  # (B, nkv, W*d + T, hs)
@@ -148,6 +150,20 @@ class RingKVCache:
         self.v[:, :, index] = v[:, :, -keep:]
         self.slot_of[index] = q_slots[-keep:]
         return out
+
+    def _attend_one(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: int) -> torch.Tensor:
+        """Decoding step: the new key replaces the one W*d slots back, which no query needs any
+        more, so the ring is written first and attended as it is, without a copy."""
+        index = slot % self.k.shape[2]
+        self.k[:, :, index] = k[:, :, 0]
+        self.v[:, :, index] = v[:, :, 0]
+        self.slot_of[index] = slot
+        back = slot - self.slot_of  # (W*d,)
+        visible = (self.slot_of >= 0) & (back % self.dilation == 0)
+        q_slot = torch.tensor([slot], device=q.device)
+        mask = visibility_mask(self.context, q_slot, self.slot_of, visible[None, :])
+        gqa = self.k.shape[1] != q.shape[1]
+        return F.scaled_dot_product_attention(q, self.k, self.v, attn_mask=mask, enable_gqa=gqa)
 
     def nbytes(self) -> int:
         return tensor_bytes(self.k, self.v)
