@@ -63,3 +63,25 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> tuple[Transfor
         raise CheckpointError(f"checkpoint {str(path)!r} holds no tokenizer")
     tokenizer = Tokenizer.from_str(ckpt["lm"]["tokenizer"])
     return model.to(device).eval(), tokenizer
+
+
+def save_checkpoint(path: str | Path, state_dict: dict[str, torch.Tensor], config: ModelConfig,
+                    tokenizer_json: str, run_config: dict | None = None, provenance: dict | None = None,
+                    global_step: int = 0) -> Path:
+    """Write a checkpoint `load` and `read_checkpoint` accept, without a Lightning trainer.
+
+    Written to a temporary file and renamed into place, so a crash never leaves half a file."""
+    import os
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ckpt = {
+        "state_dict": {f"model.{k}": v for k, v in state_dict.items()},
+        "global_step": global_step,
+        "lm": {"format_version": FORMAT_VERSION, "model_config": config.to_dict(), "tokenizer": tokenizer_json,
+               "run_config": run_config or {}, "provenance": provenance or {}},
+    }
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(ckpt, tmp)
+    os.replace(tmp, path)
+    return path

@@ -185,19 +185,20 @@ class TokenCache:
         return np.memmap(self.path / f"{split}.bin", dtype=self.meta["dtype"], mode="r")
 
 
-def cache_key(corpus: Corpus, vocab_size: int, val_fraction: float) -> str:
-    return _digest([CACHE_FORMAT, corpus.fingerprint, vocab_size, val_fraction])[:16]
+def cache_key(corpus: Corpus, vocab_size: int, val_fraction: float, tokenizer_json: str | None = None) -> str:
+    return _digest([CACHE_FORMAT, corpus.fingerprint, vocab_size, val_fraction, tokenizer_json])[:16]
 
 
 def build_token_cache(corpus: Corpus, cache_dir: Path, vocab_size: int, val_fraction: float,
-                      min_val_tokens: int) -> TokenCache:
+                      min_val_tokens: int, tokenizer_json: str | None = None) -> TokenCache:
     """Train the tokenizer and tokenize the corpus once; later calls return the cache at once.
 
-    The folder is assembled under a temporary name and renamed into place, so an
-    interrupted run never leaves a half-written cache behind.
+    With `tokenizer_json` (a checkpoint's tokenizer, when uptraining) that tokenizer is used
+    instead of training one. The folder is assembled under a temporary name and renamed into
+    place, so an interrupted run never leaves a half-written cache behind.
     """
     safe_name = corpus.name.replace("/", "_").replace(":", "_")
-    final = cache_dir / f"{safe_name}-{cache_key(corpus, vocab_size, val_fraction)}"
+    final = cache_dir / f"{safe_name}-{cache_key(corpus, vocab_size, val_fraction, tokenizer_json)}"
     if (final / "meta.json").exists():
         return TokenCache(final)
     tmp = final.with_name(final.name + f".tmp-{os.getpid()}")
@@ -213,7 +214,10 @@ def build_token_cache(corpus: Corpus, cache_dir: Path, vocab_size: int, val_frac
                     n_train_docs += 1
                     yield text
 
-        tokenizer = train_tokenizer(train_texts(), vocab_size)
+        if tokenizer_json is not None:
+            tokenizer, n_train_docs = Tokenizer.from_str(tokenizer_json), 1
+        else:
+            tokenizer = train_tokenizer(train_texts(), vocab_size)
         doc_val_fraction = val_fraction
         if n_train_docs == 0:
             # Every document hashed into val (a corpus of one or two files): train on all of
@@ -309,7 +313,7 @@ class TokenWindows(Dataset):
 
 class TokenDataModule(L.LightningDataModule):
     def __init__(self, corpus: Corpus, cache_dir: Path, seq_len: int, batch_size: int, vocab_size: int,
-                 val_fraction: float = 0.05, seed: int = 0, num_workers: int = 0):
+                 val_fraction: float = 0.05, seed: int = 0, num_workers: int = 0, tokenizer_json: str | None = None):
         super().__init__()
         if batch_size < 1:
             raise DataError(f"data.batch_size={batch_size} must be >= 1")
@@ -318,11 +322,12 @@ class TokenDataModule(L.LightningDataModule):
         self.corpus, self.cache_dir = corpus, Path(cache_dir)
         self.seq_len, self.batch_size, self.vocab_size = seq_len, batch_size, vocab_size
         self.val_fraction, self.seed, self.num_workers = val_fraction, seed, num_workers
+        self.tokenizer_json = tokenizer_json
         self.cache: TokenCache | None = None
 
     def prepare_data(self) -> None:
         self.cache = build_token_cache(self.corpus, self.cache_dir, self.vocab_size, self.val_fraction,
-                                       min_val_tokens=self.seq_len + 1)
+                                       min_val_tokens=self.seq_len + 1, tokenizer_json=self.tokenizer_json)
 
     def setup(self, stage: str | None = None) -> None:
         if self.cache is None:

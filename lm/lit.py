@@ -39,13 +39,16 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: flo
 
 class LitLM(L.LightningModule):
     def __init__(self, model: Transformer, optim: OptimConfig, total_steps: int,
-                 tokenizer_json: str | None = None, run_config: dict | None = None, compile: bool = False):
+                 tokenizer_json: str | None = None, run_config: dict | None = None, compile: bool = False,
+                 provenance: dict | None = None):
         super().__init__()
         self.model = model
         self.optim = optim
         self.total_steps = total_steps
         self.tokenizer_json = tokenizer_json
         self.run_config = run_config or {}
+        self.provenance = provenance or {}
+        self.val_history: list[tuple[int, float]] = []  # (optimizer step, val loss) of every validation
         # The compiled callable is kept out of the module tree so checkpoints hold the
         # plain model's parameter names, loadable with or without compile.
         self._forward = torch.compile(model) if compile else model
@@ -91,6 +94,7 @@ class LitLM(L.LightningModule):
         self.log("val/loss", val_loss, prog_bar=True)
         self.log("val/ppl", val_loss.exp())
         self.last_val_step = self.global_step
+        self.val_history.append((self.global_step, float(val_loss)))
 
     def configure_optimizers(self):
         # Decay matmul weights only; norms and embeddings are not decayed (a tied head is the
@@ -116,4 +120,5 @@ class LitLM(L.LightningModule):
             "model_config": self.model.config.to_dict(),
             "tokenizer": self.tokenizer_json,
             "run_config": self.run_config,
+            "provenance": self.provenance,
         }

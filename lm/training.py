@@ -93,12 +93,18 @@ def progress_bar(trainer_cfg: DictConfig) -> list:
     return [L.pytorch.callbacks.TQDMProgressBar(refresh_rate=trainer_cfg.progress_refresh_steps)]
 
 
-def train(cfg: DictConfig) -> dict:
-    """Fit the configured model; returns the final val loss and where the checkpoints are."""
+def train(cfg: DictConfig, model_config: ModelConfig | None = None, init_state: dict | None = None,
+          tokenizer_json: str | None = None, provenance: dict | None = None, validate_first: bool = False) -> dict:
+    """Fit the configured model; returns the final val loss and where the checkpoints are.
+
+    Uptraining passes the converted `model_config` and its weights (`init_state`), the source
+    run's tokenizer and the conversion's `provenance`; `validate_first` measures step 0.
+    """
     check_trainer(cfg)
     # Validate the model settings before spending time on data; the tokenizer fixes the
     # final vocabulary size later.
-    model_config_from(cfg, cfg.data.vocab_size)
+    if model_config is None:
+        model_config_from(cfg, cfg.data.vocab_size)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     run_dir = resolve_path(cfg.checkpoint_dir) / cfg.run_name
     ckpt_path = resume_path(cfg, run_dir)
@@ -106,11 +112,13 @@ def train(cfg: DictConfig) -> dict:
     data = TokenDataModule(
         build_corpus(cfg.data), resolve_path(cfg.data.cache_dir), seq_len=cfg.model.max_seq_len,
         batch_size=cfg.data.batch_size, vocab_size=cfg.data.vocab_size, val_fraction=cfg.data.val_fraction,
-        seed=cfg.seed, num_workers=cfg.data.num_workers,
+        seed=cfg.seed, num_workers=cfg.data.num_workers, tokenizer_json=tokenizer_json,
     )
     data.prepare_data()
     data.setup("fit")
-    model = Transformer(model_config_from(cfg, data.tokenizer.get_vocab_size()))
+    model = Transformer(model_config or model_config_from(cfg, data.tokenizer.get_vocab_size()))
+    if init_state is not None:
+        model.load_state_dict(init_state)
 
     if ckpt_path is None and (run_dir / "last.ckpt").exists():
         print(f"note: starting run {cfg.run_name!r} afresh; its checkpoints will be replaced "
@@ -119,7 +127,8 @@ def train(cfg: DictConfig) -> dict:
     data.tokenizer.save(str(run_dir / "tokenizer.json"))
     run_config = OmegaConf.to_container(cfg, resolve=True)
     lit = LitLM(model, OptimConfig(**cfg.optim), total_steps=cfg.trainer.max_steps,
-                tokenizer_json=data.tokenizer.to_str(), run_config=run_config, compile=cfg.compile)
+                tokenizer_json=data.tokenizer.to_str(), run_config=run_config, compile=cfg.compile,
+                provenance=provenance)
 
     precision = pick_precision(cfg.trainer)
     print(f"run {cfg.run_name}: {model.num_params() / 1e6:.2f}M parameters, attention={model.config.attention} "
@@ -142,6 +151,8 @@ def train(cfg: DictConfig) -> dict:
         callbacks=[best, last, *progress_bar(t)], enable_progress_bar=t.progress_bar, enable_model_summary=False,
         default_root_dir=str(run_dir),
     )
+    if validate_first:
+        trainer.validate(lit, datamodule=data, verbose=False)
     trainer.fit(lit, datamodule=data, ckpt_path=ckpt_path)
     if lit.last_val_step != trainer.global_step:
         # max_steps is not a multiple of the validation interval: measure the final weights
@@ -150,7 +161,7 @@ def train(cfg: DictConfig) -> dict:
         trainer.save_checkpoint(run_dir / "last.ckpt")
     val_loss = float(trainer.callback_metrics["val/loss"])
     result = {"val_loss": val_loss, "run_dir": str(run_dir), "last": str(run_dir / "last.ckpt"),
-              "best": best.best_model_path, "steps": trainer.global_step}
+              "best": best.best_model_path, "steps": trainer.global_step, "val_history": lit.val_history}
     if trainer.is_global_zero:
         ppl = torch.tensor(val_loss).exp()
         print(f"final val loss {val_loss:.4f} (ppl {ppl:.1f}) after {trainer.global_step} steps")

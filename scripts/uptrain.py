@@ -1,0 +1,27 @@
+"""Convert to grouped-query / multi-query attention and uptrain:
+python scripts/uptrain.py ckpt=... attn.n_kv_head=2 [uptrain.init=mean] [uptrain.fraction=0.05]
+python scripts/uptrain.py --config-name uptrain_study ckpt=...    # the ablation study"""
+
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from lm.cli import exit_on_user_error
+
+
+@hydra.main(config_path="../conf", config_name="uptrain", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    with exit_on_user_error():
+        if cfg.get("study"):
+            from lm.study import run_study
+
+            run_study(cfg)
+        else:
+            from lm.uptraining import uptrain
+
+            uptrain(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""Uptraining through the Hydra configs: conversion only, a short uptrain, the study, bad targets."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import TINY_MODEL, compose_config
+from omegaconf import open_dict
+
+import lm
+from lm.checkpoint import read_checkpoint
+from lm.study import run_study
+from lm.training import train
+from lm.uptraining import uptrain
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory, small_corpus) -> Path:
+    """A 4-head MHA run of 6 steps on the small corpus."""
+    tmp = tmp_path_factory.mktemp("teacher")
+    cfg = compose_config("train", [
+        "data=text", f"data.paths=[{small_corpus}]", "data.vocab_size=512", "data.batch_size=4", *TINY_MODEL,
+        "attn=mha", "trainer=cpu", "trainer.max_steps=6", "trainer.val_every_n_steps=6", "trainer.limit_val_batches=2",
+        "trainer.progress_bar=false", "logger=none", "sample.max_new_tokens=0", "run_name=teacher",
+    ])
+    with open_dict(cfg):
+        cfg.checkpoint_dir = str(tmp / "checkpoints")
+        cfg.data.cache_dir = str(tmp / "cache")
+    return Path(train(cfg)["last"])
+
+
+def uptrain_config(teacher, tmp_path, *overrides, name="uptrain"):
+    return compose_config(name, [f"ckpt={teacher}", f"checkpoint_dir={tmp_path}", "logger=none",
+                                 "progress_bar=false", "sample_tokens=0", *overrides])
+
+
+def test_conversion_only_writes_a_normal_checkpoint_with_provenance(teacher, tmp_path):
+    cfg = uptrain_config(teacher, tmp_path, "attn.n_kv_head=1", "uptrain.init=first", "uptrain.steps=0",
+                         f"out={tmp_path / 'mqa'}")
+    result = uptrain(cfg)
+    model, tokenizer = lm.load(result["last"])
+    assert model.config.n_kv_head == 1 and tokenizer.get_vocab_size() == 512
+    provenance = read_checkpoint(result["last"])["lm"]["provenance"]
+    assert provenance == {"source": str(teacher), "source_step": 6, "init": "first", "fraction": None, "steps": 0,
+                          "n_kv_head_from": 4, "n_kv_head_to": 1}
+    assert (tmp_path / "mqa" / "tokenizer.json").is_file()
+    assert len(lm.generate(model, [[1, 2, 3]], 5)[0]) == 8  # it decodes
+
+
+def test_uptraining_runs_fraction_of_source_steps_and_records_the_conversion(teacher, tmp_path):
+    cfg = uptrain_config(teacher, tmp_path, "attn.n_kv_head=2", "uptrain.fraction=0.5")
+    result = uptrain(cfg)
+    assert result["steps"] == 3  # half of the teacher's 6 steps
+    assert result["val_history"][0][0] == 0 and result["val_loss_before"] == result["val_history"][0][1]
+    ckpt = read_checkpoint(result["last"])
+    assert ckpt["lm"]["model_config"]["n_kv_head"] == 2
+    assert ckpt["lm"]["provenance"]["init"] == "mean" and ckpt["lm"]["provenance"]["fraction"] == 0.5
+    assert ckpt["lm"]["run_config"]["uptrain"]["source"] == str(teacher)
+    assert ckpt["lm"]["tokenizer"] == read_checkpoint(teacher)["lm"]["tokenizer"]  # the source's tokenizer
+    assert Path(result["run_dir"]).name == "teacher-gqa2-mean"
+
+
+def test_study_writes_json_table_and_plot(teacher, tmp_path):
+    cfg = uptrain_config(teacher, tmp_path, "study.kv_heads=[1]", "study.inits=[mean,random]",
+                         "study.fractions=[0.5]", f"study.out={tmp_path / 'study'}", "study.decode_tokens=4",
+                         "uptrain.limit_val_batches=2", name="uptrain_study")
+    records = run_study(cfg)
+    saved = json.loads((tmp_path / "study" / "results.json").read_text())["records"]
+    assert [r["arm"] for r in saved] == ["teacher", "mqa-mean-0.5", "mqa-random-0.5", "mqa-scratch-0.5"]
+    assert saved == json.loads(json.dumps(records))
+    for r in saved[1:]:
+        assert {"kv_heads", "init", "fraction", "val_loss_before", "val_loss_after", "decode_tokens_per_s",
+                "cache_bytes_per_token"} <= set(r)
+        assert r["steps"] == 3 and r["cache_bytes_per_token"] * 4 == saved[0]["cache_bytes_per_token"]
+    # right after conversion, mean-pooled heads keep more of the teacher than random ones
+    assert saved[1]["val_loss_before"] < saved[2]["val_loss_before"]
+    assert "| mqa-mean-0.5 |" in (tmp_path / "study" / "results.md").read_text()
+    assert (tmp_path / "study" / "val_loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("attn.n_kv_head=3", "error: n_head=4 is not divisible by n_kv_head=3"),
+    ("uptrain.init=median", "error: init='median' is not one of ['mean', 'first', 'random']"),
+])
+def test_invalid_target_exits_2_in_one_line(teacher, tmp_path, override, message):
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "uptrain.py"), f"ckpt={teacher}",
+                             "attn.n_kv_head=2", override, "logger=none", f"checkpoint_dir={tmp_path}",
+                             f"hydra.run.dir={tmp_path / 'hydra'}"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [message]
