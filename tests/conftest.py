@@ -29,6 +29,21 @@ def small_corpus(tmp_path_factory) -> Path:
     return folder
 
 
+def train_small_run(folder: Path, corpus: Path, *overrides: str) -> Path:
+    """Train a few steps on the small corpus under `folder`; the path of its last.ckpt."""
+    from lm.training import train
+
+    cfg = compose_config("train", [
+        "data=text", f"data.paths=[{corpus}]", "data.vocab_size=512", "data.batch_size=4", *TINY_MODEL,
+        "trainer=cpu", "trainer.max_steps=3", "trainer.val_every_n_steps=3", "trainer.limit_val_batches=1",
+        "trainer.progress_bar=false", "logger=none", "sample.max_new_tokens=0", *overrides,
+    ])
+    with open_dict(cfg):
+        cfg.checkpoint_dir = str(folder / "checkpoints")
+        cfg.data.cache_dir = str(folder / "cache")
+    return Path(train(cfg)["last"])
+
+
 @pytest.fixture
 def train_config(tmp_path, small_corpus):
     """A factory: the training config over the small corpus, writing only under tmp_path."""

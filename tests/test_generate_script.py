@@ -6,28 +6,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_MODEL, compose_config
-from omegaconf import open_dict
+from conftest import compose_config, train_small_run
 
 from lm.cli import exit_on_user_error, quote_text_overrides
 from lm.generate_text import generate_text
-from lm.training import train
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, small_corpus) -> Path:
-    tmp = tmp_path_factory.mktemp("gen")
-    cfg = compose_config("train", [
-        "data=text", f"data.paths=[{small_corpus}]", "data.vocab_size=512", "data.batch_size=4", *TINY_MODEL,
-        "attn=gqa", "trainer=cpu", "trainer.max_steps=3", "trainer.val_every_n_steps=3", "trainer.limit_val_batches=1",
-        "trainer.progress_bar=false", "logger=none", "sample.max_new_tokens=0",
-    ])
-    with open_dict(cfg):
-        cfg.checkpoint_dir = str(tmp / "checkpoints")
-        cfg.data.cache_dir = str(tmp / "cache")
-    return Path(train(cfg)["last"])
+    return train_small_run(tmp_path_factory.mktemp("gen"), small_corpus, "attn=gqa")
 
 
 def run_script(*args, cwd):

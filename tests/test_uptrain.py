@@ -6,13 +6,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import TINY_MODEL, compose_config
-from omegaconf import open_dict
+from conftest import compose_config, train_small_run
 
 import lm
 from lm.checkpoint import read_checkpoint
 from lm.study import run_study
-from lm.training import train
 from lm.uptraining import uptrain
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,16 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def teacher(tmp_path_factory, small_corpus) -> Path:
     """A 4-head MHA run of 6 steps on the small corpus."""
-    tmp = tmp_path_factory.mktemp("teacher")
-    cfg = compose_config("train", [
-        "data=text", f"data.paths=[{small_corpus}]", "data.vocab_size=512", "data.batch_size=4", *TINY_MODEL,
-        "attn=mha", "trainer=cpu", "trainer.max_steps=6", "trainer.val_every_n_steps=6", "trainer.limit_val_batches=2",
-        "trainer.progress_bar=false", "logger=none", "sample.max_new_tokens=0", "run_name=teacher",
-    ])
-    with open_dict(cfg):
-        cfg.checkpoint_dir = str(tmp / "checkpoints")
-        cfg.data.cache_dir = str(tmp / "cache")
-    return Path(train(cfg)["last"])
+    return train_small_run(tmp_path_factory.mktemp("teacher"), small_corpus, "attn=mha", "trainer.max_steps=6",
+                           "trainer.val_every_n_steps=6", "trainer.limit_val_batches=2", "run_name=teacher")
 
 
 def uptrain_config(teacher, tmp_path, *overrides, name="uptrain"):
