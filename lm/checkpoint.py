@@ -50,7 +50,12 @@ def model_state_dict(ckpt: dict) -> dict[str, torch.Tensor]:
 
 
 def load(path: str | Path, device: str | torch.device = "cpu") -> tuple[Transformer, Tokenizer]:
-    """(model in eval mode, tokenizer) from a training checkpoint."""
+    """(model in eval mode, tokenizer) from a training checkpoint, or from a local Hugging Face
+    Llama / Mistral folder."""
+    from lm.hf import is_hf_folder, load_hf
+
+    if is_hf_folder(path):
+        return load_hf(path, device)
     ckpt = read_checkpoint(path)
     config = ModelConfig.from_dict(ckpt["lm"]["model_config"])
     model = Transformer(config)

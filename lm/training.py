@@ -87,6 +87,14 @@ def check_trainer(cfg: DictConfig) -> None:
         raise ConfigError(f"trainer.accumulate_grad_batches={t.accumulate_grad_batches!r} must be a positive integer")
 
 
+def weights_from(path: str) -> tuple[ModelConfig, dict, str]:
+    """(config, weights, tokenizer JSON) of a checkpoint or transformers folder to start from."""
+    from lm.checkpoint import load
+
+    model, tokenizer = load(resolve_path(path))
+    return model.config, model.state_dict(), tokenizer.to_str()
+
+
 def progress_bar(trainer_cfg: DictConfig) -> list:
     if not trainer_cfg.progress_bar:
         return []
@@ -101,6 +109,8 @@ def train(cfg: DictConfig, model_config: ModelConfig | None = None, init_state: 
     run's tokenizer and the conversion's `provenance`; `validate_first` measures step 0.
     """
     check_trainer(cfg)
+    if cfg.get("init_from") and model_config is None:
+        model_config, init_state, tokenizer_json = weights_from(cfg.init_from)
     # Validate the model settings before spending time on data; the tokenizer fixes the
     # final vocabulary size later.
     if model_config is None:

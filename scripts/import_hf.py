@@ -1,0 +1,31 @@
+"""Import a local Llama/Mistral folder as a native checkpoint: python scripts/import_hf.py src=DIR out=DIR"""
+
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from lm.cli import exit_on_user_error
+
+
+@hydra.main(config_path="../conf", config_name="import_hf", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    from lm.checkpoint import save_checkpoint
+    from lm.errors import CheckpointError
+    from lm.hf import is_hf_folder, load_hf
+    from lm.paths import resolve_path
+
+    with exit_on_user_error():
+        src = resolve_path(cfg.src)
+        if not is_hf_folder(src):
+            raise CheckpointError(f"src={str(cfg.src)!r} is not a folder with a config.json")
+        model, tokenizer = load_hf(src)
+        out = resolve_path(cfg.out)
+        path = save_checkpoint(out / "last.ckpt", model.state_dict(), model.config, tokenizer.to_str(),
+                               provenance={"imported_from": str(src)})
+        tokenizer.save(str(out / "tokenizer.json"))
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

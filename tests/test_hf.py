@@ -1,0 +1,129 @@
+"""Export to and import from transformers, proven by identical logits and greedy tokens."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lm import ConfigError, ModelConfig, Transformer, generate, load
+from lm.data import train_tokenizer
+from lm.hf import export_hf
+
+transformers = pytest.importorskip("transformers", reason="the hf extra (pip install -e .[hf]) is not installed")
+ROOT = Path(__file__).resolve().parents[1]
+
+VARIANTS = {
+    "mha-tied": dict(n_head=4, n_kv_head=4, tie_embeddings=True, vocab_size=301),
+    "gqa-untied": dict(n_head=6, n_kv_head=2, tie_embeddings=False, vocab_size=317),
+    "mqa-tied": dict(n_head=4, n_kv_head=1, tie_embeddings=True, vocab_size=263),
+    "sliding-gqa": dict(n_head=4, n_kv_head=2, tie_embeddings=False, vocab_size=289, attention="sliding",
+                        attention_options={"window": 5}),
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    text = (Path(__file__).read_text() + Path(ROOT / "lm" / "model.py").read_text()) * 2
+    return train_tokenizer(iter([text]), 260)
+
+
+def native_model(variant):
+    torch.manual_seed(0)
+    fields = {"n_layer": 2, "d_ff": 80, "max_seq_len": 64, "init_std": 0.1, **VARIANTS[variant]}
+    fields["d_model"] = 8 * fields["n_head"]
+    return Transformer(ModelConfig(**fields)).eval()
+
+
+def compare(ours: Transformer, theirs, vocab: int):
+    idx = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(1))  # longer than the window
+    with torch.no_grad():
+        ours_logits, their_logits = ours(idx), theirs(input_ids=idx).logits
+    assert (ours_logits - their_logits).abs().max().item() < 1e-4
+    prompt = idx[:1, :7]
+    with torch.no_grad():
+        their_tokens = theirs.generate(prompt, max_new_tokens=16, min_new_tokens=16, do_sample=False)[0].tolist()
+    assert generate(ours, prompt, 16)[0] == their_tokens
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_export_loads_in_transformers_with_the_same_logits_and_tokens(variant, tokenizer, tmp_path):
+    model = native_model(variant)
+    export_hf(model, tokenizer, tmp_path)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    expected = "MistralForCausalLM" if variant.startswith("sliding") else "LlamaForCausalLM"
+    assert type(theirs).__name__ == expected
+    assert theirs.config.num_key_value_heads == model.config.n_kv_head
+    compare(model, theirs, model.config.vocab_size)
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    text = "def forward(self, x):\n    return x"
+    assert hf_tokenizer(text)["input_ids"] == tokenizer.encode(text).ids
+    assert hf_tokenizer.eos_token == "<|endoftext|>"
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_import_of_a_transformers_folder_matches_it(variant, tokenizer, tmp_path):
+    fields = VARIANTS[variant]
+    n_head = fields["n_head"]
+    common = dict(vocab_size=fields["vocab_size"], hidden_size=8 * n_head, intermediate_size=80, num_hidden_layers=2,
+                  num_attention_heads=n_head, num_key_value_heads=fields["n_kv_head"], max_position_embeddings=64,
+                  tie_word_embeddings=fields["tie_embeddings"], initializer_range=0.1)
+    torch.manual_seed(2)
+    if "attention" in fields:
+        theirs = transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=5, **common))
+    else:
+        theirs = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    theirs.eval().save_pretrained(tmp_path)
+    hf_tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>")
+    hf_tokenizer.save_pretrained(tmp_path)
+    ours, _ = load(tmp_path)
+    assert ours.config.attention == fields.get("attention", "softmax")
+    compare(ours, theirs, fields["vocab_size"])
+
+
+@pytest.mark.parametrize("kind, options, message", [
+    ("linear", {}, "attention=linear has no transformers equivalent"),
+    ("hybrid", {"pattern": ["linear", "softmax"]}, "attention=hybrid has no transformers equivalent"),
+    ("sliding", {"window": 4, "dilation": 2}, "per-layer windows or dilation"),
+    ("sliding", {"window": [4, 8]}, "per-layer windows or dilation"),
+])
+def test_kinds_without_an_equivalent_are_refused(kind, options, message, tokenizer, tmp_path):
+    model = Transformer(ModelConfig(vocab_size=300, n_layer=2, d_model=32, n_head=4, d_ff=48, attention=kind,
+                                    attention_options=options))
+    with pytest.raises(ConfigError, match=message):
+        export_hf(model, tokenizer, tmp_path)
+    assert not any(tmp_path.iterdir())
+
+
+def test_export_and_import_scripts_round_trip(tokenizer, tmp_path):
+    from lm.checkpoint import save_checkpoint
+
+    model = native_model("gqa-untied")
+    ckpt = save_checkpoint(tmp_path / "run" / "last.ckpt", model.state_dict(), model.config, tokenizer.to_str())
+    run = lambda *args: subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=180)  # noqa: E731
+    exported = run(str(ROOT / "scripts" / "export.py"), f"ckpt={ckpt}", "format=hf", f"out={tmp_path / 'hf'}")
+    assert exported.returncode == 0, exported.stderr
+    imported = run(str(ROOT / "scripts" / "import_hf.py"), f"src={tmp_path / 'hf'}", f"out={tmp_path / 'back'}")
+    assert imported.returncode == 0, imported.stderr
+    back, _ = load(tmp_path / "back" / "last.ckpt")
+    idx = torch.randint(0, 317, (1, 12))
+    with torch.no_grad():
+        assert torch.equal(back(idx), model(idx))
+
+
+def test_imported_model_trains_here(tmp_path, small_corpus, tokenizer):
+    from conftest import train_small_run
+
+    theirs = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True))
+    theirs.save_pretrained(tmp_path / "hf")
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>").save_pretrained(
+        tmp_path / "hf")
+    last = train_small_run(tmp_path, small_corpus, f"init_from={tmp_path / 'hf'}", "trainer.max_steps=2",
+                           "trainer.val_every_n_steps=2")
+    model, tok = load(last)
+    assert (model.config.n_kv_head, model.config.vocab_size) == (2, 300)
+    text = "def main():\n    return 0"
+    assert tok.encode(text).ids == tokenizer.encode(text).ids  # the folder's tokenizer came along
