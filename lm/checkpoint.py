@@ -7,6 +7,7 @@ dict), the tokenizer (its JSON text) and the resolved run config (a dict).
 from __future__ import annotations
 
 import pickle
+import re
 import zipfile
 from pathlib import Path
 
@@ -25,11 +26,15 @@ def read_checkpoint(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
+    if not zipfile.is_zipfile(path):  # every torch.save since 1.6 writes a zip archive
+        raise CheckpointError(f"checkpoint {str(path)!r} is not a readable torch file (not a torch zip archive)")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0]
-        raise CheckpointError(f"checkpoint {str(path)!r} was refused by the safe loader: {first}") from None
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        what = f" ({found.group(1)})" if found else ""
+        raise CheckpointError(f"checkpoint {str(path)!r} was refused by the safe loader: it holds objects other "
+                              f"than tensors and plain data{what}, which could run code") from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"checkpoint {str(path)!r} is not a readable torch file ({first})") from None

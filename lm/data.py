@@ -258,6 +258,8 @@ def _tokenize_splits(corpus: Corpus, tokenizer: Tokenizer, out: Path, dtype, val
 
     try:
         for doc_id, text in tqdm(corpus.documents(), desc=f"tokenizing {corpus.name}", unit="doc"):
+            if not text:
+                continue  # an empty file adds nothing, not even a separator
             split = "val" if is_validation(doc_id, val_fraction) else "train"
             pending[split].append(text)
             if len(pending[split]) >= 256:
@@ -311,6 +313,26 @@ class TokenWindows(Dataset):
         return torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
 
 
+class EpochShuffle(torch.utils.data.Sampler):
+    """A shuffle that is a function of (seed, epoch) alone and can start mid-epoch.
+
+    On resume the data module starts it at the batch the checkpoint had reached, so a resumed
+    run sees exactly the batches an uninterrupted one would have seen."""
+
+    def __init__(self, n: int, seed: int, start: int = 0):
+        self.n, self.seed = n, seed
+        self.epoch, self.offset = divmod(start, n)  # start counts samples since the run began
+
+    def __iter__(self):
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+        offset, self.offset = self.offset, 0
+        self.epoch += 1
+        return iter(order[offset:])
+
+    def __len__(self) -> int:
+        return self.n - self.offset
+
+
 class TokenDataModule(L.LightningDataModule):
     def __init__(self, corpus: Corpus, cache_dir: Path, seq_len: int, batch_size: int, vocab_size: int,
                  val_fraction: float = 0.05, seed: int = 0, num_workers: int = 0, tokenizer_json: str | None = None):
@@ -340,10 +362,17 @@ class TokenDataModule(L.LightningDataModule):
                             f"training sequences of the corpus")
 
     def train_dataloader(self) -> DataLoader:
-        # A seeded generator makes the shuffle order a function of the run's seed alone.
-        generator = torch.Generator().manual_seed(self.seed)
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True,
-                          generator=generator, num_workers=self.num_workers)
+        # Resuming: Lightning restores the step count before asking for the dataloader, so the
+        # shuffle can start where the checkpointed run was (whole epochs are dropped batches).
+        start = 0
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None and trainer.global_step:
+            per_epoch = len(self.train_set) // self.batch_size
+            batches = trainer.global_step * trainer.accumulate_grad_batches
+            start = (batches // per_epoch) * len(self.train_set) + (batches % per_epoch) * self.batch_size
+        sampler = EpochShuffle(len(self.train_set), self.seed, start)
+        return DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler, drop_last=True,
+                          num_workers=self.num_workers)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)

@@ -18,4 +18,8 @@ class GenerationError(ValueError):
     """A generation setting or prompt is unusable; the message names it, in one line."""
 
 
-USER_ERRORS = (ConfigError, DataError, CheckpointError, GenerationError)
+class TrainingError(ValueError):
+    """Training cannot go on (a non-finite loss); the message names the step, in one line."""
+
+
+USER_ERRORS = (ConfigError, DataError, CheckpointError, GenerationError, TrainingError)

@@ -7,14 +7,17 @@ model code stays free of Lightning and the same module trains any attention kind
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import lightning as L
 import torch
 import torch.nn.functional as F
 
 from lm.checkpoint import FORMAT_VERSION
+from lm.errors import CheckpointError, TrainingError
 from lm.model import Transformer
 
 
@@ -37,10 +40,27 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: flo
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+class AtomicCheckpointIO(L.pytorch.plugins.TorchCheckpointIO):
+    """Checkpoints are written beside their final name and renamed into place, so a kill or a
+    full disk during a save leaves the previous file whole; write errors become one clear line."""
+
+    def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(checkpoint, tmp)
+            os.replace(tmp, path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise CheckpointError(f"could not write checkpoint {str(path)!r}: {e.strerror or e}; "
+                                  "the previous checkpoint is untouched") from None
+
+
 class LitLM(L.LightningModule):
     def __init__(self, model: Transformer, optim: OptimConfig, total_steps: int,
                  tokenizer_json: str | None = None, run_config: dict | None = None, compile: bool = False,
-                 provenance: dict | None = None):
+                 provenance: dict | None = None, skip_nonfinite: bool = False):
         super().__init__()
         self.model = model
         self.optim = optim
@@ -48,6 +68,9 @@ class LitLM(L.LightningModule):
         self.tokenizer_json = tokenizer_json
         self.run_config = run_config or {}
         self.provenance = provenance or {}
+        self.skip_nonfinite = skip_nonfinite
+        self.skipped_steps = 0
+        self.skipped_in_a_row = 0
         self.val_history: list[tuple[int, float]] = []  # (optimizer step, val loss) of every validation
         # The compiled callable is kept out of the module tree so checkpoints hold the
         # plain model's parameter names, loadable with or without compile.
@@ -62,8 +85,21 @@ class LitLM(L.LightningModule):
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         return loss, targets.numel()
 
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor | None:
         loss, _ = self.loss(batch)
+        if not torch.isfinite(loss):
+            if not self.skip_nonfinite:
+                # Raised before any checkpoint of this step exists: last.ckpt stays the last good one.
+                raise TrainingError(f"loss is {loss.item()} at step {self.global_step}; stopping with the last good "
+                                    "checkpoint kept (trainer.skip_nonfinite=true skips such steps instead)")
+            self.skipped_steps += 1
+            self.skipped_in_a_row += 1
+            if self.skipped_in_a_row > 20:
+                raise TrainingError(f"loss was not finite for 20 batches in a row up to step {self.global_step}; "
+                                    "the weights themselves have diverged")
+            self.log("train/skipped_nonfinite", float(self.skipped_steps))
+            return None  # Lightning skips backward and the optimizer step
+        self.skipped_in_a_row = 0
         self.log("train/loss", loss, prog_bar=True)
         self.log("train/lr", self.optimizers().param_groups[0]["lr"])
         return loss
@@ -114,6 +150,10 @@ class LitLM(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        if not all(torch.isfinite(p).all() for p in self.model.parameters()):
+            # Refusing here aborts the save, so the previous checkpoint stays the last good one.
+            raise TrainingError(f"the weights are no longer finite at step {self.global_step}; "
+                                "stopping with the last good checkpoint kept")
         # Everything needed to use the weights, as plain data (safe for weights_only loading).
         checkpoint["lm"] = {
             "format_version": FORMAT_VERSION,
@@ -121,4 +161,6 @@ class LitLM(L.LightningModule):
             "tokenizer": self.tokenizer_json,
             "run_config": self.run_config,
             "provenance": self.provenance,
+            "wandb_run_id": getattr(getattr(self.logger, "experiment", None), "id", None)
+            if isinstance(self.logger, L.pytorch.loggers.WandbLogger) else None,
         }

@@ -14,10 +14,11 @@ import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from lm.checkpoint import read_checkpoint
 from lm.config import ConfigError, ModelConfig
 from lm.data import TokenDataModule, build_corpus
 from lm.generation import generate
-from lm.lit import LitLM, OptimConfig
+from lm.lit import AtomicCheckpointIO, LitLM, OptimConfig
 from lm.model import Transformer
 from lm.paths import resolve_path
 
@@ -26,6 +27,8 @@ warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*
 # The run folder always holds tokenizer.json before the first checkpoint; train() says
 # itself when an earlier run's checkpoints are about to be replaced.
 warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+# Resuming mid-epoch is exact here: the data module restarts its shuffle at the checkpoint's batch.
+warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before the epoch ended")
 
 
 def model_config_from(cfg: DictConfig, vocab_size: int) -> ModelConfig:
@@ -48,7 +51,7 @@ def pick_precision(trainer_cfg: DictConfig) -> str:
     return "bf16-mixed" if on_gpu else "32-true"
 
 
-def make_logger(cfg: DictConfig, run_dir: Path):
+def make_logger(cfg: DictConfig, run_dir: Path, resume_from: str | None = None):
     kind = cfg.logger.kind
     if kind == "none":
         return False
@@ -60,23 +63,33 @@ def make_logger(cfg: DictConfig, run_dir: Path):
         # Offline unless the environment asks for online: `wandb sync` uploads later.
         if "WANDB_MODE" not in os.environ and "WANDB_API_KEY" not in os.environ:
             os.environ["WANDB_MODE"] = "offline"
+        # A resumed run continues its wandb run (same id) instead of starting a second one.
+        run_id = read_checkpoint(resume_from)["lm"].get("wandb_run_id") if resume_from else None
         return WandbLogger(project=cfg.logger.project, name=cfg.run_name, save_dir=str(run_dir),
-                           config=OmegaConf.to_container(cfg, resolve=True))
+                           config=OmegaConf.to_container(cfg, resolve=True), id=run_id,
+                           resume="allow" if run_id else None)
     raise ConfigError(f"logger.kind={kind!r} is not one of 'wandb', 'csv', 'none'")
 
 
 def resume_path(cfg: DictConfig, run_dir: Path) -> str | None:
+    """The checkpoint to continue from, checked by the safe loader before Lightning opens it."""
+    path = None
     if cfg.get("ckpt_path"):
         path = resolve_path(cfg.ckpt_path)
         if not path.is_file():
             raise ConfigError(f"ckpt_path={str(cfg.ckpt_path)!r} does not exist")
-        return str(path)
-    if cfg.resume:
-        last = run_dir / "last.ckpt"
-        if not last.is_file():
-            raise ConfigError(f"resume=true but run {cfg.run_name!r} has no checkpoint at {last}")
-        return str(last)
-    return None
+    elif cfg.resume:
+        path = run_dir / "last.ckpt"
+        if not path.is_file():
+            raise ConfigError(f"resume=true but run {cfg.run_name!r} has no checkpoint at {path}")
+    if path is None:
+        return None
+    saved = read_checkpoint(path)["lm"]["model_config"]  # weights_only: refuses code, names corruption
+    requested = model_config_from(cfg, saved["vocab_size"]).to_dict() if not cfg.get("init_from") else saved
+    differences = [f"{k}={saved.get(k)!r} (config: {v!r})" for k, v in requested.items() if saved.get(k) != v]
+    if differences:
+        raise ConfigError(f"checkpoint {str(path)!r} does not match the configured model: {', '.join(differences)}")
+    return str(path)
 
 
 def check_trainer(cfg: DictConfig) -> None:
@@ -138,7 +151,7 @@ def train(cfg: DictConfig, model_config: ModelConfig | None = None, init_state: 
     run_config = OmegaConf.to_container(cfg, resolve=True)
     lit = LitLM(model, OptimConfig(**cfg.optim), total_steps=cfg.trainer.max_steps,
                 tokenizer_json=data.tokenizer.to_str(), run_config=run_config, compile=cfg.compile,
-                provenance=provenance)
+                provenance=provenance, skip_nonfinite=bool(cfg.trainer.get("skip_nonfinite", False)))
 
     precision = pick_precision(cfg.trainer)
     print(f"run {cfg.run_name}: {model.num_params() / 1e6:.2f}M parameters, attention={model.config.attention} "
@@ -151,14 +164,22 @@ def train(cfg: DictConfig, model_config: ModelConfig | None = None, init_state: 
     last = L.pytorch.callbacks.ModelCheckpoint(
         dirpath=run_dir, filename="last", monitor=None, save_top_k=1, enable_version_counter=False
     )
+    checkpoint_callbacks = [best, last]
+    every = (cfg.get("checkpoint") or {}).get("every_n_steps")
+    if every:  # a third writer of last.ckpt: Lightning saves either per n steps or per validation, not both
+        checkpoint_callbacks.append(L.pytorch.callbacks.ModelCheckpoint(
+            dirpath=run_dir, filename="last", monitor=None, save_top_k=1, enable_version_counter=False,
+            every_n_train_steps=every))
     t = cfg.trainer
     trainer = L.Trainer(
         accelerator=t.accelerator, devices=t.devices, strategy=t.strategy, num_nodes=t.num_nodes,
         precision=precision, max_steps=t.max_steps, val_check_interval=min(t.val_every_n_steps, t.max_steps),
         check_val_every_n_epoch=None, limit_val_batches=t.limit_val_batches,
         gradient_clip_val=t.gradient_clip_val, accumulate_grad_batches=t.accumulate_grad_batches,
-        log_every_n_steps=t.log_every_n_steps, num_sanity_val_steps=0, logger=make_logger(cfg, run_dir),
-        callbacks=[best, last, *progress_bar(t)], enable_progress_bar=t.progress_bar, enable_model_summary=False,
+        log_every_n_steps=t.log_every_n_steps, num_sanity_val_steps=0, logger=make_logger(cfg, run_dir, ckpt_path),
+        plugins=[AtomicCheckpointIO()],
+        callbacks=[*checkpoint_callbacks, *progress_bar(t)], enable_progress_bar=t.progress_bar,
+        enable_model_summary=False,
         default_root_dir=str(run_dir),
     )
     if validate_first:

@@ -1,0 +1,115 @@
+"""A run survives SIGKILL exactly, checkpoints are never torn, and no file can run code on load."""
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import lm
+from lm.checkpoint import read_checkpoint
+from lm.errors import CheckpointError, ConfigError
+from lm.lit import AtomicCheckpointIO
+from lm.training import train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def losses_by_step(run_dir: Path, version: int) -> dict[int, float]:
+    rows = csv.DictReader(open(run_dir / "csv" / f"version_{version}" / "metrics.csv"))
+    return {int(r["step"]): float(r["train/loss"]) for r in rows if r.get("train/loss")}
+
+
+def test_killed_run_resumes_on_the_uninterrupted_loss_curve(train_config, tmp_path):
+    common = ["trainer.max_steps=120", "trainer.val_every_n_steps=1000", "checkpoint.every_n_steps=5",
+              "trainer.log_every_n_steps=1", "logger=csv"]
+    straight = train(train_config(*common, "run_name=straight"))
+    expected = losses_by_step(Path(straight["run_dir"]), 0)
+
+    cfg = train_config(*common, "run_name=killed")
+    overrides = [f"data.paths=[{cfg.data.paths[0]}]", f"data.cache_dir={cfg.data.cache_dir}",
+                 f"checkpoint_dir={cfg.checkpoint_dir}", f"hydra.run.dir={tmp_path / 'hydra'}"]
+    args = ["data=text", "data.vocab_size=512", "data.batch_size=4", "trainer=cpu", "trainer.limit_val_batches=2",
+            "trainer.progress_bar=false", "optim.warmup_steps=2", "sample.max_new_tokens=0",
+            "model.n_layer=2", "model.d_model=64", "model.n_head=4", "model.d_ff=128", "model.max_seq_len=32",
+            *common, "run_name=killed", *overrides]
+    child = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "train.py"), *args],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    last = Path(cfg.checkpoint_dir) / "killed" / "last.ckpt"
+    deadline = time.time() + 120
+    while time.time() < deadline and child.poll() is None:
+        if last.is_file() and read_checkpoint(last)["global_step"] >= 20:
+            break
+        time.sleep(0.02)
+    assert child.poll() is None, "the child finished before it could be killed"
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait()
+    killed_at = read_checkpoint(last)["global_step"]  # last.ckpt is whole even if the kill hit a save
+    assert 20 <= killed_at < 120
+
+    resumed = train(train_config(*common, "run_name=killed", "resume=true"))
+    assert resumed["steps"] == 120
+    after = losses_by_step(Path(resumed["run_dir"]), 1)
+    assert min(after) == killed_at and max(after) == 119
+    for step, loss in after.items():
+        assert abs(loss - expected[step]) < 1e-5, (step, loss, expected[step])
+
+
+def test_resumed_wandb_run_keeps_its_id(train_config, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    first = train(train_config("logger=wandb", "trainer.max_steps=3"))
+    run_id = read_checkpoint(first["last"])["lm"]["wandb_run_id"]
+    assert run_id
+    train(train_config("logger=wandb", "trainer.max_steps=5", "resume=true"))
+    runs = sorted(p.name for p in (Path(first["run_dir"]) / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(name.endswith(run_id) for name in runs)
+
+
+class RunsCode:
+    """Unpickling this calls os.system: what a malicious checkpoint would do."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_pickle_that_would_run_code_is_refused_everywhere(train_config, tmp_path):
+    marker = tmp_path / "pwned"
+    crafted = tmp_path / "crafted.ckpt"
+    torch.save({"state_dict": {}, "lm": RunsCode(marker)}, crafted)
+    with pytest.raises(CheckpointError, match="refused by the safe loader"):
+        lm.load(crafted)
+    with pytest.raises(CheckpointError, match="refused by the safe loader"):
+        train(train_config(f"ckpt_path={crafted}"))
+    assert not marker.exists()
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatch):
+    io = AtomicCheckpointIO()
+    path = tmp_path / "last.ckpt"
+    io.save_checkpoint({"step": 1, "w": torch.ones(3)}, path)
+
+    def disk_full(obj, f):
+        Path(f).write_bytes(b"half a checkpoint")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(CheckpointError) as err:
+        io.save_checkpoint({"step": 2, "w": torch.zeros(3)}, path)
+    assert "No space left on device" in str(err.value) and "previous checkpoint is untouched" in str(err.value)
+    monkeypatch.undo()
+    assert torch.load(path, weights_only=True)["step"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+
+
+def test_resume_without_a_checkpoint_is_one_clear_error(train_config):
+    with pytest.raises(ConfigError, match="resume=true but run 'mha-tiny' has no checkpoint"):
+        train(train_config("resume=true"))
