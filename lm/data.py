@@ -314,23 +314,36 @@ class TokenWindows(Dataset):
 
 
 class EpochShuffle(torch.utils.data.Sampler):
-    """A shuffle that is a function of (seed, epoch) alone and can start mid-epoch.
+    """This process' share of a shuffle that is a function of (seed, epoch) alone.
 
-    On resume the data module starts it at the batch the checkpoint had reached, so a resumed
-    run sees exactly the batches an uninterrupted one would have seen."""
+    Global batch g of an epoch is order[g*B*W : (g+1)*B*W] for batch size B and W processes,
+    and process r takes the r-th block of B of it: together the processes see exactly the
+    batches one process with batch B*W would, without overlap. It can start mid-epoch: on
+    resume the data module starts it at the global batch the checkpoint had reached."""
 
-    def __init__(self, n: int, seed: int, start: int = 0):
-        self.n, self.seed = n, seed
-        self.epoch, self.offset = divmod(start, n)  # start counts samples since the run began
+    def __init__(self, n: int, seed: int, batch_size: int, start_batch: int = 0, rank: int = 0, world_size: int = 1):
+        self.n, self.seed, self.batch_size, self.rank, self.world_size = n, seed, batch_size, rank, world_size
+        self.batches_per_epoch = n // (batch_size * world_size)  # the remainder is dropped, as drop_last does
+        self.start_epoch, start_in_epoch = divmod(start_batch, self.batches_per_epoch)
+        self.offset = start_in_epoch * batch_size
+        self.epoch = self.start_epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Lightning calls this before every epoch (through its distributed wrapper too), so the
+        order never depends on how often the sampler was iterated."""
+        self.epoch = epoch
+
+    def _skip(self) -> int:
+        return self.offset if self.epoch == self.start_epoch else 0
 
     def __iter__(self):
-        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
-        offset, self.offset = self.offset, 0
-        self.epoch += 1
-        return iter(order[offset:])
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        B, W = self.batch_size, self.world_size
+        mine = order[: self.batches_per_epoch * B * W].view(-1, W, B)[:, self.rank].flatten()  # (batches*B,)
+        return iter(mine[self._skip():].tolist())
 
     def __len__(self) -> int:
-        return self.n - self.offset
+        return self.batches_per_epoch * self.batch_size - self._skip()
 
 
 class TokenDataModule(L.LightningDataModule):
@@ -361,18 +374,22 @@ class TokenDataModule(L.LightningDataModule):
             raise DataError(f"data.batch_size={self.batch_size} is larger than the {len(self.train_set)} "
                             f"training sequences of the corpus")
 
+    def _rank_and_world(self) -> tuple[int, int]:
+        trainer = getattr(self, "trainer", None)
+        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+
     def train_dataloader(self) -> DataLoader:
         # Resuming: Lightning restores the step count before asking for the dataloader, so the
-        # shuffle can start where the checkpointed run was (whole epochs are dropped batches).
-        start = 0
+        # shuffle starts at the global batch the checkpointed run had reached.
         trainer = getattr(self, "trainer", None)
-        if trainer is not None and trainer.global_step:
-            per_epoch = len(self.train_set) // self.batch_size
-            batches = trainer.global_step * trainer.accumulate_grad_batches
-            start = (batches // per_epoch) * len(self.train_set) + (batches % per_epoch) * self.batch_size
-        sampler = EpochShuffle(len(self.train_set), self.seed, start)
+        start_batch = trainer.global_step * trainer.accumulate_grad_batches if trainer is not None else 0
+        rank, world = self._rank_and_world()
+        sampler = EpochShuffle(len(self.train_set), self.seed, self.batch_size, start_batch, rank, world)
         return DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler, drop_last=True,
                           num_workers=self.num_workers)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
+        rank, world = self._rank_and_world()
+        shard = list(range(rank, len(self.val_set), world))  # each rank a disjoint share; losses are summed
+        return DataLoader(torch.utils.data.Subset(self.val_set, shard), batch_size=self.batch_size, shuffle=False,
+                          num_workers=self.num_workers)

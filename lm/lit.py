@@ -127,8 +127,9 @@ class LitLM(L.LightningModule):
         total_loss = self.trainer.strategy.reduce(total_loss, reduce_op="sum")
         total_tokens = self.trainer.strategy.reduce(total_tokens, reduce_op="sum")
         val_loss = total_loss / total_tokens  # token-weighted, exact over the whole val set
-        self.log("val/loss", val_loss, prog_bar=True)
-        self.log("val/ppl", val_loss.exp())
+        # Already summed over ranks above; sync_dist only tells Lightning the value is global.
+        self.log("val/loss", val_loss, prog_bar=True, sync_dist=True)
+        self.log("val/ppl", val_loss.exp(), sync_dist=True)
         self.last_val_step = self.global_step
         self.val_history.append((self.global_step, float(val_loss)))
 

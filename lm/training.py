@@ -181,6 +181,7 @@ def train(cfg: DictConfig, model_config: ModelConfig | None = None, init_state: 
         callbacks=[*checkpoint_callbacks, *progress_bar(t)], enable_progress_bar=t.progress_bar,
         enable_model_summary=False,
         default_root_dir=str(run_dir),
+        use_distributed_sampler=False,  # the data module shards by rank itself (lm.data.EpochShuffle)
     )
     if validate_first:
         trainer.validate(lit, datamodule=data, verbose=False)
