@@ -217,6 +217,11 @@ def bench_attention(args) -> None:
     print(f"wrote {csv_path} and {png_path}")
 
 
+def _ratio(a: float, b: float) -> str:
+    """a / b as '1.23x'; 'n/a' when b rounds to nothing (tiny sizes fit in memory already resident)."""
+    return f"{a / b:.2f}x" if b > 0 else "n/a"
+
+
 def print_attention_ratios(rows: list[dict], n_max: int) -> None:
     at = {(r["kind"], r["seq_len"]): r for r in rows}
     full = at.get(("mha", n_max))
@@ -229,8 +234,8 @@ def print_attention_ratios(rows: list[dict], n_max: int) -> None:
             continue
         print(f"  {name:8} forward {full['forward_s'] / r['forward_s']:5.1f}x faster, "
               f"forward+backward {full['forward_backward_s'] / r['forward_backward_s']:5.1f}x faster, "
-              f"peak memory forward {r['forward_peak_mb'] / full['forward_peak_mb']:.2f}x, "
-              f"forward+backward {r['forward_backward_peak_mb'] / full['forward_backward_peak_mb']:.2f}x of mha's")
+              f"peak memory forward {_ratio(r['forward_peak_mb'], full['forward_peak_mb'])}, "
+              f"forward+backward {_ratio(r['forward_backward_peak_mb'], full['forward_backward_peak_mb'])} of mha's")
         lengths = sorted(n for (kind, n) in at if kind == name and n >= n_max // 4)
         if len(lengths) >= 2 and lengths[0] < lengths[-1]:
             doublings = math.log2(lengths[-1] / lengths[0])
