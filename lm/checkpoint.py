@@ -55,11 +55,15 @@ def model_state_dict(ckpt: dict) -> dict[str, torch.Tensor]:
 
 
 def load(path: str | Path, device: str | torch.device = "cpu") -> tuple[Transformer, Tokenizer]:
-    """(model in eval mode, tokenizer) from a training checkpoint, or from a local Hugging Face
-    Llama / Mistral folder."""
+    """(model in eval mode, tokenizer) from a training checkpoint, an exported safetensors folder,
+    or a local Hugging Face Llama / Mistral folder."""
     from lm.hf import is_hf_folder, load_hf
 
     if is_hf_folder(path):
+        import json
+
+        if "lm_format_version" in json.loads((Path(path) / "config.json").read_text()):
+            return load_safetensors_folder(Path(path), device)
         return load_hf(path, device)
     ckpt = read_checkpoint(path)
     config = ModelConfig.from_dict(ckpt["lm"]["model_config"])
@@ -95,3 +99,50 @@ def save_checkpoint(path: str | Path, state_dict: dict[str, torch.Tensor], confi
     torch.save(ckpt, tmp)
     os.replace(tmp, path)
     return path
+
+
+def export_safetensors(model: Transformer, tokenizer: Tokenizer, out: str | Path) -> Path:
+    """A folder of plain data: model.safetensors, config.json and tokenizer.json; `load` reads it."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_embeddings:
+        del state["head.weight"]  # the same tensor as embed.weight; safetensors stores it once
+    files = {
+        "model.safetensors": lambda p: save_file(state, str(p), metadata={"format": "pt"}),
+        "config.json": lambda p: p.write_text(json.dumps(
+            {"lm_format_version": FORMAT_VERSION, "model_config": model.config.to_dict()}, indent=2)),
+        "tokenizer.json": lambda p: tokenizer.save(str(p)),
+    }
+    for name, write in files.items():  # each file complete before it takes its name
+        tmp = out / f".{name}.tmp"
+        write(tmp)
+        os.replace(tmp, out / name)
+    return out
+
+
+def load_safetensors_folder(folder: Path, device: str | torch.device = "cpu") -> tuple[Transformer, Tokenizer]:
+    import json
+
+    from safetensors.torch import load_file
+
+    meta = json.loads((folder / "config.json").read_text())
+    if meta.get("lm_format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{str(folder)!r} has lm_format_version={meta.get('lm_format_version')!r}; "
+                              f"this lm reads version {FORMAT_VERSION}")
+    config = ModelConfig.from_dict(meta["model_config"])
+    state = load_file(str(folder / "model.safetensors"))
+    if config.tie_embeddings:
+        state["head.weight"] = state["embed.weight"]
+    model = Transformer(config)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        detail = " ".join(str(e).split())[:300]
+        raise CheckpointError(f"{str(folder)!r} does not match its config.json: {detail}") from None
+    return model.to(device).eval(), Tokenizer.from_file(str(folder / "tokenizer.json"))

@@ -108,6 +108,17 @@ def weights_from(path: str) -> tuple[ModelConfig, dict, str]:
     return model.config, model.state_dict(), tokenizer.to_str()
 
 
+def make_strategy(trainer_cfg: DictConfig):
+    """`fsdp` shards each transformer Block as one unit; other names go to Lightning as they are."""
+    if trainer_cfg.strategy == "fsdp":
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        from lm.model import Block
+
+        return FSDPStrategy(auto_wrap_policy={Block}, state_dict_type="full")
+    return trainer_cfg.strategy
+
+
 def progress_bar(trainer_cfg: DictConfig) -> list:
     if not trainer_cfg.progress_bar:
         return []
@@ -172,7 +183,7 @@ def train(cfg: DictConfig, model_config: ModelConfig | None = None, init_state: 
             every_n_train_steps=every))
     t = cfg.trainer
     trainer = L.Trainer(
-        accelerator=t.accelerator, devices=t.devices, strategy=t.strategy, num_nodes=t.num_nodes,
+        accelerator=t.accelerator, devices=t.devices, strategy=make_strategy(t), num_nodes=t.num_nodes,
         precision=precision, max_steps=t.max_steps, val_check_interval=min(t.val_every_n_steps, t.max_steps),
         check_val_every_n_epoch=None, limit_val_batches=t.limit_val_batches,
         gradient_clip_val=t.gradient_clip_val, accumulate_grad_batches=t.accumulate_grad_batches,

@@ -1,4 +1,4 @@
-"""Export a checkpoint: python scripts/export.py ckpt=... format=hf out=DIR"""
+"""Export a checkpoint: python scripts/export.py ckpt=... out=DIR [format=safetensors|hf]"""
 
 import sys
 
@@ -10,16 +10,17 @@ from lm.cli import exit_on_user_error
 
 @hydra.main(config_path="../conf", config_name="export", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from lm.checkpoint import load
+    from lm.checkpoint import export_safetensors, load
     from lm.errors import ConfigError
     from lm.hf import export_hf
     from lm.paths import resolve_path
 
     with exit_on_user_error():
-        if cfg.format != "hf":
-            raise ConfigError(f"format={cfg.format!r} is not supported; use format=hf")
+        exporters = {"hf": export_hf, "safetensors": export_safetensors}
+        if cfg.format not in exporters:
+            raise ConfigError(f"format={cfg.format!r} is not one of {sorted(exporters)}")
         model, tokenizer = load(resolve_path(cfg.ckpt))
-        out = export_hf(model, tokenizer, resolve_path(cfg.out))
+        out = exporters[cfg.format](model, tokenizer, resolve_path(cfg.out))
         print(f"wrote {out} ({model.config.attention}, {model.config.n_kv_head}/{model.config.n_head} K/V heads)")
 
 

@@ -113,3 +113,27 @@ def test_a_failed_save_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatc
 def test_resume_without_a_checkpoint_is_one_clear_error(train_config):
     with pytest.raises(ConfigError, match="resume=true but run 'mha-tiny' has no checkpoint"):
         train(train_config("resume=true"))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_safetensors_export_is_plain_data_that_load_reads(tmp_path, tied):
+    from tokenizers import Tokenizer, models
+
+    from lm import ModelConfig, Transformer
+    from lm.checkpoint import save_checkpoint
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=50, n_layer=2, d_model=32, n_head=4, n_kv_head=2, d_ff=48,
+                                    tie_embeddings=tied)).eval()
+    tokenizer = Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>"))
+    ckpt = save_checkpoint(tmp_path / "run" / "last.ckpt", model.state_dict(), model.config, tokenizer.to_str())
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "export.py"), f"ckpt={ckpt}",
+                             f"out={tmp_path / 'export'}"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in (tmp_path / "export").iterdir()) == ["config.json", "model.safetensors",
+                                                                        "tokenizer.json"]
+    loaded, _ = lm.load(tmp_path / "export")
+    idx = torch.randint(0, 50, (1, 9))
+    with torch.no_grad():
+        assert torch.equal(loaded(idx), model(idx))
+    assert (loaded.head.weight is loaded.embed.weight) == tied
