@@ -31,7 +31,7 @@ def read_checkpoint(path: str | Path) -> dict:
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        found = re.search(r"GLOBAL (\S+)", str(e))
         what = f" ({found.group(1)})" if found else ""
         raise CheckpointError(f"checkpoint {str(path)!r} was refused by the safe loader: it holds objects other "
                               f"than tensors and plain data{what}, which could run code") from None
