@@ -58,6 +58,7 @@ def generate_text(cfg: DictConfig, out: TextIO | None = None, err: TextIO | None
             texts.append(prompt + continuation)
             out.write(f"=== {i + 1}/{len(prompts)} ===\n{texts[-1]}\n")
     if cfg.stats:
+        out.flush()  # the text first, then the statistics, also when both go to one terminal or file
         _print_stats(run, err)
     return texts
 
