@@ -6,6 +6,8 @@ dict), the tokenizer (its JSON text) and the resolved run config (a dict).
 
 from __future__ import annotations
 
+import json
+import os
 import pickle
 import re
 import zipfile
@@ -19,6 +21,22 @@ from lm.errors import CheckpointError
 from lm.model import Transformer
 
 FORMAT_VERSION = 1
+
+
+def write_atomically(path: str | Path, write) -> Path:
+    """Call write(tmp) beside `path`, then rename tmp into place: a crash or a full disk during
+    the write leaves the previous file whole. Write errors become one clear CheckpointError."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"could not write checkpoint {str(path)!r}: {e.strerror or e}; "
+                              "the previous checkpoint is untouched") from None
+    return path
 
 
 def read_checkpoint(path: str | Path) -> dict:
@@ -60,11 +78,10 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> tuple[Transfor
     from lm.hf import is_hf_folder, load_hf
 
     if is_hf_folder(path):
-        import json
-
-        if "lm_format_version" in json.loads((Path(path) / "config.json").read_text()):
-            return load_safetensors_folder(Path(path), device)
-        return load_hf(path, device)
+        meta = json.loads((Path(path) / "config.json").read_text())
+        if "lm_format_version" in meta:
+            return load_safetensors_folder(Path(path), meta, device)
+        return load_hf(path, device, meta)
     ckpt = read_checkpoint(path)
     config = ModelConfig.from_dict(ckpt["lm"]["model_config"])
     model = Transformer(config)
@@ -85,27 +102,17 @@ def save_checkpoint(path: str | Path, state_dict: dict[str, torch.Tensor], confi
     """Write a checkpoint `load` and `read_checkpoint` accept, without a Lightning trainer.
 
     Written to a temporary file and renamed into place, so a crash never leaves half a file."""
-    import os
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     ckpt = {
         "state_dict": {f"model.{k}": v for k, v in state_dict.items()},
         "global_step": global_step,
         "lm": {"format_version": FORMAT_VERSION, "model_config": config.to_dict(), "tokenizer": tokenizer_json,
                "run_config": run_config or {}, "provenance": provenance or {}},
     }
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(ckpt, tmp)
-    os.replace(tmp, path)
-    return path
+    return write_atomically(path, lambda tmp: torch.save(ckpt, tmp))
 
 
 def export_safetensors(model: Transformer, tokenizer: Tokenizer, out: str | Path) -> Path:
     """A folder of plain data: model.safetensors, config.json and tokenizer.json; `load` reads it."""
-    import json
-    import os
-
     from safetensors.torch import save_file
 
     out = Path(out)
@@ -120,18 +127,15 @@ def export_safetensors(model: Transformer, tokenizer: Tokenizer, out: str | Path
         "tokenizer.json": lambda p: tokenizer.save(str(p)),
     }
     for name, write in files.items():  # each file complete before it takes its name
-        tmp = out / f".{name}.tmp"
-        write(tmp)
-        os.replace(tmp, out / name)
+        write_atomically(out / name, write)
     return out
 
 
-def load_safetensors_folder(folder: Path, device: str | torch.device = "cpu") -> tuple[Transformer, Tokenizer]:
-    import json
-
+def load_safetensors_folder(folder: Path, meta: dict,
+                            device: str | torch.device = "cpu") -> tuple[Transformer, Tokenizer]:
+    """A folder export_safetensors wrote; `meta` is its config.json."""
     from safetensors.torch import load_file
 
-    meta = json.loads((folder / "config.json").read_text())
     if meta.get("lm_format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{str(folder)!r} has lm_format_version={meta.get('lm_format_version')!r}; "
                               f"this lm reads version {FORMAT_VERSION}")

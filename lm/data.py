@@ -23,13 +23,14 @@ from pathlib import Path
 import lightning as L
 import numpy as np
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
 from lm.errors import DataError
+from lm.paths import resolve_path
+from lm.tokenizer import EOT, train_tokenizer
 
-EOT = "<|endoftext|>"
 CACHE_FORMAT = 1  # bump when the cache layout or the tokenizer recipe changes
 SKIPPED_STDLIB_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__"}
 
@@ -145,24 +146,6 @@ def is_validation(doc_id: str, val_fraction: float) -> bool:
     """Deterministic split: a document is held out when its id hashes below val_fraction."""
     h = int.from_bytes(hashlib.sha256(doc_id.encode()).digest()[:8], "big")
     return h / 2**64 < val_fraction
-
-
-def train_tokenizer(texts: Iterator[str], vocab_size: int) -> Tokenizer:
-    """Byte-level BPE (GPT-2 style): any byte sequence encodes, so no text is ever unknown."""
-    if vocab_size < 257:
-        raise DataError(f"data.vocab_size={vocab_size} is too small: byte-level BPE needs 256 bytes + {EOT}")
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=2,
-        special_tokens=[EOT],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=True,
-    )
-    tokenizer.train_from_iterator(texts, trainer)
-    return tokenizer
 
 
 # ------------------------------------------------------------------------ token cache
@@ -359,6 +342,14 @@ class TokenDataModule(L.LightningDataModule):
         self.val_fraction, self.seed, self.num_workers = val_fraction, seed, num_workers
         self.tokenizer_json = tokenizer_json
         self.cache: TokenCache | None = None
+
+    @classmethod
+    def from_config(cls, data_cfg, seq_len: int, seed: int = 0, tokenizer_json: str | None = None) -> TokenDataModule:
+        """The data module a `data` config group (or a run config's `data` dict) describes."""
+        return cls(build_corpus(data_cfg), resolve_path(data_cfg["cache_dir"]), seq_len=seq_len,
+                   batch_size=data_cfg["batch_size"], vocab_size=data_cfg["vocab_size"],
+                   val_fraction=data_cfg["val_fraction"], seed=seed, num_workers=data_cfg.get("num_workers", 0),
+                   tokenizer_json=tokenizer_json)
 
     def prepare_data(self) -> None:
         self.cache = build_token_cache(self.corpus, self.cache_dir, self.vocab_size, self.val_fraction,

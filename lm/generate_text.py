@@ -9,10 +9,10 @@ from typing import TextIO
 from omegaconf import DictConfig
 
 from lm.checkpoint import load
-from lm.data import EOT
 from lm.errors import GenerationError
 from lm.generation import Generation, Sampling
 from lm.paths import resolve_path
+from lm.tokenizer import EOT
 
 
 def read_prompts(cfg: DictConfig) -> list[str]:

@@ -17,24 +17,25 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from lm.attention import option
+from lm.attention.sliding import SlidingWindowAttention
 from lm.config import ModelConfig
 from lm.errors import CheckpointError, ConfigError
 from lm.model import Transformer
-
-EOT = "<|endoftext|>"
+from lm.tokenizer import EOT
 
 
 def hf_architecture(config: ModelConfig) -> str:
     """'llama' or 'mistral', or a ConfigError naming what transformers has no equivalent for."""
-    options = config.attention_options
     if config.attention == "softmax":
         return "llama"
     if config.attention == "sliding":
-        window, dilation = options.get("window", 128), options.get("dilation", 1)
+        window = option(config, SlidingWindowAttention, "window")
+        dilation = option(config, SlidingWindowAttention, "dilation")
         if isinstance(window, (list, tuple)) or isinstance(dilation, (list, tuple)) or dilation != 1:
             raise ConfigError("attention=sliding with per-layer windows or dilation has no transformers "
                               "equivalent; only a uniform window exports (as Mistral)")
-        if options.get("global_every"):
+        if option(config, SlidingWindowAttention, "global_every"):
             raise ConfigError("attention=sliding with global_every layers has no transformers equivalent")
         return "mistral"
     raise ConfigError(f"attention={config.attention} has no transformers equivalent; "
@@ -80,7 +81,7 @@ def export_hf(model: Transformer, tokenizer: Tokenizer, out: str | Path) -> Path
         hf_config = transformers.LlamaConfig(attention_bias=False, mlp_bias=False, **common)
         hf_config.architectures = ["LlamaForCausalLM"]
     else:
-        hf_config = transformers.MistralConfig(sliding_window=c.attention_options.get("window", 128), **common)
+        hf_config = transformers.MistralConfig(sliding_window=option(c, SlidingWindowAttention, "window"), **common)
         hf_config.architectures = ["MistralForCausalLM"]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -140,10 +141,12 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-def load_hf(folder: str | Path, device: str | torch.device = "cpu") -> tuple[Transformer, Tokenizer]:
-    """(model in eval mode, tokenizer) from a local Llama or Mistral folder."""
+def load_hf(folder: str | Path, device: str | torch.device = "cpu",
+            values: dict | None = None) -> tuple[Transformer, Tokenizer]:
+    """(model in eval mode, tokenizer) from a local Llama or Mistral folder (`values`: its
+    config.json when the caller has read it already)."""
     folder = Path(folder)
-    config = config_from_hf(json.loads((folder / "config.json").read_text()), folder)
+    config = config_from_hf(values or json.loads((folder / "config.json").read_text()), folder)
     hf = read_hf_weights(folder)
     try:
         state = _native_state(hf, config)

@@ -7,17 +7,15 @@ model code stays free of Lightning and the same module trains any attention kind
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import lightning as L
 import torch
 import torch.nn.functional as F
 
-from lm.checkpoint import FORMAT_VERSION
-from lm.errors import CheckpointError, TrainingError
+from lm.checkpoint import FORMAT_VERSION, write_atomically
+from lm.errors import TrainingError
 from lm.model import Transformer
 
 
@@ -32,6 +30,13 @@ class OptimConfig:
     fused: bool = True
 
 
+def next_token_loss(forward, batch: torch.Tensor, reduction: str = "mean") -> tuple[torch.Tensor, int]:
+    """Cross-entropy of predicting batch[:, 1:] from batch[:, :-1], and the number of targets."""
+    inputs, targets = batch[:, :-1], batch[:, 1:]  # (B, T) each
+    logits = forward(inputs)  # (B, T, V)
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction=reduction), targets.numel()
+
+
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
     """LR multiplier: linear warm-up to 1, then cosine decay to min_ratio at total_steps."""
     if step < warmup_steps:
@@ -41,20 +46,11 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: flo
 
 
 class AtomicCheckpointIO(L.pytorch.plugins.TorchCheckpointIO):
-    """Checkpoints are written beside their final name and renamed into place, so a kill or a
-    full disk during a save leaves the previous file whole; write errors become one clear line."""
+    """Lightning's checkpoints through write_atomically: a kill or a full disk during a save
+    leaves the previous file whole, and a write error is one clear line."""
 
     def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(checkpoint, tmp)
-            os.replace(tmp, path)
-        except OSError as e:
-            tmp.unlink(missing_ok=True)
-            raise CheckpointError(f"could not write checkpoint {str(path)!r}: {e.strerror or e}; "
-                                  "the previous checkpoint is untouched") from None
+        write_atomically(path, lambda tmp: torch.save(checkpoint, tmp))
 
 
 class LitLM(L.LightningModule):
@@ -80,10 +76,7 @@ class LitLM(L.LightningModule):
         self.last_val_step = -1
 
     def loss(self, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
-        inputs, targets = batch[:, :-1], batch[:, 1:]  # (B, T) each
-        logits = self._forward(inputs)  # (B, T, V)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        return loss, targets.numel()
+        return next_token_loss(self._forward, batch)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor | None:
         loss, _ = self.loss(batch)

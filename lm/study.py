@@ -14,12 +14,12 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lm.checkpoint import load, read_checkpoint
-from lm.data import TokenDataModule, build_corpus
+from lm.data import TokenDataModule
 from lm.generation import stream
+from lm.lit import next_token_loss
 from lm.model import Transformer
 from lm.paths import resolve_path
 from lm.training import train
@@ -27,11 +27,8 @@ from lm.uptraining import continued_run_config, uptrain, variant_name
 
 
 def validation_data(source_run: dict, tokenizer_json: str) -> TokenDataModule:
-    data_cfg = OmegaConf.create(source_run["data"])
-    data = TokenDataModule(build_corpus(data_cfg), resolve_path(data_cfg.cache_dir),
-                           seq_len=source_run["model"]["max_seq_len"], batch_size=data_cfg.batch_size,
-                           vocab_size=data_cfg.vocab_size, val_fraction=data_cfg.val_fraction,
-                           tokenizer_json=tokenizer_json)
+    data = TokenDataModule.from_config(OmegaConf.create(source_run["data"]), source_run["model"]["max_seq_len"],
+                                       tokenizer_json=tokenizer_json)
     data.setup()
     return data
 
@@ -43,9 +40,8 @@ def val_loss(model: Transformer, data: TokenDataModule, batches: int) -> float:
     for i, batch in enumerate(data.val_dataloader()):
         if i == batches:
             break
-        logits = model(batch[:, :-1])
-        total += F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum").item()
-        count += batch[:, 1:].numel()
+        loss_sum, n = next_token_loss(model, batch, reduction="sum")
+        total, count = total + loss_sum.item(), count + n
     return total / count
 
 

@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lm.checkpoint import read_checkpoint
 from lm.config import ConfigError, ModelConfig
-from lm.data import TokenDataModule, build_corpus
+from lm.data import TokenDataModule
 from lm.generation import generate
 from lm.lit import AtomicCheckpointIO, LitLM, OptimConfig
 from lm.model import Transformer
@@ -51,7 +51,7 @@ def pick_precision(trainer_cfg: DictConfig) -> str:
     return "bf16-mixed" if on_gpu else "32-true"
 
 
-def make_logger(cfg: DictConfig, run_dir: Path, resume_from: str | None = None):
+def make_logger(cfg: DictConfig, run_dir: Path, wandb_run_id: str | None = None):
     kind = cfg.logger.kind
     if kind == "none":
         return False
@@ -64,15 +64,15 @@ def make_logger(cfg: DictConfig, run_dir: Path, resume_from: str | None = None):
         if "WANDB_MODE" not in os.environ and "WANDB_API_KEY" not in os.environ:
             os.environ["WANDB_MODE"] = "offline"
         # A resumed run continues its wandb run (same id) instead of starting a second one.
-        run_id = read_checkpoint(resume_from)["lm"].get("wandb_run_id") if resume_from else None
         return WandbLogger(project=cfg.logger.project, name=cfg.run_name, save_dir=str(run_dir),
-                           config=OmegaConf.to_container(cfg, resolve=True), id=run_id,
-                           resume="allow" if run_id else None)
+                           config=OmegaConf.to_container(cfg, resolve=True), id=wandb_run_id,
+                           resume="allow" if wandb_run_id else None)
     raise ConfigError(f"logger.kind={kind!r} is not one of 'wandb', 'csv', 'none'")
 
 
-def resume_path(cfg: DictConfig, run_dir: Path) -> str | None:
-    """The checkpoint to continue from, checked by the safe loader before Lightning opens it."""
+def resume_path(cfg: DictConfig, run_dir: Path) -> tuple[str | None, dict]:
+    """The checkpoint to continue from and its "lm" entry, checked by the safe loader before
+    Lightning opens it; (None, {}) for a fresh run."""
     path = None
     if cfg.get("ckpt_path"):
         path = resolve_path(cfg.ckpt_path)
@@ -83,13 +83,14 @@ def resume_path(cfg: DictConfig, run_dir: Path) -> str | None:
         if not path.is_file():
             raise ConfigError(f"resume=true but run {cfg.run_name!r} has no checkpoint at {path}")
     if path is None:
-        return None
-    saved = read_checkpoint(path)["lm"]["model_config"]  # weights_only: refuses code, names corruption
+        return None, {}
+    entry = read_checkpoint(path)["lm"]  # weights_only: refuses code, names corruption
+    saved = entry["model_config"]
     requested = model_config_from(cfg, saved["vocab_size"]).to_dict() if not cfg.get("init_from") else saved
     differences = [f"{k}={saved.get(k)!r} (config: {v!r})" for k, v in requested.items() if saved.get(k) != v]
     if differences:
         raise ConfigError(f"checkpoint {str(path)!r} does not match the configured model: {', '.join(differences)}")
-    return str(path)
+    return str(path), entry
 
 
 def check_trainer(cfg: DictConfig) -> None:
@@ -141,13 +142,9 @@ def train(cfg: DictConfig, model_config: ModelConfig | None = None, init_state: 
         model_config_from(cfg, cfg.data.vocab_size)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     run_dir = resolve_path(cfg.checkpoint_dir) / cfg.run_name
-    ckpt_path = resume_path(cfg, run_dir)
+    ckpt_path, resumed = resume_path(cfg, run_dir)
 
-    data = TokenDataModule(
-        build_corpus(cfg.data), resolve_path(cfg.data.cache_dir), seq_len=cfg.model.max_seq_len,
-        batch_size=cfg.data.batch_size, vocab_size=cfg.data.vocab_size, val_fraction=cfg.data.val_fraction,
-        seed=cfg.seed, num_workers=cfg.data.num_workers, tokenizer_json=tokenizer_json,
-    )
+    data = TokenDataModule.from_config(cfg.data, cfg.model.max_seq_len, cfg.seed, tokenizer_json)
     data.prepare_data()
     data.setup("fit")
     model = Transformer(model_config or model_config_from(cfg, data.tokenizer.get_vocab_size()))
@@ -187,7 +184,8 @@ def train(cfg: DictConfig, model_config: ModelConfig | None = None, init_state: 
         precision=precision, max_steps=t.max_steps, val_check_interval=min(t.val_every_n_steps, t.max_steps),
         check_val_every_n_epoch=None, limit_val_batches=t.limit_val_batches,
         gradient_clip_val=t.gradient_clip_val, accumulate_grad_batches=t.accumulate_grad_batches,
-        log_every_n_steps=t.log_every_n_steps, num_sanity_val_steps=0, logger=make_logger(cfg, run_dir, ckpt_path),
+        log_every_n_steps=t.log_every_n_steps, num_sanity_val_steps=0,
+        logger=make_logger(cfg, run_dir, resumed.get("wandb_run_id")),
         plugins=[AtomicCheckpointIO()],
         callbacks=[*checkpoint_callbacks, *progress_bar(t)], enable_progress_bar=t.progress_bar,
         enable_model_summary=False,
