@@ -2,6 +2,9 @@
 
 A training checkpoint is Lightning's file plus an "lm" entry holding the model config (a
 dict), the tokenizer (its JSON text) and the resolved run config (a dict).
+
+Format versions: 1 stored the attention as a kind's name plus options; 2 stores every option
+of every layer. Both are read (lm.config.upgrade_from_format_1); a newer one is refused.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from lm.config import ModelConfig
 from lm.errors import CheckpointError
 from lm.model import Transformer
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 
 def write_atomically(path: str | Path, write) -> Path:
@@ -58,12 +62,21 @@ def read_checkpoint(path: str | Path) -> dict:
         raise CheckpointError(f"checkpoint {str(path)!r} is not a readable torch file ({first})") from None
     if not isinstance(ckpt, dict) or "lm" not in ckpt or "state_dict" not in ckpt:
         raise CheckpointError(f"checkpoint {str(path)!r} is not an lm training checkpoint (no 'lm' entry)")
-    version = ckpt["lm"].get("format_version")
-    if version != FORMAT_VERSION:
-        raise CheckpointError(
-            f"checkpoint {str(path)!r} has format_version={version!r}; this lm reads version {FORMAT_VERSION}"
-        )
+    check_version(ckpt["lm"].get("format_version"), f"checkpoint {str(path)!r}")
     return ckpt
+
+
+def check_version(version, what: str) -> None:
+    if version not in READABLE_VERSIONS:
+        newer = isinstance(version, int) and version > FORMAT_VERSION
+        readable = ", ".join(map(str, READABLE_VERSIONS))
+        raise CheckpointError(f"{what} has format_version={version!r}; this lm reads versions {readable}"
+                              + ("; a newer lm wrote it: upgrade lm to read it" if newer else ""))
+
+
+def stored_model_config(entry: dict) -> ModelConfig:
+    """The ModelConfig of a checkpoint's "lm" entry (or an export's config.json), any readable format."""
+    return ModelConfig.from_dict(entry["model_config"], entry.get("format_version", entry.get("lm_format_version")))
 
 
 def model_state_dict(ckpt: dict) -> dict[str, torch.Tensor]:
@@ -83,7 +96,7 @@ def load(path: str | Path, device: str | torch.device = "cpu") -> tuple[Transfor
             return load_safetensors_folder(Path(path), meta, device)
         return load_hf(path, device, meta)
     ckpt = read_checkpoint(path)
-    config = ModelConfig.from_dict(ckpt["lm"]["model_config"])
+    config = stored_model_config(ckpt["lm"])
     model = Transformer(config)
     try:
         model.load_state_dict(model_state_dict(ckpt))
@@ -136,10 +149,8 @@ def load_safetensors_folder(folder: Path, meta: dict,
     """A folder export_safetensors wrote; `meta` is its config.json."""
     from safetensors.torch import load_file
 
-    if meta.get("lm_format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{str(folder)!r} has lm_format_version={meta.get('lm_format_version')!r}; "
-                              f"this lm reads version {FORMAT_VERSION}")
-    config = ModelConfig.from_dict(meta["model_config"])
+    check_version(meta.get("lm_format_version"), f"{str(folder)!r}")
+    config = stored_model_config(meta)
     state = load_file(str(folder / "model.safetensors"))
     if config.tie_embeddings:
         state["head.weight"] = state["embed.weight"]

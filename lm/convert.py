@@ -11,12 +11,14 @@ Shapes: nh query heads, nkv K/V heads (before), m K/V heads (after), hs head siz
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import torch
 
 from lm.config import ModelConfig
 from lm.errors import ConfigError
+from lm.weights import split_qkv
 
 INITS = ("mean", "first", "random")
 QKV_WEIGHT = re.compile(r"^blocks\.\d+\.attn\.qkv\.weight$")
@@ -39,7 +41,7 @@ def to_grouped(state_dict: dict[str, torch.Tensor], config: ModelConfig, n_kv_he
                           "conversion only merges heads")
     if current % n_kv_head:
         raise ConfigError(f"the checkpoint's {current} K/V heads do not split into n_kv_head={n_kv_head} equal groups")
-    new_config = ModelConfig.from_dict({**config.to_dict(), "n_kv_head": n_kv_head})
+    new_config = dataclasses.replace(config, n_kv_head=n_kv_head)
     generator = torch.Generator().manual_seed(seed)
     converted = {}
     for name, tensor in state_dict.items():
@@ -51,9 +53,9 @@ def to_grouped(state_dict: dict[str, torch.Tensor], config: ModelConfig, n_kv_he
 
 def _group_qkv(weight: torch.Tensor, config: ModelConfig, m: int, init: str,
                generator: torch.Generator) -> torch.Tensor:
-    """Rows [Q heads | K heads | V heads] of the fused projection, K and V reduced to m heads."""
-    nh, nkv, hs = config.n_head, config.n_kv_head, config.head_dim
-    q, k, v = weight.split((nh * hs, nkv * hs, nkv * hs))
+    """The fused Q/K/V projection with K and V reduced to m heads."""
+    nkv, hs = config.n_kv_head, config.head_dim
+    q, k, v = split_qkv(weight, config.n_head, nkv, hs)
     return torch.cat((q, _pool(k, nkv, m, hs, init, generator, config.init_std),
                       _pool(v, nkv, m, hs, init, generator, config.init_std)))
 

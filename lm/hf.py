@@ -4,7 +4,8 @@ Softmax MHA/GQA/MQA models are Llama (`LlamaForCausalLM`, `num_key_value_heads`)
 sliding-window models are Mistral (`sliding_window`). The layouts already agree where it
 matters: RoPE uses the rotate-half pairing (i, i + hs/2) in both, and Mistral's window
 (q - W < k <= q) is ours. What differs is only packaging: our fused QKV and gate/up
-projections are split into Llama's separate ones on export and fused again on import.
+projections are split into Llama's separate ones on export and fused again on import
+(lm.weights holds that map).
 
 Shapes: nh query heads, nkv K/V heads, hs head size, C d_model, F d_ff.
 """
@@ -17,48 +18,47 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from lm.attention import option
-from lm.attention.sliding import SlidingWindowAttention
+from lm.attention import SlidingSpec, SoftmaxSpec
 from lm.config import ModelConfig
 from lm.errors import CheckpointError, ConfigError
 from lm.model import Transformer
 from lm.tokenizer import EOT
+from lm.weights import from_hf_state_dict, to_hf_state_dict
+
+# Our config field -> transformers' (Llama and Mistral share these names); read both ways.
+CONFIG_KEYS = {
+    "vocab_size": "vocab_size", "d_model": "hidden_size", "d_ff": "intermediate_size",
+    "n_layer": "num_hidden_layers", "n_head": "num_attention_heads", "n_kv_head": "num_key_value_heads",
+    "max_seq_len": "max_position_embeddings", "norm_eps": "rms_norm_eps", "rope_theta": "rope_theta",
+    "tie_embeddings": "tie_word_embeddings",
+}
 
 
-def hf_architecture(config: ModelConfig) -> str:
-    """'llama' or 'mistral', or a ConfigError naming what transformers has no equivalent for."""
-    if config.attention == "softmax":
-        return "llama"
-    if config.attention == "sliding":
-        window = option(config, SlidingWindowAttention, "window")
-        dilation = option(config, SlidingWindowAttention, "dilation")
-        if isinstance(window, (list, tuple)) or isinstance(dilation, (list, tuple)) or dilation != 1:
-            raise ConfigError("attention=sliding with per-layer windows or dilation has no transformers "
-                              "equivalent; only a uniform window exports (as Mistral)")
-        if option(config, SlidingWindowAttention, "global_every"):
-            raise ConfigError("attention=sliding with global_every layers has no transformers equivalent")
-        return "mistral"
-    raise ConfigError(f"attention={config.attention} has no transformers equivalent; "
-                      "export takes softmax (Llama) and uniform sliding-window (Mistral) models")
+def hf_architecture(config: ModelConfig) -> tuple[str, int | None]:
+    """('llama', None), ('mistral', window), or a ConfigError naming what transformers lacks."""
+    specs = set(config.attention)
+    if specs == {SoftmaxSpec()}:
+        return "llama", None
+    if len(specs) == 1 and isinstance(spec := specs.pop(), SlidingSpec) and spec.dilation == 1:
+        return "mistral", spec.window
+    raise ConfigError(f"attention {config.describe_attention()} has no transformers equivalent; export takes "
+                      "softmax (Llama) and one undilated sliding window in every layer (Mistral)")
 
 
-def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
-    c = model.config
-    q_size, kv_size = c.n_head * c.head_dim, c.n_kv_head * c.head_dim
-    sd = {"model.embed_tokens.weight": model.embed.weight, "model.norm.weight": model.norm.weight}
-    for i, block in enumerate(model.blocks):
-        p = f"model.layers.{i}."
-        q, k, v = block.attn.qkv.weight.split((q_size, kv_size, kv_size))  # rows of the fused projection
-        gate, up = block.mlp.gate_up.weight.split(c.d_ff)  # (F, C) each
-        sd.update({p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
-                   p + "self_attn.v_proj.weight": v, p + "self_attn.o_proj.weight": block.attn.out.weight,
-                   p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
-                   p + "mlp.down_proj.weight": block.mlp.down.weight,
-                   p + "input_layernorm.weight": block.attn_norm.weight,
-                   p + "post_attention_layernorm.weight": block.mlp_norm.weight})
-    if not c.tie_embeddings:
-        sd["lm_head.weight"] = model.head.weight
-    return {k: v.detach().contiguous().clone() for k, v in sd.items()}
+def hf_config(config: ModelConfig, **extra):
+    """The transformers LlamaConfig or MistralConfig of a model of this config."""
+    import transformers
+
+    arch, window = hf_architecture(config)
+    values = {theirs: getattr(config, ours) for ours, theirs in CONFIG_KEYS.items()}
+    values.update(head_dim=config.head_dim, hidden_act="silu", attention_bias=False, **extra)
+    if arch == "llama":
+        hf = transformers.LlamaConfig(mlp_bias=False, **values)
+        hf.architectures = ["LlamaForCausalLM"]
+    else:
+        hf = transformers.MistralConfig(sliding_window=window, **values)
+        hf.architectures = ["MistralForCausalLM"]
+    return hf
 
 
 def export_hf(model: Transformer, tokenizer: Tokenizer, out: str | Path) -> Path:
@@ -70,25 +70,14 @@ def export_hf(model: Transformer, tokenizer: Tokenizer, out: str | Path) -> Path
     from safetensors.torch import save_file
 
     c = model.config
-    arch = hf_architecture(c)
     eot = tokenizer.token_to_id(EOT)
-    common = dict(vocab_size=c.vocab_size, hidden_size=c.d_model, intermediate_size=c.d_ff,
-                  num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head,
-                  head_dim=c.head_dim, max_position_embeddings=c.max_seq_len, rms_norm_eps=c.norm_eps,
-                  rope_theta=c.rope_theta, tie_word_embeddings=c.tie_embeddings, hidden_act="silu",
-                  bos_token_id=eot, eos_token_id=eot, pad_token_id=eot, torch_dtype="float32")
-    if arch == "llama":
-        hf_config = transformers.LlamaConfig(attention_bias=False, mlp_bias=False, **common)
-        hf_config.architectures = ["LlamaForCausalLM"]
-    else:
-        hf_config = transformers.MistralConfig(sliding_window=option(c, SlidingWindowAttention, "window"), **common)
-        hf_config.architectures = ["MistralForCausalLM"]
+    config = hf_config(c, bos_token_id=eot, eos_token_id=eot, pad_token_id=eot, torch_dtype="float32")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    hf_config.save_pretrained(out)
+    config.save_pretrained(out)
     transformers.GenerationConfig(bos_token_id=eot, eos_token_id=eot, pad_token_id=eot,
                                   max_length=c.max_seq_len).save_pretrained(out)
-    save_file(to_hf_state_dict(model), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(to_hf_state_dict(model.state_dict(), c), str(out / "model.safetensors"), metadata={"format": "pt"})
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=EOT, eos_token=EOT,
                                                 pad_token=EOT, model_max_length=c.max_seq_len)
     fast.save_pretrained(out)
@@ -111,18 +100,18 @@ def config_from_hf(values: dict, folder: Path) -> ModelConfig:
         unsupported.append(f"rope_type={rope.get('rope_type', rope.get('type'))}")
     if unsupported:
         raise CheckpointError(f"{str(folder)!r} uses {', '.join(unsupported)}, which lm's model does not have")
-    d_model, n_head = values["hidden_size"], values["num_attention_heads"]
-    if values.get("head_dim") not in (None, d_model // n_head):
+    required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "max_position_embeddings", "rms_norm_eps"]
+    missing = [key for key in required if values.get(key) is None]
+    if missing:
+        raise CheckpointError(f"{str(folder)!r}: config.json lacks {', '.join(missing)}")
+    if values.get("head_dim") not in (None, values["hidden_size"] // values["num_attention_heads"]):
         raise CheckpointError(f"{str(folder)!r} has head_dim={values['head_dim']} != hidden_size / heads")
+    fields = {ours: values[theirs] for ours, theirs in CONFIG_KEYS.items() if values.get(theirs) is not None}
+    fields["rope_theta"] = float(rope.get("rope_theta", values.get("rope_theta", 10000.0)))
+    fields["tie_embeddings"] = bool(values.get("tie_word_embeddings", False))
     window = values.get("sliding_window") if kind == "mistral" else None
-    return ModelConfig(
-        vocab_size=values["vocab_size"], n_layer=values["num_hidden_layers"], d_model=d_model, n_head=n_head,
-        n_kv_head=values.get("num_key_value_heads") or n_head, d_ff=values["intermediate_size"],
-        max_seq_len=values["max_position_embeddings"], rope_theta=float(rope.get("rope_theta", values.get(
-            "rope_theta", 10000.0))), norm_eps=values["rms_norm_eps"],
-        tie_embeddings=bool(values.get("tie_word_embeddings", False)),
-        attention="sliding" if window else "softmax", attention_options={"window": window} if window else {},
-    )
+    return ModelConfig(**fields, attention=SlidingSpec(window=window) if window else SoftmaxSpec())
 
 
 def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -149,7 +138,7 @@ def load_hf(folder: str | Path, device: str | torch.device = "cpu",
     config = config_from_hf(values or json.loads((folder / "config.json").read_text()), folder)
     hf = read_hf_weights(folder)
     try:
-        state = _native_state(hf, config)
+        state = from_hf_state_dict(hf, config)
     except KeyError as e:
         raise CheckpointError(f"{str(folder)!r} lacks the weight {e.args[0]}") from None
     model = Transformer(config)
@@ -157,19 +146,3 @@ def load_hf(folder: str | Path, device: str | torch.device = "cpu",
     if not (folder / "tokenizer.json").is_file():
         raise CheckpointError(f"{str(folder)!r} has no tokenizer.json (a fast tokenizer is needed)")
     return model.to(device).eval(), Tokenizer.from_file(str(folder / "tokenizer.json"))
-
-
-def _native_state(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Llama's separate projections fused back into ours: rows [q | k | v] and [gate | up]."""
-    state = {"embed.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
-    for i in range(config.n_layer):
-        p = f"model.layers.{i}."
-        state[f"blocks.{i}.attn.qkv.weight"] = torch.cat([hf[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
-        state[f"blocks.{i}.attn.out.weight"] = hf[p + "self_attn.o_proj.weight"]
-        gate, up = hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]
-        state[f"blocks.{i}.mlp.gate_up.weight"] = torch.cat((gate, up))
-        state[f"blocks.{i}.mlp.down.weight"] = hf[p + "mlp.down_proj.weight"]
-        state[f"blocks.{i}.attn_norm.weight"] = hf[p + "input_layernorm.weight"]
-        state[f"blocks.{i}.mlp_norm.weight"] = hf[p + "post_attention_layernorm.weight"]
-    state["head.weight"] = hf["model.embed_tokens.weight"] if config.tie_embeddings else hf["lm_head.weight"]
-    return {k: v.float() for k, v in state.items()}

@@ -1,7 +1,7 @@
 """The decoder-only transformer: embed -> Block x n_layer -> RMSNorm -> head.
 
 Llama-style: pre-norm RMSNorm, rotary positions, SwiGLU MLP, no biases. The model knows
-nothing of attention internals: each block asks the registry for the configured kind.
+nothing of attention internals: each block builds its layer from its spec (lm.attention.base).
 Shapes: B batch, T sequence length, C d_model, V vocab size.
 """
 
@@ -12,7 +12,6 @@ import math
 import torch
 from torch import nn
 
-from lm.attention import build_attention
 from lm.cache import GenerationCache
 from lm.config import ModelConfig
 from lm.layers import RMSNorm, RotaryEmbedding, SwiGLU
@@ -22,7 +21,7 @@ class Block(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
-        self.attn = build_attention(config, layer_idx)
+        self.attn = config.attention[layer_idx].build(config.layer_shape(layer_idx))
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = SwiGLU(config.d_model, config.d_ff)
 

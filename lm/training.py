@@ -14,7 +14,8 @@ import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from lm.checkpoint import read_checkpoint
+from lm.attention import layer_specs
+from lm.checkpoint import read_checkpoint, stored_model_config
 from lm.config import ConfigError, ModelConfig
 from lm.data import TokenDataModule
 from lm.generation import generate
@@ -35,10 +36,14 @@ def model_config_from(cfg: DictConfig, vocab_size: int) -> ModelConfig:
     """ModelConfig from the `model` and `attn` groups; the vocabulary comes from the tokenizer."""
     model = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k != "name"}
     attn = OmegaConf.to_container(cfg.attn, resolve=True)
-    kind = attn.pop("kind")
     attn.pop("name", None)
     n_kv_head = attn.pop("n_kv_head", None)
-    return ModelConfig(vocab_size=vocab_size, attention=kind, n_kv_head=n_kv_head, attention_options=attn, **model)
+    kind, pattern, every = attn.pop("kind", None), attn.pop("pattern", None), attn.pop("global_every", None)
+    if (kind is None) == (pattern is None):
+        raise ConfigError(f"give attn.kind (one kind for every layer) or attn.pattern (one per layer), "
+                          f"not {'both' if kind else 'neither'}")
+    specs = layer_specs(pattern or kind, model["n_layer"], attn, every)
+    return ModelConfig(vocab_size=vocab_size, attention=specs, n_kv_head=n_kv_head, **model)
 
 
 def pick_precision(trainer_cfg: DictConfig) -> str:
@@ -85,7 +90,7 @@ def resume_path(cfg: DictConfig, run_dir: Path) -> tuple[str | None, dict]:
     if path is None:
         return None, {}
     entry = read_checkpoint(path)["lm"]  # weights_only: refuses code, names corruption
-    saved = entry["model_config"]
+    saved = stored_model_config(entry).to_dict()
     requested = model_config_from(cfg, saved["vocab_size"]).to_dict() if not cfg.get("init_from") else saved
     differences = [f"{k}={saved.get(k)!r} (config: {v!r})" for k, v in requested.items() if saved.get(k) != v]
     if differences:
@@ -162,9 +167,10 @@ def train(cfg: DictConfig, model_config: ModelConfig | None = None, init_state: 
                 provenance=provenance, skip_nonfinite=bool(cfg.trainer.get("skip_nonfinite", False)))
 
     precision = pick_precision(cfg.trainer)
-    print(f"run {cfg.run_name}: {model.num_params() / 1e6:.2f}M parameters, attention={model.config.attention} "
-          f"n_head={model.config.n_head} n_kv_head={model.config.n_kv_head}, precision={precision}, "
-          f"checkpoints in {run_dir}" + (f", resuming {ckpt_path}" if ckpt_path else ""))
+    print(f"run {cfg.run_name}: {model.num_params() / 1e6:.2f}M parameters, n_head={model.config.n_head} "
+          f"n_kv_head={model.config.n_kv_head}, precision={precision}, checkpoints in {run_dir}"
+          + (f", resuming {ckpt_path}" if ckpt_path else ""))
+    print(f"attention: {model.config.describe_attention()}")
     # Two callbacks: Lightning's `save_last` only refreshes last.ckpt when the best one changes.
     best = L.pytorch.callbacks.ModelCheckpoint(
         dirpath=run_dir, filename="best", monitor="val/loss", mode="min", save_top_k=1, enable_version_counter=False

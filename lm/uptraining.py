@@ -10,8 +10,7 @@ import math
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from lm.checkpoint import model_state_dict, read_checkpoint, save_checkpoint
-from lm.config import ModelConfig
+from lm.checkpoint import model_state_dict, read_checkpoint, save_checkpoint, stored_model_config
 from lm.convert import to_grouped
 from lm.errors import ConfigError
 from lm.paths import resolve_path
@@ -66,7 +65,7 @@ def uptrain(cfg: DictConfig) -> dict:
     plus the val loss right after conversion and the provenance."""
     source_path = resolve_path(cfg.ckpt)
     source = read_checkpoint(source_path)
-    source_config = ModelConfig.from_dict(source["lm"]["model_config"])
+    source_config = stored_model_config(source["lm"])
     n_kv_head = cfg.attn.n_kv_head
     state, config = to_grouped(model_state_dict(source), source_config, n_kv_head, init=cfg.uptrain.init, seed=cfg.seed)
     source_steps = int(source.get("global_step", 0))

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from lm import ModelConfig, Transformer
+from lm.attention import AttentionSpec, LayerShape, LinearSpec, SlidingSpec, SoftmaxSpec
 
 # The reference shape named in the README and the issues.
 REFERENCE = dict(vocab_size=8192, n_layer=6, d_model=384, n_head=6, n_kv_head=2, d_ff=1024,
@@ -40,14 +41,12 @@ def matmul_peak_flops(size: int = 2048, repeats: int = 10) -> float:
 
 
 def hf_llama(cfg: ModelConfig) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """transformers' LlamaForCausalLM of the same shape (the mapping lm's export uses), with SDPA."""
+    from transformers import LlamaForCausalLM
 
-    hf_cfg = LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
-        num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head,
-        max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
-        tie_word_embeddings=cfg.tie_embeddings, attention_bias=False, mlp_bias=False,
-    )
+    from lm.hf import hf_config
+
+    hf_cfg = hf_config(cfg)
     hf_cfg._attn_implementation = "sdpa"
     return LlamaForCausalLM(hf_cfg)
 
@@ -101,12 +100,12 @@ def bench_train(args) -> None:
 
 # ---------------------------------------------------------------------------- attention
 
-ATTENTION_KINDS = {  # name -> (attention kind, n_kv_head or None for n_head, options)
-    "mha": ("softmax", None, {}),
-    "gqa": ("softmax", 2, {}),
-    "mqa": ("softmax", 1, {}),
-    "sliding": ("sliding", None, {"window": 512}),
-    "linear": ("linear", None, {"feature_map": "elu"}),
+ATTENTION_KINDS = {  # name -> (spec, n_kv_head or None for n_head)
+    "mha": (SoftmaxSpec(), None),
+    "gqa": (SoftmaxSpec(), 2),
+    "mqa": (SoftmaxSpec(), 1),
+    "sliding": (SlidingSpec(window=512), None),
+    "linear": (LinearSpec(feature_map="elu"), None),
 }
 
 
@@ -145,15 +144,13 @@ def peak_memory_of(fn) -> tuple[float, int]:
     return seconds, _proc_status_bytes("VmHWM") - before
 
 
-def attention_module(kind: str, n_kv_head: int | None, options: dict, d_model: int, n_head: int, seq_len: int):
-    from lm.attention import build_attention
-
-    cfg = ModelConfig(vocab_size=256, n_layer=1, d_model=d_model, n_head=n_head, n_kv_head=n_kv_head or n_head,
-                      max_seq_len=seq_len, attention=kind, attention_options=options)
-    return build_attention(cfg, 0), cfg
+def attention_layer(spec: AttentionSpec, n_kv_head: int | None, d_model: int, n_head: int):
+    """The spec's layer alone, built from its sizes: no model around it."""
+    shape = LayerShape(d_model, n_head, n_kv_head or n_head, d_model // n_head)
+    return spec.build(shape), shape
 
 
-def time_attention(module, cfg: ModelConfig, seq_len: int, backward: bool, repeats: int,
+def time_attention(module, shape: LayerShape, seq_len: int, backward: bool, repeats: int,
                    whole_module: bool = False) -> tuple[float, int]:
     """Best time and peak memory of one forward (or forward + backward) of the kind's attention
     op, `module.attend(q, k, v)` on q (1, nh, N, hs) and k, v (1, nkv, N, hs); with
@@ -161,11 +158,11 @@ def time_attention(module, cfg: ModelConfig, seq_len: int, backward: bool, repea
     from lm.layers import RotaryEmbedding
 
     if whole_module:
-        cos, sin = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)(torch.arange(seq_len))
-        inputs = [torch.randn(1, seq_len, cfg.d_model, requires_grad=backward)]
+        cos, sin = RotaryEmbedding(shape.head_dim, 10000.0)(torch.arange(seq_len))
+        inputs = [torch.randn(1, seq_len, shape.d_model, requires_grad=backward)]
         op = lambda x: module(x, cos, sin)  # noqa: E731
     else:
-        shapes = [(1, h, seq_len, cfg.head_dim) for h in (cfg.n_head, cfg.n_kv_head, cfg.n_kv_head)]
+        shapes = [(1, h, seq_len, shape.head_dim) for h in (shape.n_head, shape.n_kv_head, shape.n_kv_head)]
         inputs = [torch.randn(shape, requires_grad=backward) for shape in shapes]
         op = module.attend
 
@@ -186,21 +183,21 @@ def bench_attention(args) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     exact_resident_memory()
     rows = []
-    cases = [(name, *spec, args.heads) for name, spec in ATTENTION_KINDS.items()]
+    cases = [(name, spec, n_kv_head, args.heads) for name, (spec, n_kv_head) in ATTENTION_KINDS.items()]
     if args.single_head:  # the footing of the published GPU figures: one head of size d_model
-        cases += [("mha-1head", "softmax", None, {}, 1), ("linear-1head", "linear", None, {"feature_map": "elu"}, 1)]
+        cases += [("mha-1head", SoftmaxSpec(), None, 1), ("linear-1head", LinearSpec(feature_map="elu"), None, 1)]
     print(f"attention op (q, k, v -> out; projections excluded), fp32, {torch.get_num_threads()} threads, "
           f"batch 1, d_model {args.d_model}; peak = resident memory above the inputs")
     print(f"{'kind':14}{'N':>7}{'fwd s':>9}{'fwd+bwd s':>11}{'fwd MB':>9}{'fwd+bwd MB':>12}")
-    for name, kind, n_kv_head, options, heads in cases:
+    for name, spec, n_kv_head, heads in cases:
         for n in args.lengths:
             if heads == 1 and n != max(args.lengths):
                 continue
             torch.manual_seed(0)
-            module, cfg = attention_module(kind, n_kv_head, options, args.d_model, heads, n)
-            fwd_s, fwd_mem = time_attention(module, cfg, n, backward=False, repeats=args.repeats)
-            bwd_s, bwd_mem = time_attention(module, cfg, n, backward=True, repeats=args.repeats)
-            row = {"kind": name, "n_head": heads, "n_kv_head": cfg.n_kv_head, "seq_len": n, "forward_s": fwd_s,
+            module, shape = attention_layer(spec, n_kv_head, args.d_model, heads)
+            fwd_s, fwd_mem = time_attention(module, shape, n, backward=False, repeats=args.repeats)
+            bwd_s, bwd_mem = time_attention(module, shape, n, backward=True, repeats=args.repeats)
+            row = {"kind": name, "n_head": heads, "n_kv_head": shape.n_kv_head, "seq_len": n, "forward_s": fwd_s,
                    "forward_backward_s": bwd_s, "forward_peak_mb": fwd_mem / 2**20,
                    "forward_backward_peak_mb": bwd_mem / 2**20}
             rows.append(row)
@@ -253,9 +250,9 @@ def print_whole_layer_times(args) -> None:
     n = max(args.lengths)
     times = {}
     for name in ("mha", "sliding", "linear"):
-        kind, n_kv_head, options = ATTENTION_KINDS[name]
-        module, cfg = attention_module(kind, n_kv_head, options, args.d_model, args.heads, n)
-        times[name], _ = time_attention(module, cfg, n, backward=False, repeats=args.repeats, whole_module=True)
+        spec, n_kv_head = ATTENTION_KINDS[name]
+        module, shape = attention_layer(spec, n_kv_head, args.d_model, args.heads)
+        times[name], _ = time_attention(module, shape, n, backward=False, repeats=args.repeats, whole_module=True)
     print(f"whole layer (with projections) forward at N={n}: " + ", ".join(
         f"{name} {t:.3f} s ({times['mha'] / t:.1f}x)" for name, t in times.items()))
 
@@ -287,19 +284,19 @@ def plot_attention(rows: list[dict], heads: int, path: Path) -> Path:
 
 # ---------------------------------------------------------------------------- generate
 
-GENERATE_KINDS = {  # name -> (attention kind, n_kv_head, options) at the reference shape (6 heads)
-    "mha": ("softmax", 6, {}),
-    "gqa": ("softmax", 2, {}),
-    "mqa": ("softmax", 1, {}),
-    "sliding": ("sliding", 2, {"window": 256}),
-    "linear": ("linear", 2, {}),
+GENERATE_KINDS = {  # name -> (spec, n_kv_head) at the reference shape (6 heads)
+    "mha": (SoftmaxSpec(), 6),
+    "gqa": (SoftmaxSpec(), 2),
+    "mqa": (SoftmaxSpec(), 1),
+    "sliding": (SlidingSpec(window=256), 2),
+    "linear": (LinearSpec(), 2),
 }
 
 
-def reference_model(kind: str, n_kv_head: int, options: dict, max_seq_len: int) -> Transformer:
+def reference_model(spec: AttentionSpec, n_kv_head: int, max_seq_len: int) -> Transformer:
     torch.manual_seed(0)
     shape = {**REFERENCE, "n_kv_head": n_kv_head, "max_seq_len": max_seq_len}
-    return Transformer(ModelConfig(**shape, attention=kind, attention_options=options)).eval()
+    return Transformer(ModelConfig(**shape, attention=spec)).eval()
 
 
 def decode_seconds(run_generate, repeats: int) -> float:
@@ -342,8 +339,8 @@ def bench_generate(args) -> None:
     header += f"{'latency ratio':>15}{'cache bytes/token':>19}{'cache @' + str(max_len):>14}"
     print(f"{'kind':14}{'kv heads':>9}{header}")
     rates: dict[str, dict[int, float]] = {}
-    for name, (kind, n_kv_head, options) in GENERATE_KINDS.items():
-        model = reference_model(kind, n_kv_head, options, max_seq_len=max(max_len, long_position + 32))
+    for name, (spec, n_kv_head) in GENERATE_KINDS.items():
+        model = reference_model(spec, n_kv_head, max_seq_len=max(max_len, long_position + 32))
         rates[name] = {}
         for n in args.new_tokens:
             seconds = decode_seconds(lambda m=model, n=n: list(stream(m, prompt, n)), args.repeats)

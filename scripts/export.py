@@ -21,7 +21,8 @@ def main(cfg: DictConfig) -> None:
             raise ConfigError(f"format={cfg.format!r} is not one of {sorted(exporters)}")
         model, tokenizer = load(resolve_path(cfg.ckpt))
         out = exporters[cfg.format](model, tokenizer, resolve_path(cfg.out))
-        print(f"wrote {out} ({model.config.attention}, {model.config.n_kv_head}/{model.config.n_head} K/V heads)")
+        c = model.config
+        print(f"wrote {out} ({c.describe_attention()}; {c.n_kv_head}/{c.n_head} K/V heads)")
 
 
 if __name__ == "__main__":

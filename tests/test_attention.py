@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lm import ModelConfig, Transformer
-from lm.attention import reference
+from lm.attention import LinearSpec, SlidingSpec, SoftmaxSpec, layer_specs, reference
 from lm.attention.feature_maps import FEATURE_MAPS, feature_map
 from lm.attention.linear import chunked_linear_attention
 from lm.attention.sliding import sliding_window_attention
@@ -76,6 +76,23 @@ def test_chunked_linear_attention_equals_both_naive_twins(heads, name, T, chunk,
     assert_same_values_and_grads(fast, quadratic, leaves)
 
 
+@pytest.mark.parametrize("name", sorted(FEATURE_MAPS))
+def test_gradients_reach_a_carried_in_linear_state(name):
+    """The state (S, z) from earlier tokens gets the same gradient through the chunked path as
+    through the quadratic twin, so training across segments would be exact too."""
+    leaves, (fq, fk, v), state = featurised(name, 4, 2, 13, seed=5, state=True)
+    S0, z0 = (t.clone().requires_grad_() for t in state)
+    fast, (S, z) = chunked_linear_attention(fq, fk, v, 1e-6, (S0, z0), chunk_size=4)
+    naive, (S_n, z_n) = reference.quadratic_linear_attention(fq, fk, v, 1e-6, (S0, z0))
+    g_out, g_S, g_z = torch.randn_like(fast), torch.randn_like(S), torch.randn_like(z)
+    wrt = (*leaves, S0, z0)
+    fast_grads = torch.autograd.grad((fast, S, z), wrt, (g_out, g_S, g_z), retain_graph=True)
+    naive_grads = torch.autograd.grad((naive, S_n, z_n), wrt, (g_out, g_S, g_z))
+    for a, b in zip(fast_grads, naive_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+    assert fast_grads[3].abs().max() > 0 and fast_grads[4].abs().max() > 0
+
+
 def test_linear_attention_accumulates_half_precision_inputs_in_float32():
     _, (fq, fk, v), _ = featurised("elu", 4, 2, 300)
     out, (S, z) = chunked_linear_attention(fq.bfloat16(), fk.bfloat16(), v.bfloat16(), 1e-6, chunk_size=16)
@@ -107,29 +124,29 @@ def test_gradcheck_of_sliding_and_linear_fast_paths():
     assert torch.autograd.gradcheck(linear64, (q, k, v))
 
 
-KINDS = {
-    "softmax": ("softmax", {}),
-    "sliding": ("sliding", {"window": 4}),
-    "sliding-dilated-per-layer": ("sliding", {"window": [3, 5], "dilation": [1, 2]}),
-    "sliding-global": ("sliding", {"window": 3, "global_every": 2}),
-    "linear-elu": ("linear", {"chunk_size": 4}),
-    "linear-relu": ("linear", {"feature_map": "relu", "chunk_size": 4}),
-    "linear-taylor": ("linear", {"feature_map": "taylor", "chunk_size": 4}),
-    "hybrid": ("hybrid", {"pattern": ["linear", "sliding"], "window": 4}),
+KINDS = {  # name -> the model's attention, in any form ModelConfig takes (2 layers)
+    "softmax": SoftmaxSpec(),
+    "sliding": SlidingSpec(window=4),
+    "sliding-dilated-per-layer": [SlidingSpec(window=3), SlidingSpec(window=5, dilation=2)],
+    "sliding-global": layer_specs("sliding", 2, {"window": 3}, global_every=2),
+    "linear-elu": LinearSpec(chunk_size=4),
+    "linear-relu": LinearSpec(feature_map="relu", chunk_size=4),
+    "linear-taylor": LinearSpec(feature_map="taylor", chunk_size=4),
+    "hybrid": [LinearSpec(), SlidingSpec(window=4)],
 }
 
 
-def small_model(kind, options, n_kv_head=2):
+def small_model(attention, n_kv_head=2):
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=61, n_layer=2, d_model=32, n_head=4, n_kv_head=n_kv_head, d_ff=48,
-                      max_seq_len=16, attention=kind, attention_options=options)
+                      max_seq_len=16, attention=attention)
     return Transformer(cfg).eval()
 
 
 @pytest.mark.parametrize("name", list(KINDS))
 @pytest.mark.parametrize("n_kv_head", [1, 2, 4])
 def test_every_kind_is_causal(name, n_kv_head):
-    m = small_model(*KINDS[name], n_kv_head=n_kv_head)
+    m = small_model(KINDS[name], n_kv_head=n_kv_head)
     idx = torch.randint(0, 61, (2, 14))
     changed = idx.clone()
     changed[:, 9] = (changed[:, 9] + 1) % 61
@@ -141,22 +158,22 @@ def test_every_kind_is_causal(name, n_kv_head):
 
 def test_sliding_and_linear_run_past_the_context_but_full_attention_does_not():
     idx = torch.randint(0, 61, (1, 40))  # max_seq_len is 16
-    assert small_model("sliding", {"window": 4})(idx).shape == (1, 40, 61)
-    assert small_model("linear", {})(idx).shape == (1, 40, 61)
-    for kind, options in (("softmax", {}), ("sliding", {"window": 4, "global_every": 2})):
+    assert small_model(SlidingSpec(window=4))(idx).shape == (1, 40, 61)
+    assert small_model("linear")(idx).shape == (1, 40, 61)
+    for attention in ("softmax", KINDS["sliding-global"]):
         with pytest.raises(ValueError, match="exceeds max_seq_len=16"):
-            small_model(kind, options)(idx)
+            small_model(attention)(idx)
 
 
 def test_generation_state_each_kind_declares():
     def total(model, tokens):
         return sum(b.attn.generation_state().numel(tokens) for b in model.blocks)
 
-    mha, mqa = small_model("softmax", {}, 4), small_model("softmax", {}, 1)
+    mha, mqa = small_model("softmax", 4), small_model("softmax", 1)
     assert total(mqa, 100) * 4 == total(mha, 100)  # MQA keeps 1/n_head of MHA's K/V
-    sliding = small_model("sliding", {"window": 4, "dilation": 2})
+    sliding = small_model(SlidingSpec(window=4, dilation=2))
     assert total(sliding, 1000) == total(sliding, 10_000) == 2 * 2 * (2 * 4 * 2 * 8)  # ring of W*d
-    linear = small_model("linear", {})
+    linear = small_model("linear")
     assert total(linear, 10) == total(linear, 10_000) == 2 * 2 * (8 * 8 + 8)  # (S, z) per K/V head
-    hybrid = small_model("hybrid", {"pattern": ["linear", "softmax"]})
+    hybrid = small_model(["linear", "softmax"])
     assert [b.attn.generation_state().kind for b in hybrid.blocks] == ["recurrent", "kv"]

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lm.cli import exit_on_user_error
+from lm.errors import TrainingError
 from lm.training import train
 
 
@@ -73,7 +74,7 @@ def test_non_utf8_text_trains(train_config, tmp_path):
 def test_non_finite_loss_keeps_the_last_good_checkpoint_or_skips(train_config, tmp_path):
     explode = ["optim.lr=1e30", "optim.warmup_steps=1", "trainer.max_steps=30", "trainer.gradient_clip_val=null",
                "checkpoint.every_n_steps=1"]
-    with pytest.raises(Exception, match="at step"):
+    with pytest.raises(TrainingError, match="at step"):
         train(train_config(*explode))
     last = tmp_path / "checkpoints" / "mha-tiny" / "last.ckpt"
     state = torch.load(last, weights_only=True)["state_dict"]

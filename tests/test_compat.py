@@ -28,3 +28,26 @@ def test_format_1_export_folder_loads_with_identical_logits():
     with torch.no_grad():
         logits = model(torch.load(V1 / "input.pt", weights_only=True))
     assert torch.equal(logits, torch.load(V1 / "sliding-per-layer.logits.pt", weights_only=True))
+
+
+def test_checkpoints_are_written_in_format_2_and_a_newer_format_is_refused(tmp_path):
+    from lm.checkpoint import FORMAT_VERSION, read_checkpoint, save_checkpoint
+
+    model, tokenizer = lm.load(V1 / "hybrid.ckpt")
+    path = save_checkpoint(tmp_path / "again.ckpt", model.state_dict(), model.config, tokenizer.to_str())
+    entry = read_checkpoint(path)["lm"]
+    assert entry["format_version"] == FORMAT_VERSION == 2
+    assert [layer["kind"] for layer in entry["model_config"]["attention"]] == ["linear", "sliding", "linear", "softmax"]
+    assert entry["model_config"]["attention"][1] == {"kind": "sliding", "window": 4, "dilation": 1}
+    again, _ = lm.load(path)
+    with torch.no_grad():
+        logits = again(torch.load(V1 / "input.pt", weights_only=True))
+    assert torch.equal(logits, torch.load(V1 / "hybrid.logits.pt", weights_only=True))
+
+    ckpt = torch.load(path, weights_only=True)
+    ckpt["lm"]["format_version"] = 3
+    torch.save(ckpt, tmp_path / "future.ckpt")
+    with pytest.raises(lm.errors.CheckpointError) as err:
+        lm.load(tmp_path / "future.ckpt")
+    assert str(err.value).endswith("has format_version=3; this lm reads versions 1, 2; a newer lm wrote it: "
+                                   "upgrade lm to read it")

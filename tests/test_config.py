@@ -1,3 +1,4 @@
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -5,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from lm import ConfigError, ModelConfig
+from lm.attention import LinearSpec, SlidingSpec, SoftmaxSpec, layer_specs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -13,27 +15,71 @@ ROOT = Path(__file__).resolve().parents[1]
     (dict(n_head=6, n_kv_head=4, d_model=384), "n_head=6 is not divisible by n_kv_head=4"),
     (dict(n_head=5, d_model=384), "d_model=384 is not divisible by n_head=5"),
     (dict(n_head=4, n_kv_head=8, d_model=256), "n_kv_head=8 must not exceed n_head=4"),
-    (dict(n_layer=0), "n_layer=0 must be >= 1"),
+    (dict(n_layer=0), "n_layer=0 must be an integer >= 1"),
     (dict(d_model="big"), "d_model='big' must be an integer"),
     (dict(norm_eps=-1.0), "norm_eps=-1.0 must be a positive number"),
     (dict(d_model=12, n_head=4), "head_dim=3 (d_model/n_head) must be even for RoPE"),
-    (dict(attention="banana"), "attention='banana' is not a known kind"),
-    (dict(attention_options={"window": 4}), "attention=softmax does not take option(s) ['window']"),
-    (dict(attention="sliding", attention_options={"window": 0}), "window=0 must be an integer >= 1"),
-    (dict(attention="sliding", attention_options={"dilation": 0}), "dilation=0 must be an integer >= 1"),
-    (dict(n_layer=2, attention="sliding", attention_options={"window": [4, 8, 16]}),
-     "window=[4, 8, 16] has 3 entries but n_layer=2"),
-    (dict(attention="linear", attention_options={"feature_map": "cosine"}), "feature_map='cosine' is not one of"),
-    (dict(n_layer=2, attention="hybrid", attention_options={"pattern": ["linear"]}),
-     "pattern=['linear'] has 1 entries but n_layer=2"),
-    (dict(n_layer=2, attention="hybrid", attention_options={"pattern": ["linear", "lstm"]}),
-     "attention='lstm' is not a known kind"),
+    (dict(attention="banana"), "attention kind 'banana' is not known"),
+    (dict(attention={"kind": "softmax", "window": 4}), "attention kind 'softmax' does not take option(s) ['window']"),
+    (dict(attention={"window": 4}), "must be a mapping with a 'kind'"),
+    (dict(attention=42), "attention=42 must be a kind's name, a spec, or one per layer"),
+    (dict(n_layer=2, attention=["linear"]), "attention has 1 layers but n_layer=2"),
+    (dict(attention_options={"window": 4}), "attention_options is gone"),
+    (dict(attention={"kind": "sliding", "window": 0}), "window=0 must be an integer >= 1"),
+    (dict(attention={"kind": "sliding", "dilation": 0}), "dilation=0 must be an integer >= 1"),
+    (dict(attention={"kind": "linear", "feature_map": "cosine"}), "feature_map='cosine' is not one of"),
+    (dict(attention={"kind": "linear", "eps": 0}), "eps=0 must be a positive number"),
 ])
 def test_bad_model_config_names_the_field(fields, message):
     with pytest.raises(ConfigError) as err:
         ModelConfig(**fields)
     assert message in str(err.value)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("kind, options, every, message", [
+    ("sliding", {"window": [4, 8, 16]}, None, "window=[4, 8, 16] has 3 entries but n_layer=2"),
+    (["linear"], {}, None, "pattern=['linear'] has 1 entries but n_layer=2"),
+    (["linear", "lstm"], {}, None, "attention kind 'lstm' is not known"),
+    ("softmax", {"window": 4}, None, "option(s) ['window'] are taken by no layer's kind (softmax)"),
+    (["linear", "softmax"], {"window": 4}, None, "are taken by no layer's kind (linear, softmax)"),
+    ("sliding", {"window": [4, 0]}, None, "window=0 must be an integer >= 1"),
+    ("sliding", {}, 0, "global_every=0 must be an integer >= 1"),
+])
+def test_bad_layer_layout_names_the_option(kind, options, every, message):
+    with pytest.raises(ConfigError) as err:
+        layer_specs(kind, 2, options, every)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_every_way_of_writing_the_attention_gives_one_spec_per_layer():
+    sliding = SlidingSpec(window=8)
+    assert ModelConfig(n_layer=3, attention=sliding).attention == [sliding] * 3
+    assert ModelConfig(n_layer=3, attention="sliding").attention == [SlidingSpec()] * 3
+    assert ModelConfig(n_layer=2, attention={"kind": "sliding", "window": 8}).attention == [sliding] * 2
+    mixed = ModelConfig(n_layer=2, attention=["linear", {"kind": "sliding", "window": 8}]).attention
+    assert mixed == [LinearSpec(), sliding]
+    # options apply to the layers whose kind takes them; global_every makes softmax layers
+    layers = layer_specs(["linear", "sliding", "sliding", "sliding"], 4, {"window": [1, 2, 3, 4], "chunk_size": 8},
+                         global_every=2)
+    assert layers == [LinearSpec(chunk_size=8), SoftmaxSpec(), SlidingSpec(window=3), SoftmaxSpec()]
+
+
+def test_stored_config_holds_every_option_of_every_layer():
+    stored = ModelConfig(n_layer=2, attention=["linear", "sliding"]).to_dict()["attention"]
+    assert stored == [{"kind": "linear", "feature_map": "elu", "chunk_size": 64, "eps": 1e-6},
+                      {"kind": "sliding", "window": 128, "dilation": 1}]
+    assert json.loads(json.dumps(stored)) == stored  # plain data
+
+
+def test_format_1_config_upgrades_to_the_same_layers():
+    v1 = {**ModelConfig(n_layer=4).to_dict(), "attention": "hybrid",
+          "attention_options": {"pattern": ["linear", "sliding", "sliding", "softmax"], "window": [2, 3, 5, 8],
+                                "dilation": 2, "global_every": 3, "feature_map": "relu"}}
+    config = ModelConfig.from_dict(v1, format_version=1)
+    assert config.attention == [LinearSpec(feature_map="relu"), SlidingSpec(window=3, dilation=2), SoftmaxSpec(),
+                                SoftmaxSpec()]
 
 
 def test_n_kv_head_defaults_to_multi_head():
@@ -51,9 +97,11 @@ def test_config_round_trips_through_a_plain_dict():
 @pytest.mark.parametrize("override, message", [
     ("attn.n_kv_head=4", "error: n_head=6 is not divisible by n_kv_head=4"),
     ("trainer.max_steps=0", "error: trainer.max_steps=0 must be a positive integer"),
-    ("model.d_model=abc", "error: d_model='abc' must be an integer"),
-    ("attn=sliding attn.window=0", "error: window=0 must be an integer >= 1 (or one per layer)"),
+    ("model.d_model=abc", "error: d_model='abc' must be an integer >= 1"),
+    ("attn=sliding attn.window=0", "error: window=0 must be an integer >= 1"),
     ("attn=hybrid attn.pattern=[linear,softmax]", "error: pattern=['linear', 'softmax'] has 2 entries but n_layer=4"),
+    ("attn=hybrid attn.window=8", "error: option(s) ['window'] are taken by no layer's kind (linear, softmax); "
+                                  "they take ['chunk_size', 'eps', 'feature_map']"),
 ])
 def test_train_script_rejects_bad_config_in_one_line(override, message, tmp_path):
     result = subprocess.run(

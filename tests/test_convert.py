@@ -4,8 +4,10 @@ import pytest
 import torch
 
 from lm import ConfigError, ModelConfig, Transformer
+from lm.attention import LinearSpec, SlidingSpec, SoftmaxSpec
 from lm.checkpoint import load, read_checkpoint, save_checkpoint
 from lm.convert import to_grouped
+from lm.weights import split_qkv
 
 BASE = dict(vocab_size=61, n_layer=2, d_model=48, n_head=6, d_ff=64, max_seq_len=32)
 
@@ -17,8 +19,7 @@ def teacher(n_kv_head=6, **overrides):
 
 def kv_heads(model, layer, which):
     cfg = model.config
-    q, k, v = model.blocks[layer].attn.qkv.weight.detach().split(
-        (cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim))
+    q, k, v = split_qkv(model.blocks[layer].attn.qkv.weight.detach(), cfg.n_head, cfg.n_kv_head, cfg.head_dim)
     return (k if which == "k" else v).view(cfg.n_kv_head, cfg.head_dim, -1), q
 
 
@@ -63,15 +64,16 @@ def test_same_head_count_is_the_identity():
     assert torch.equal(dst(idx), src(idx))
 
 
-@pytest.mark.parametrize("kind, options", [("softmax", {}), ("sliding", {"window": 4}), ("linear", {"chunk_size": 4})])
-def test_identical_heads_within_groups_convert_to_the_same_function(kind, options):
+@pytest.mark.parametrize("attention", [SoftmaxSpec(), SlidingSpec(window=4), LinearSpec(chunk_size=4),
+                                       [LinearSpec(chunk_size=4), SoftmaxSpec()]], ids=str)
+def test_identical_heads_within_groups_convert_to_the_same_function(attention):
     """An MHA model whose K/V heads repeat within each group is a GQA model in disguise."""
-    src = teacher(attention=kind, attention_options=options)
+    src = teacher(attention=attention)
     state = src.state_dict()
     hs = 8
     for layer in range(2):
         w = state[f"blocks.{layer}.attn.qkv.weight"]
-        q, k, v = w.split((48, 48, 48))
+        q, k, v = split_qkv(w, 6, 6, hs)
         repeat = lambda t: t.view(6, hs, -1)[::3].repeat_interleave(3, dim=0).reshape(48, -1)  # noqa: E731
         state[f"blocks.{layer}.attn.qkv.weight"] = torch.cat((q, repeat(k), repeat(v)))
     src.load_state_dict(state)

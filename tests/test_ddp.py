@@ -4,7 +4,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+from conftest import TINY_MODEL
 
 from lm.checkpoint import model_state_dict, read_checkpoint
 
@@ -16,9 +18,8 @@ def run_ddp(cfg, tmp_path, *overrides):
         [sys.executable, str(ROOT / "scripts" / "train.py"), "trainer=ddp", "trainer.devices=2",
          "trainer.accelerator=cpu", "data=text", f"data.paths=[{cfg.data.paths[0]}]", "data.vocab_size=512",
          "data.batch_size=4", f"data.cache_dir={cfg.data.cache_dir}", f"checkpoint_dir={cfg.checkpoint_dir}",
-         "model.n_layer=2", "model.d_model=64", "model.n_head=4", "model.d_ff=128", "model.max_seq_len=32",
-         "trainer.max_steps=6", "trainer.val_every_n_steps=3", "trainer.limit_val_batches=2", "optim.warmup_steps=2",
-         "logger=none", "trainer.progress_bar=false", "sample.max_new_tokens=0", "run_name=ddp",
+         *TINY_MODEL, "trainer.max_steps=6", "trainer.val_every_n_steps=3", "trainer.limit_val_batches=2",
+         "optim.warmup_steps=2", "logger=none", "trainer.progress_bar=false", "sample.max_new_tokens=0", "run_name=ddp",
          f"hydra.run.dir={tmp_path / 'hydra'}", *overrides],
         capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -31,6 +32,7 @@ def assert_same_weights(a: Path, b: Path) -> None:
         torch.testing.assert_close(theirs[name], tensor, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_two_process_ddp_matches_one_process_with_the_same_global_batch_and_resumes(train_config, tmp_path):
     from lm.training import train
 

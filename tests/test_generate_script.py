@@ -80,7 +80,7 @@ def incompatible_copy(checkpoint: Path, folder: Path) -> Path:
     ("temperature=-1", "temperature=-1 must be >= 0"),
     ("max_new_tokens=-1", "max_new_tokens=-1 must be an integer >= 0"),
     ("CORRUPT", "is not a readable torch file"),
-    ("INCOMPATIBLE", "has format_version=99; this lm reads version 1"),
+    ("INCOMPATIBLE", "has format_version=99; this lm reads versions 1, 2; a newer lm wrote it: upgrade lm"),
 ])
 def test_bad_input_exits_2_with_one_line(checkpoint, tmp_path, capsys, override, message):
     ckpt = checkpoint

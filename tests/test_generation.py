@@ -4,29 +4,30 @@ import pytest
 import torch
 
 from lm import GenerationError, ModelConfig, Transformer, generate, stream
+from lm.attention import LinearSpec, SlidingSpec, SoftmaxSpec, layer_specs
 from lm.cache import GenerationCache
 from lm.generation import Sampling
 
-KINDS = {
-    "mha": ("softmax", 4, {}),
-    "gqa": ("softmax", 2, {}),
-    "mqa": ("softmax", 1, {}),
+KINDS = {  # name -> (the model's attention, n_kv_head); 2 layers
+    "mha": (SoftmaxSpec(), 4),
+    "gqa": (SoftmaxSpec(), 2),
+    "mqa": (SoftmaxSpec(), 1),
     # a ring of 4 x 2 = 8 slots, wrapped many times by 40-token sequences
-    "sliding-wrapped": ("sliding", 2, {"window": 4, "dilation": 2}),
-    "sliding-per-layer": ("sliding", 4, {"window": [3, 6], "dilation": [1, 3]}),
-    "sliding-global": ("sliding", 2, {"window": 5, "global_every": 2}),
-    "linear": ("linear", 2, {"chunk_size": 8}),
-    "linear-taylor": ("linear", 1, {"feature_map": "taylor", "chunk_size": 4}),
-    "hybrid": ("hybrid", 2, {"pattern": ["linear", "sliding"], "window": 3, "chunk_size": 4}),
+    "sliding-wrapped": (SlidingSpec(window=4, dilation=2), 2),
+    "sliding-per-layer": ([SlidingSpec(window=3), SlidingSpec(window=6, dilation=3)], 4),
+    "sliding-global": (layer_specs("sliding", 2, {"window": 5}, global_every=2), 2),
+    "linear": (LinearSpec(chunk_size=8), 2),
+    "linear-taylor": (LinearSpec(feature_map="taylor", chunk_size=4), 1),
+    "hybrid": ([LinearSpec(chunk_size=4), SlidingSpec(window=3)], 2),
 }
 VOCAB = 53
 
 
 def make_model(name, max_seq_len=64):
-    kind, n_kv_head, options = KINDS[name]
+    attention, n_kv_head = KINDS[name]
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=VOCAB, n_layer=2, d_model=32, n_head=4, n_kv_head=n_kv_head, d_ff=64,
-                      max_seq_len=max_seq_len, attention=kind, attention_options=options, init_std=0.1)
+                      max_seq_len=max_seq_len, attention=attention, init_std=0.1)
     return Transformer(cfg).eval()
 
 

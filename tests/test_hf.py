@@ -1,5 +1,6 @@
 """Export to and import from transformers, proven by identical logits and greedy tokens."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -8,8 +9,9 @@ import pytest
 import torch
 
 from lm import ConfigError, ModelConfig, Transformer, generate, load
-from lm.data import train_tokenizer
+from lm.attention import SlidingSpec, SoftmaxSpec, layer_specs
 from lm.hf import export_hf
+from lm.tokenizer import train_tokenizer
 
 transformers = pytest.importorskip("transformers", reason="the hf extra (pip install -e .[hf]) is not installed")
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,8 +20,7 @@ VARIANTS = {
     "mha-tied": dict(n_head=4, n_kv_head=4, tie_embeddings=True, vocab_size=301),
     "gqa-untied": dict(n_head=6, n_kv_head=2, tie_embeddings=False, vocab_size=317),
     "mqa-tied": dict(n_head=4, n_kv_head=1, tie_embeddings=True, vocab_size=263),
-    "sliding-gqa": dict(n_head=4, n_kv_head=2, tie_embeddings=False, vocab_size=289, attention="sliding",
-                        attention_options={"window": 5}),
+    "sliding-gqa": dict(n_head=4, n_kv_head=2, tie_embeddings=False, vocab_size=289, attention=SlidingSpec(window=5)),
 }
 
 
@@ -78,20 +79,20 @@ def test_import_of_a_transformers_folder_matches_it(variant, tokenizer, tmp_path
     hf_tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>")
     hf_tokenizer.save_pretrained(tmp_path)
     ours, _ = load(tmp_path)
-    assert ours.config.attention == fields.get("attention", "softmax")
+    assert ours.config.attention == [fields.get("attention", SoftmaxSpec())] * 2
     compare(ours, theirs, fields["vocab_size"])
 
 
-@pytest.mark.parametrize("kind, options, message", [
-    ("linear", {}, "attention=linear has no transformers equivalent"),
-    ("hybrid", {"pattern": ["linear", "softmax"]}, "attention=hybrid has no transformers equivalent"),
-    ("sliding", {"window": 4, "dilation": 2}, "per-layer windows or dilation"),
-    ("sliding", {"window": [4, 8]}, "per-layer windows or dilation"),
+@pytest.mark.parametrize("attention, message", [
+    ("linear", "attention 2 x linear(feature_map=elu, chunk_size=64, eps=1e-06) has no transformers equivalent"),
+    (["linear", "softmax"], "attention 1 x linear(feature_map=elu, chunk_size=64, eps=1e-06), 1 x softmax has no"),
+    (SlidingSpec(window=4, dilation=2), "attention 2 x sliding(window=4, dilation=2) has no transformers equivalent"),
+    ([SlidingSpec(window=4), SlidingSpec(window=8)], "one undilated sliding window in every layer"),
+    (layer_specs("sliding", 2, global_every=2), "one undilated sliding window in every layer"),
 ])
-def test_kinds_without_an_equivalent_are_refused(kind, options, message, tokenizer, tmp_path):
-    model = Transformer(ModelConfig(vocab_size=300, n_layer=2, d_model=32, n_head=4, d_ff=48, attention=kind,
-                                    attention_options=options))
-    with pytest.raises(ConfigError, match=message):
+def test_kinds_without_an_equivalent_are_refused(attention, message, tokenizer, tmp_path):
+    model = Transformer(ModelConfig(vocab_size=300, n_layer=2, d_model=32, n_head=4, d_ff=48, attention=attention))
+    with pytest.raises(ConfigError, match=re.escape(message)):
         export_hf(model, tokenizer, tmp_path)
     assert not any(tmp_path.iterdir())
 

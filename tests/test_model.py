@@ -5,8 +5,10 @@ import pytest
 import torch
 
 from lm import ModelConfig, Transformer
+from lm.attention import LayerShape
 from lm.attention.reference import causal_softmax_attention
 from lm.attention.softmax import SoftmaxAttention
+from lm.weights import split_qkv
 
 SMALL = dict(vocab_size=97, n_layer=2, d_model=64, n_head=4, d_ff=96, max_seq_len=32)
 
@@ -34,7 +36,7 @@ def test_gqa_equals_mha_whose_kv_heads_repeat_within_groups():
     hs, nh, nkv = 16, 4, 2
     for i in range(2):
         w = state[f"blocks.{i}.attn.qkv.weight"]
-        q, k, v = w.split([nh * hs, nkv * hs, nkv * hs])
+        q, k, v = split_qkv(w, nh, nkv, hs)
         repeat = lambda t: t.view(nkv, hs, -1).repeat_interleave(nh // nkv, dim=0).reshape(nh * hs, -1)
         state[f"blocks.{i}.attn.qkv.weight"] = torch.cat([q, repeat(k), repeat(v)])
     mha.load_state_dict(state)
@@ -42,12 +44,51 @@ def test_gqa_equals_mha_whose_kv_heads_repeat_within_groups():
     torch.testing.assert_close(mha(idx), gqa(idx), atol=1e-5, rtol=1e-5)
 
 
-def test_gqa_with_as_many_kv_heads_as_query_heads_is_mha():
-    mha = model(4)
-    gqa = Transformer(ModelConfig(**{**SMALL, "n_kv_head": 4})).eval()
-    gqa.load_state_dict(mha.state_dict())
-    idx = torch.randint(0, 97, (2, 9))
-    assert torch.equal(mha(idx), gqa(idx))
+@pytest.mark.parametrize("n_kv_head", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_whole_model_equals_a_plain_reference_forward(n_kv_head):
+    """The model against a from-scratch forward written with loops over heads from the same weights:
+    RMSNorm, rotary angles as complex rotations, per-head masked softmax, SwiGLU, tied head."""
+    m = model(n_kv_head, init_std=0.2).double()
+    idx = torch.randint(0, 97, (2, 13))
+    with torch.no_grad():
+        # 1e-6, not 1e-10: the model takes its rotary angles in float32 even in a float64 model
+        torch.testing.assert_close(m(idx), plain_forward(m, idx), atol=1e-6, rtol=1e-6)
+
+
+def plain_forward(m: Transformer, idx: torch.Tensor) -> torch.Tensor:
+    c = m.config
+    nh, nkv, hs, T = c.n_head, c.n_kv_head, c.head_dim, idx.shape[1]
+
+    def rms(x, w):
+        return x / torch.sqrt((x * x).mean(-1, keepdim=True) + c.norm_eps) * w
+
+    def rotate(x):  # x (T, hs): pair i with i + hs/2, rotate position t by t * theta^(-2i/hs)
+        freqs = c.rope_theta ** (-torch.arange(0, hs, 2, dtype=torch.float64) / hs)
+        turn = torch.polar(torch.ones(T, hs // 2, dtype=torch.float64), torch.arange(T)[:, None] * freqs)
+        z = torch.complex(x[:, : hs // 2], x[:, hs // 2 :]) * turn
+        return torch.cat((z.real, z.imag), dim=-1)
+
+    x = m.embed.weight[idx]  # (B, T, C)
+    for block in m.blocks:
+        h = rms(x, block.attn_norm.weight)
+        wq, wk, wv = split_qkv(block.attn.qkv.weight, nh, nkv, hs)
+        heads = []
+        for b in range(idx.shape[0]):
+            per_head = []
+            for head in range(nh):
+                kv = head // (nh // nkv)  # the K/V head this query head shares
+                q = rotate(h[b] @ wq[head * hs:(head + 1) * hs].T)
+                k = rotate(h[b] @ wk[kv * hs:(kv + 1) * hs].T)
+                v = h[b] @ wv[kv * hs:(kv + 1) * hs].T
+                scores = (q @ k.T) / hs**0.5
+                scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+                per_head.append(scores.softmax(-1) @ v)
+            heads.append(torch.cat(per_head, dim=-1))
+        x = x + torch.stack(heads) @ block.attn.out.weight.T
+        h = rms(x, block.mlp_norm.weight)
+        gate, up = (h @ w.T for w in block.mlp.gate_up.weight.chunk(2))
+        x = x + (torch.nn.functional.silu(gate) * up) @ block.mlp.down.weight.T
+    return rms(x, m.norm.weight) @ m.embed.weight.T
 
 
 @pytest.mark.parametrize("n_kv_head", [4, 2, 1], ids=["mha", "gqa", "mqa"])
@@ -64,8 +105,7 @@ def test_changing_a_future_token_leaves_earlier_logits_unchanged(n_kv_head):
 @pytest.mark.parametrize("n_head, n_kv_head", [(4, 4), (4, 2), (4, 1), (6, 3)])
 @pytest.mark.parametrize("T", [1, 7, 33])
 def test_sdpa_path_equals_naive_softmax_in_values_and_gradients(n_head, n_kv_head, T):
-    cfg = ModelConfig(vocab_size=11, n_layer=1, d_model=8 * n_head, n_head=n_head, n_kv_head=n_kv_head, max_seq_len=64)
-    attn = SoftmaxAttention(cfg, 0).double()
+    attn = SoftmaxAttention(LayerShape(8 * n_head, n_head, n_kv_head, 8)).double()
     torch.manual_seed(T)
     q = torch.randn(2, n_head, T, 8, dtype=torch.float64, requires_grad=True)
     k = torch.randn(2, n_kv_head, T, 8, dtype=torch.float64, requires_grad=True)

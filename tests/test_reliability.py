@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY_MODEL
 
 import lm
 from lm.checkpoint import read_checkpoint
@@ -36,8 +37,7 @@ def test_killed_run_resumes_on_the_uninterrupted_loss_curve(train_config, tmp_pa
                  f"checkpoint_dir={cfg.checkpoint_dir}", f"hydra.run.dir={tmp_path / 'hydra'}"]
     args = ["data=text", "data.vocab_size=512", "data.batch_size=4", "trainer=cpu", "trainer.limit_val_batches=2",
             "trainer.progress_bar=false", "optim.warmup_steps=2", "sample.max_new_tokens=0",
-            "model.n_layer=2", "model.d_model=64", "model.n_head=4", "model.d_ff=128", "model.max_seq_len=32",
-            *common, "run_name=killed", *overrides]
+            *TINY_MODEL, *common, "run_name=killed", *overrides]
     child = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "train.py"), *args],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     last = Path(cfg.checkpoint_dir) / "killed" / "last.ckpt"

@@ -5,6 +5,7 @@ from pathlib import Path
 import torch
 
 import lm
+from lm.attention import LinearSpec, SlidingSpec, SoftmaxSpec
 from lm.checkpoint import read_checkpoint
 from lm.data import TokenDataModule, text_corpus
 from lm.lit import warmup_cosine
@@ -76,10 +77,15 @@ def test_warmup_then_cosine_schedule():
 
 
 def test_hybrid_sliding_and_linear_models_train_end_to_end(train_config):
-    for overrides in (["attn=hybrid", "attn.pattern=[linear,sliding]", "attn.window=8"],
-                      ["attn=sliding", "attn.window=[4,8]", "attn.dilation=[1,2]", "attn.n_kv_head=2"],
-                      ["attn=linear", "attn.feature_map=taylor", "attn.n_kv_head=1"]):
+    runs = {
+        ("attn=hybrid", "attn.pattern=[linear,sliding]", "attn.window=8"): [LinearSpec(), SlidingSpec(window=8)],
+        ("attn=sliding", "attn.window=[4,8]", "attn.dilation=[1,2]", "attn.n_kv_head=2"):
+            [SlidingSpec(window=4), SlidingSpec(window=8, dilation=2)],
+        ("attn=sliding", "attn.global_every=2"): [SlidingSpec(), SoftmaxSpec()],
+        ("attn=linear", "attn.feature_map=taylor", "attn.n_kv_head=1"): [LinearSpec(feature_map="taylor")] * 2,
+    }
+    for overrides, layers in runs.items():
         result = train(train_config(*overrides, "trainer.max_steps=4", "trainer.val_every_n_steps=4"))
         assert result["steps"] == 4 and result["val_loss"] < 6.3  # ln 512 = 6.24 at initialisation
         model, _ = lm.load(result["last"])
-        assert model.config.attention == overrides[0].split("=")[1]
+        assert model.config.attention == layers

@@ -1,98 +1,38 @@
-"""Registry of attention kinds.
+"""Pluggable attention: the contract (lm.attention.base), the kinds, and how a model's list of
+per-layer specs is written (lm.attention.layout).
 
-A kind is a class registered under a name; `ModelConfig.attention` holds the name, so configs
-stay plain strings and a new kind needs no edit to `lm.model`. A kind declares:
-
-- `options`: its option names and defaults (read from `ModelConfig.attention_options`);
-- `validate(config)`: raise ConfigError naming the field when an option value is wrong;
-- `build(config, layer_idx)`: the module for one layer (by default the class itself). A
-  module is called as `module(x, cos, sin)` on x (B, T, C) and returns (B, T, C); it has
-  `context_limited` (whether it may see more than max_seq_len tokens) and
-  `generation_state()` (what a generation cache must keep for it, see `lm.cache`).
+Every module in this folder is imported here, so a kind registers itself by existing: adding
+one is one new file (spec + layer + cache) and one YAML in conf/attn/, nothing else.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import importlib
+import pkgutil
 
-from torch import nn
+from lm.attention.base import (
+    AttentionLayer,
+    AttentionSpec,
+    LayerCache,
+    LayerShape,
+    available_kinds,
+    option_names,
+    register,
+    spec_class,
+    spec_from_dict,
+)
+from lm.attention.layout import as_layer_specs, layer_specs
 
-if TYPE_CHECKING:
-    from lm.config import ModelConfig
+_NOT_KINDS = {"base", "layout", "reference"}  # reference.py holds the naive twins, for tests only
+for _module in pkgutil.iter_modules(__path__):
+    if _module.name not in _NOT_KINDS:
+        importlib.import_module(f"{__name__}.{_module.name}")
 
-_KINDS: dict[str, type] = {}
+from lm.attention.linear import LinearSpec  # noqa: E402
+from lm.attention.sliding import SlidingSpec  # noqa: E402
+from lm.attention.softmax import SoftmaxSpec  # noqa: E402
 
-
-def register(name: str):
-    """Class decorator: make an attention kind available as `attention=<name>`."""
-
-    def add(cls: type) -> type:
-        if name in _KINDS:
-            raise ValueError(f"attention kind {name!r} is registered twice")
-        _KINDS[name] = cls
-        return cls
-
-    return add
-
-
-def available_kinds() -> list[str]:
-    return sorted(_KINDS)
-
-
-def get_kind(name: str) -> type:
-    from lm.config import ConfigError
-
-    if name not in _KINDS:
-        raise ConfigError(f"attention={name!r} is not a known kind; choose one of {available_kinds()}")
-    return _KINDS[name]
-
-
-def accepted_options(name: str, config: ModelConfig) -> set[str]:
-    kind = get_kind(name)
-    if hasattr(kind, "accepted_options"):
-        return kind.accepted_options(config)
-    return set(getattr(kind, "options", {}))
-
-
-def check_kind(name: str, config: ModelConfig) -> None:
-    """Raise ConfigError unless `name` is a registered kind that accepts `config`."""
-    from lm.config import ConfigError
-
-    kind = get_kind(name)
-    unknown = sorted(set(config.attention_options) - accepted_options(name, config))
-    if unknown:
-        raise ConfigError(f"attention={name} does not take option(s) {unknown}; "
-                          f"it takes {sorted(accepted_options(name, config)) or 'none'}")
-    if hasattr(kind, "validate"):
-        kind.validate(config)
-
-
-def option(config: ModelConfig, kind: type, name: str) -> Any:
-    """An option's value for `kind`, its default when the config does not set it."""
-    return config.attention_options.get(name, kind.options[name])
-
-
-def per_layer(value: Any, layer_idx: int) -> Any:
-    """`value` itself, or its entry for `layer_idx` when the option is given one value per layer."""
-    return value[layer_idx] if isinstance(value, (list, tuple)) else value
-
-
-def check_per_layer_int(config: ModelConfig, name: str, value: Any, minimum: int) -> None:
-    """An int >= minimum, or a list of n_layer such ints; ConfigError naming the option otherwise."""
-    from lm.config import ConfigError
-
-    values = list(value) if isinstance(value, (list, tuple)) else [value]
-    if isinstance(value, (list, tuple)) and len(values) != config.n_layer:
-        raise ConfigError(f"{name}={list(values)} has {len(values)} entries but n_layer={config.n_layer}")
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-            raise ConfigError(f"{name}={value!r} must be an integer >= {minimum} (or one per layer)")
-
-
-def build_attention(config: ModelConfig, layer_idx: int) -> nn.Module:
-    kind = get_kind(config.attention)
-    return kind.build(config, layer_idx) if hasattr(kind, "build") else kind(config, layer_idx)
-
-
-# Importing a kind's module registers it.
-from lm.attention import hybrid, linear, sliding, softmax  # noqa: E402,F401
+__all__ = [
+    "AttentionLayer", "AttentionSpec", "LayerCache", "LayerShape", "LinearSpec", "SlidingSpec", "SoftmaxSpec",
+    "as_layer_specs", "available_kinds", "layer_specs", "option_names", "register", "spec_class", "spec_from_dict",
+]

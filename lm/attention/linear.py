@@ -14,14 +14,16 @@ update (S, z) token by token. The naive twins in reference.py share this signatu
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from lm.attention import option, register
+from lm.attention.base import AttentionSpec, LayerShape, register
 from lm.attention.feature_maps import FEATURE_MAPS, feature_dim, feature_map
 from lm.attention.projections import GroupedQKV
 from lm.cache import CacheSpec, GenerationCache, tensor_bytes
-from lm.config import ConfigError, ModelConfig
+from lm.checks import require_choice, require_int, require_positive
 
 State = tuple[torch.Tensor, torch.Tensor]  # S (B, nkv, F, hs), z (B, nkv, F), at least float32
 
@@ -84,57 +86,45 @@ def _padded(x: torch.Tensor, pad: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 @register("linear")
+@dataclass(frozen=True)
+class LinearSpec(AttentionSpec):
+    """Causal linear attention with feature map `feature_map` (lm.attention.feature_maps)."""
+
+    feature_map: str = "elu"
+    chunk_size: int = 64  # positions per chunk of the chunkwise training path
+    eps: float = 1e-6  # added to the normaliser phi(q) . z
+
+    def check(self) -> None:
+        require_choice("feature_map", self.feature_map, FEATURE_MAPS)
+        require_int("chunk_size", self.chunk_size)
+        require_positive("eps", self.eps)
+
+    def build(self, shape: LayerShape) -> LinearAttention:
+        return LinearAttention(self, shape)
+
+
 class LinearAttention(GroupedQKV):
-    options = {"feature_map": "elu", "chunk_size": 64, "eps": 1e-6}
     # Position enters through causality alone, as in Katharopoulos et al.; RoPE before a
     # feature map would not preserve the kernel's meaning.
     uses_rope = False
     context_limited = False
 
-    def __init__(self, config: ModelConfig, layer_idx: int):
-        super().__init__(config, layer_idx)
-        cls = type(self)
-        self.feature_map_name = option(config, cls, "feature_map")
-        self.phi = feature_map(self.feature_map_name)
-        self.chunk_size = option(config, cls, "chunk_size")
-        self.eps = option(config, cls, "eps")
-
-    @classmethod
-    def validate(cls, config: ModelConfig) -> None:
-        name = option(config, cls, "feature_map")
-        if name not in FEATURE_MAPS:
-            raise ConfigError(f"feature_map={name!r} is not one of {sorted(FEATURE_MAPS)}")
-        chunk = option(config, cls, "chunk_size")
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-            raise ConfigError(f"chunk_size={chunk!r} must be an integer >= 1")
-        eps = option(config, cls, "eps")
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps <= 0:
-            raise ConfigError(f"eps={eps!r} must be a positive number")
+    def __init__(self, spec: LinearSpec, shape: LayerShape):
+        super().__init__(shape)
+        self.spec = spec
+        self.phi = feature_map(spec.feature_map)
+        self.feature_size = feature_dim(spec.feature_map, self.head_dim)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out, _ = chunked_linear_attention(self.phi(q), self.phi(k), v, self.eps, chunk_size=self.chunk_size)
+        out, _ = chunked_linear_attention(self.phi(q), self.phi(k), v, self.spec.eps, chunk_size=self.spec.chunk_size)
         return out.to(q.dtype)
 
     def generation_state(self) -> CacheSpec:
-        Fdim = feature_dim(self.feature_map_name, self.head_dim)
-        return CacheSpec("recurrent", self.n_kv_head, self.head_dim, state_numel=Fdim * self.head_dim + Fdim)
+        features = self.feature_size
+        return CacheSpec("recurrent", self.n_kv_head, self.head_dim, state_numel=features * self.head_dim + features)
 
     def build_cache(self, context: GenerationCache, max_len: int) -> LinearState:
-        Fdim = feature_dim(self.feature_map_name, self.head_dim)
-        return LinearState(context, self.n_kv_head, Fdim, self.head_dim)
-
-    def attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LinearState) -> torch.Tensor:
-        fq, fk = self.phi(q), self.phi(k)
-        context, T = cache.context, q.shape[2]
-        if context.has_padding:
-            # Padding slots get zero features, so they add nothing to S or z.
-            real = context.real(context.seen, T)  # (B, T)
-            fk = fk * real[:, None, :, None]
-        if T == 1:
-            out, cache.state = recurrent_step(fq, fk, v, self.eps, cache.state)
-        else:
-            out, cache.state = chunked_linear_attention(fq, fk, v, self.eps, cache.state, self.chunk_size)
-        return out.to(q.dtype)
+        return LinearState(context, self)
 
 
 def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eps: float,
@@ -158,12 +148,25 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eps: float
 class LinearState:
     """The recurrent state (S, z) per K/V head: (B, nkv, F, hs) and (B, nkv, F), whatever the length."""
 
-    def __init__(self, context: GenerationCache, n_kv_head: int, feature_size: int, head_dim: int):
-        self.context = context
+    def __init__(self, context: GenerationCache, layer: LinearAttention):
+        self.context, self.phi, self.spec = context, layer.phi, layer.spec
         dtype = accumulation_dtype(context.dtype)
-        B, device = context.batch_size, context.device
-        self.state: State = (torch.zeros(B, n_kv_head, feature_size, head_dim, dtype=dtype, device=device),
-                             torch.zeros(B, n_kv_head, feature_size, dtype=dtype, device=device))
+        B, nkv, Fdim, hs = context.batch_size, layer.n_kv_head, layer.feature_size, layer.head_dim
+        self.state: State = (torch.zeros(B, nkv, Fdim, hs, dtype=dtype, device=context.device),
+                             torch.zeros(B, nkv, Fdim, dtype=dtype, device=context.device))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        fq, fk = self.phi(q), self.phi(k)
+        context, T = self.context, q.shape[2]
+        if context.has_padding:
+            # Padding slots get zero features, so they add nothing to S or z.
+            real = context.real(context.seen, T)  # (B, T)
+            fk = fk * real[:, None, :, None]
+        if T == 1:
+            out, self.state = recurrent_step(fq, fk, v, self.spec.eps, self.state)
+        else:
+            out, self.state = chunked_linear_attention(fq, fk, v, self.spec.eps, self.state, self.spec.chunk_size)
+        return out.to(q.dtype)
 
     def nbytes(self) -> int:
         return tensor_bytes(*self.state)

@@ -1,4 +1,4 @@
-"""Causal sliding-window attention, with dilation and per-layer windows (Longformer-style).
+"""Causal sliding-window attention with dilation (Longformer-style).
 
 Shapes: B batch, T sequence length, nh query heads, nkv K/V heads, hs head size, W window.
 Query i attends keys j = i - k*d for 0 <= k < W (d the dilation), so each layer sees a
@@ -13,14 +13,15 @@ residue class), so the d subsequences are folded into the batch and solved as ab
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from lm.attention import check_per_layer_int, option, per_layer, register
+from lm.attention.base import AttentionSpec, LayerShape, register
 from lm.attention.projections import GroupedQKV
-from lm.attention.softmax import SoftmaxAttention
 from lm.cache import CacheSpec, GenerationCache, tensor_bytes, visibility_mask
-from lm.config import ConfigError, ModelConfig
+from lm.checks import require_int
 
 
 def band_mask(window: int, device: torch.device) -> torch.Tensor:
@@ -79,30 +80,27 @@ def _dilated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, d: 
 
 
 @register("sliding")
+@dataclass(frozen=True)
+class SlidingSpec(AttentionSpec):
+    """Each query sees the last `window` positions, `dilation` apart (so a span of window*dilation)."""
+
+    window: int = 128
+    dilation: int = 1
+
+    def check(self) -> None:
+        require_int("window", self.window)
+        require_int("dilation", self.dilation)
+
+    def build(self, shape: LayerShape) -> SlidingWindowAttention:
+        return SlidingWindowAttention(self, shape)
+
+
 class SlidingWindowAttention(GroupedQKV):
-    options = {"window": 128, "dilation": 1, "global_every": None}
     context_limited = False
 
-    def __init__(self, config: ModelConfig, layer_idx: int):
-        super().__init__(config, layer_idx)
-        self.window = per_layer(option(config, type(self), "window"), layer_idx)
-        self.dilation = per_layer(option(config, type(self), "dilation"), layer_idx)
-
-    @classmethod
-    def validate(cls, config: ModelConfig) -> None:
-        check_per_layer_int(config, "window", option(config, cls, "window"), 1)
-        check_per_layer_int(config, "dilation", option(config, cls, "dilation"), 1)
-        every = option(config, cls, "global_every")
-        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
-            raise ConfigError(f"global_every={every!r} must be an integer >= 1 or null")
-
-    @classmethod
-    def build(cls, config: ModelConfig, layer_idx: int) -> GroupedQKV:
-        """Every `global_every`-th layer (the last of each group) is full attention, as Gemma alternates."""
-        every = option(config, cls, "global_every")
-        if every is not None and (layer_idx + 1) % every == 0:
-            return SoftmaxAttention(config, layer_idx)
-        return cls(config, layer_idx)
+    def __init__(self, spec: SlidingSpec, shape: LayerShape):
+        super().__init__(shape)
+        self.window, self.dilation = spec.window, spec.dilation
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return sliding_window_attention(q, k, v, self.window, self.dilation)

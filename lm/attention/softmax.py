@@ -8,18 +8,26 @@ multi-query attention (Shazeer 2019), anything between is grouped-query attentio
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from lm.attention import register
+from lm.attention.base import AttentionSpec, LayerShape, register
 from lm.attention.projections import GroupedQKV
 from lm.cache import CacheSpec, GenerationCache, tensor_bytes, visibility_mask
 
 
 @register("softmax")
-class SoftmaxAttention(GroupedQKV):
-    options: dict = {}
+@dataclass(frozen=True)
+class SoftmaxSpec(AttentionSpec):
+    """Full causal attention; MHA, GQA or MQA by the model's n_kv_head. No options."""
 
+    def build(self, shape: LayerShape) -> SoftmaxAttention:
+        return SoftmaxAttention(shape)
+
+
+class SoftmaxAttention(GroupedQKV):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of q (B, nh, T, hs) over k, v (B, nkv, T, hs).
 

@@ -1,0 +1,147 @@
+"""The attention contract, written once. Every kind in lm/attention/ is one file with three parts:
+
+- a **spec**: a frozen dataclass of the kind's options, with their defaults and their checks
+  (`check`, run on construction), registered under the kind's name with `@register("name")`.
+  `spec.build(shape)` makes the layer from the few sizes in `LayerShape`; nothing else is needed.
+- its **layer** (`AttentionLayer`): x (B, T, C) -> (B, T, C) for training and scoring, and with a
+  cache for generation; it declares what it keeps while decoding and whether it is context-limited.
+- its **cache** (`LayerCache`): `attend(q, k, v)` of the next positions over what it holds,
+  updating it. The cached path is always here, never in the layer.
+
+A model's attention is a list of specs, one per layer (lm.config.ModelConfig.attention).
+Shapes: B batch, T new positions, C d_model, nh query heads, nkv K/V heads, hs head size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+
+import torch
+
+from lm.errors import ConfigError
+
+if TYPE_CHECKING:
+    from lm.cache import CacheSpec, GenerationCache
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """The model sizes a layer is built from."""
+
+    d_model: int
+    n_head: int
+    n_kv_head: int
+    head_dim: int
+    layer_idx: int = 0
+
+
+@runtime_checkable
+class LayerCache(Protocol):
+    """What one layer keeps between decoding steps (lm.cache.GenerationCache holds one per layer)."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (B, nh, T, hs), k and v (B, nkv, T, hs) of the next T positions -> (B, nh, T, hs),
+        attending over everything held so far plus these; the new positions are then held."""
+        ...
+
+    def nbytes(self) -> int:
+        """Bytes of tensors held."""
+        ...
+
+
+@runtime_checkable
+class AttentionLayer(Protocol):
+    """One layer's attention, an nn.Module."""
+
+    context_limited: bool  # True: positions past max_seq_len are out of reach (full attention)
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 cache: LayerCache | None = None) -> torch.Tensor:
+        """x (B, T, C) -> (B, T, C); cos, sin are the RoPE angles of the T positions. With a cache,
+        x holds the next T positions after those the cache has seen."""
+        ...
+
+    def generation_state(self) -> CacheSpec:
+        """What its cache keeps, as a size anyone can compute without building it."""
+        ...
+
+    def build_cache(self, context: GenerationCache, max_len: int) -> LayerCache:
+        """An empty cache for `context.batch_size` rows of up to `max_len` positions."""
+        ...
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Base of every kind's spec: subclasses add their options as fields with defaults."""
+
+    kind: ClassVar[str] = ""  # set by @register
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Raise ConfigError, one line naming the field, when an option value cannot work."""
+
+    def build(self, shape: LayerShape) -> AttentionLayer:
+        raise NotImplementedError
+
+    def options(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data, every option explicit: what a checkpoint stores for this layer."""
+        return {"kind": self.kind, **self.options()}
+
+    def describe(self) -> str:
+        options = ", ".join(f"{k}={v}" for k, v in self.options().items())
+        return f"{self.kind}({options})" if options else self.kind
+
+
+_SPECS: dict[str, type[AttentionSpec]] = {}
+
+
+def register(name: str):
+    """Class decorator: make a spec class available as the attention kind `name`."""
+
+    def add(cls: type[AttentionSpec]) -> type[AttentionSpec]:
+        if name in _SPECS:
+            raise ValueError(f"attention kind {name!r} is registered twice")
+        # Its own dataclass parameters: a subclass left undecorated would inherit the base's
+        # and silently have no options.
+        params = cls.__dict__.get("__dataclass_params__")
+        if not (isinstance(cls, type) and issubclass(cls, AttentionSpec) and params is not None and params.frozen):
+            raise TypeError(f"the spec of attention kind {name!r} must be a frozen dataclass subclassing AttentionSpec")
+        cls.kind = name
+        _SPECS[name] = cls
+        return cls
+
+    return add
+
+
+def available_kinds() -> list[str]:
+    return sorted(_SPECS)
+
+
+def spec_class(kind: str) -> type[AttentionSpec]:
+    if kind not in _SPECS:
+        raise ConfigError(f"attention kind {kind!r} is not known; choose one of {available_kinds()}")
+    return _SPECS[kind]
+
+
+def option_names(kind: str) -> list[str]:
+    return [f.name for f in dataclasses.fields(spec_class(kind))]
+
+
+def spec_from_dict(values: dict[str, Any]) -> AttentionSpec:
+    """{"kind": name, option: value, ...} -> that kind's spec; unset options take their defaults."""
+    if not isinstance(values, dict) or "kind" not in values:
+        raise ConfigError(f"attention layer {values!r} must be a mapping with a 'kind'")
+    options = {k: v for k, v in values.items() if k != "kind"}
+    kind = values["kind"]
+    unknown = sorted(set(options) - set(option_names(kind)))
+    if unknown:
+        raise ConfigError(f"attention kind {kind!r} does not take option(s) {unknown}; "
+                          f"it takes {option_names(kind) or 'none'}")
+    return spec_class(kind)(**options)
