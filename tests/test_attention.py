@@ -5,6 +5,7 @@ import torch
 
 from lm import ModelConfig, Transformer
 from lm.attention import LinearSpec, SlidingSpec, SoftmaxSpec, layer_specs, reference
+from lm.attention.efficient import EfficientSpec, chunked_efficient_attention, efficient_step
 from lm.attention.feature_maps import FEATURE_MAPS, feature_map
 from lm.attention.linear import chunked_linear_attention
 from lm.attention.sliding import sliding_window_attention
@@ -93,6 +94,32 @@ def test_gradients_reach_a_carried_in_linear_state(name):
     assert fast_grads[3].abs().max() > 0 and fast_grads[4].abs().max() > 0
 
 
+@pytest.mark.parametrize("heads", HEADS, ids=HEAD_IDS)
+@pytest.mark.parametrize("T, chunk", [(1, 4), (7, 4), (16, 4), (33, 8), (20, 64)])
+@pytest.mark.parametrize("spread", [1.0, 30.0], ids=["keys-n(0,1)", "keys-n(0,30)"])
+def test_chunked_efficient_attention_equals_both_naive_twins(heads, T, chunk, spread):
+    q, k, v = qkv(*heads, T, seed=T + chunk)
+    k = (k.detach() * spread).requires_grad_()  # wide keys exercise the running-maximum stabiliser
+    fast, _ = chunked_efficient_attention(q, k, v, chunk_size=chunk)
+    masked = reference.efficient_attention(q, k, v)
+    torch.testing.assert_close(masked, reference.recurrent_efficient_attention(q, k, v))
+    assert_same_values_and_grads(fast, masked, (q, k, v))
+
+
+def test_efficient_state_carries_across_calls_and_steps():
+    """Two chunked calls, or one call then single steps, equal one call over the whole sequence."""
+    q, k, v = (t.detach() for t in qkv(4, 2, 30, seed=3))
+    whole, (N, D, m) = chunked_efficient_attention(q, k, v, chunk_size=8)
+    first, state = chunked_efficient_attention(q[:, :, :13], k[:, :, :13], v[:, :, :13], chunk_size=8)
+    second, state = chunked_efficient_attention(q[:, :, 13:25], k[:, :, 13:25], v[:, :, 13:25], state, chunk_size=8)
+    steps = []
+    for t in range(25, 30):
+        out, state = efficient_step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], state)
+        steps.append(out)
+    torch.testing.assert_close(torch.cat((first, second, *steps), dim=2), whole)
+    torch.testing.assert_close(state[0] * torch.exp(state[2])[..., None], N * torch.exp(m)[..., None])
+
+
 def test_linear_attention_accumulates_half_precision_inputs_in_float32():
     _, (fq, fk, v), _ = featurised("elu", 4, 2, 300)
     out, (S, z) = chunked_linear_attention(fq.bfloat16(), fk.bfloat16(), v.bfloat16(), 1e-6, chunk_size=16)
@@ -132,7 +159,9 @@ KINDS = {  # name -> the model's attention, in any form ModelConfig takes (2 lay
     "linear-elu": LinearSpec(chunk_size=4),
     "linear-relu": LinearSpec(feature_map="relu", chunk_size=4),
     "linear-taylor": LinearSpec(feature_map="taylor", chunk_size=4),
+    "efficient": EfficientSpec(chunk_size=4),
     "hybrid": [LinearSpec(), SlidingSpec(window=4)],
+    "hybrid-efficient": [EfficientSpec(chunk_size=4), SoftmaxSpec()],
 }
 
 

@@ -5,6 +5,7 @@ import torch
 
 from lm import GenerationError, ModelConfig, Transformer, generate, stream
 from lm.attention import LinearSpec, SlidingSpec, SoftmaxSpec, layer_specs
+from lm.attention.efficient import EfficientSpec
 from lm.cache import GenerationCache
 from lm.generation import Sampling
 
@@ -19,6 +20,8 @@ KINDS = {  # name -> (the model's attention, n_kv_head); 2 layers
     "linear": (LinearSpec(chunk_size=8), 2),
     "linear-taylor": (LinearSpec(feature_map="taylor", chunk_size=4), 1),
     "hybrid": ([LinearSpec(chunk_size=4), SlidingSpec(window=3)], 2),
+    "efficient": (EfficientSpec(chunk_size=8), 2),
+    "efficient-mqa": (EfficientSpec(chunk_size=4), 1),
 }
 VOCAB = 53
 

@@ -73,3 +73,36 @@ def recurrent_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         den = (qt * z.repeat_interleave(group, dim=1)).sum(-1)  # (B, nh)
         outputs.append(num / (den[..., None] + eps))
     return torch.stack(outputs, dim=2), (S, z)
+
+
+def efficient_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal efficient attention as written: softmax(q_i) over features; for each feature f, a
+    softmax of k_jf over the positions j <= i weighting the values. Materialises (T, T, hs)."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)  # (B, nh, T, hs)
+    v = v.repeat_interleave(group, dim=1)  # (B, nh, T, hs)
+    T = q.shape[2]
+    future = torch.ones(T, T, dtype=torch.bool).triu(1)  # [i, j]: j after i
+    logits = k[:, :, None, :, :].expand(-1, -1, T, -1, -1)  # (B, nh, T_i, T_j, hs)
+    weights = logits.masked_fill(future[:, :, None], float("-inf")).softmax(dim=3)  # over j, per feature
+    context = torch.einsum("bhijf,bhje->bhife", weights, v)  # (B, nh, T, hs_f, hs)
+    return torch.einsum("bhif,bhife->bhie", q.softmax(-1), context)
+
+
+def recurrent_efficient_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The same one position at a time, keeping a per-feature running maximum m of the keys:
+    N = sum exp(k_j - m) v_j, D = sum exp(k_j - m)."""
+    group = q.shape[1] // k.shape[1]
+    B, nkv, T, hs = k.shape
+    N = torch.zeros(B, nkv, hs, hs, dtype=k.dtype)
+    D = torch.zeros(B, nkv, hs, dtype=k.dtype)
+    m = torch.full((B, nkv, hs), float("-inf"), dtype=k.dtype)
+    outputs = []
+    for t in range(T):
+        new_m = torch.maximum(m, k[:, :, t])
+        N = N * torch.exp(m - new_m)[..., None] + torch.exp(k[:, :, t] - new_m)[..., None] * v[:, :, t, None, :]
+        D = D * torch.exp(m - new_m) + torch.exp(k[:, :, t] - new_m)
+        m = new_m
+        context = (N / D[..., None]).repeat_interleave(group, dim=1)  # (B, nh, hs_f, hs)
+        outputs.append(torch.einsum("bhf,bhfe->bhe", q[:, :, t].softmax(-1), context))
+    return torch.stack(outputs, dim=2)

@@ -1,0 +1,170 @@
+"""Efficient attention (Shen et al. 2018, "Efficient Attention: Attention with Linear Complexities"),
+in a causal form.
+
+Shapes: B batch, T sequence length, nh query heads, nkv K/V heads, g = nh / nkv, hs head size
+(also the number of features f), N chunks of C positions.
+
+The published form is sigma_row(Q) (sigma_col(K)^T V): each query is softmaxed over its features,
+and each key feature is softmaxed over *all* positions, which lets a position see the future.
+The causal form keeps the query side and turns the key side into a running softmax over the
+positions seen so far, one per feature:
+
+    out_i = sum_f softmax(q_i)_f * N_i[f] / D_i[f],
+    N_i[f] = sum_{j<=i} exp(k_jf) v_j,   D_i[f] = sum_{j<=i} exp(k_jf)
+
+so feature f of position i reads a weighted average of the values, weighted by how strongly
+each earlier key expresses f. The state (N, D) has the size of one linear-attention state.
+
+Computed stably and chunkwise. With b_if = softmax(q_i)_f / D_i[f] (a cumulative sum gives every
+D_i inside a chunk), out_i = b_i . N_before + sum_{j<=i in chunk} (b_i . e_j) v_j with
+e_j = exp(k_j - s): a masked (C, C) product like linear attention's. s is a per-feature
+stabiliser, the running maximum of k up to the end of the chunk; N and D carry it (state
+(N, D, m): N and D scaled by exp(-m)), and it cancels in N/D. Within a chunk the weights of
+keys more than ~80 nats below that maximum underflow; D is kept at least the smallest normal
+float so such a query reads zeros for that feature instead of NaN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from lm.attention.base import AttentionSpec, LayerShape, register
+from lm.attention.linear import accumulation_dtype
+from lm.attention.projections import GroupedQKV
+from lm.cache import CacheSpec, GenerationCache, tensor_bytes
+from lm.checks import require_int
+
+# N (B, nkv, f, hs) and D (B, nkv, f), both scaled by exp(-m); m (B, nkv, f) the running key maximum.
+State = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@register("efficient")
+@dataclass(frozen=True)
+class EfficientSpec(AttentionSpec):
+    """Causal efficient attention: queries softmaxed over features, keys by a running softmax
+    over positions per feature. O(N hs^2) time, a constant-size state."""
+
+    chunk_size: int = 64  # positions per chunk of the chunkwise training path
+
+    def check(self) -> None:
+        require_int("chunk_size", self.chunk_size)
+
+    def build(self, shape: LayerShape) -> EfficientAttention:
+        return EfficientAttention(self, shape)
+
+
+class EfficientAttention(GroupedQKV):
+    # As for linear attention, position enters through causality alone: the softmaxes act on
+    # features, where a rotation by position would have no meaning.
+    uses_rope = False
+    context_limited = False
+
+    def __init__(self, spec: EfficientSpec, shape: LayerShape):
+        super().__init__(shape)
+        self.chunk_size = spec.chunk_size
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out, _ = chunked_efficient_attention(q, k, v, chunk_size=self.chunk_size)
+        return out.to(q.dtype)
+
+    def generation_state(self) -> CacheSpec:
+        hs = self.head_dim
+        return CacheSpec("recurrent", self.n_kv_head, hs, state_numel=hs * hs + 2 * hs)
+
+    def build_cache(self, context: GenerationCache, max_len: int) -> EfficientState:
+        return EfficientState(context, self)
+
+
+def empty_state(k: torch.Tensor, v: torch.Tensor) -> State:
+    B, nkv, _, f = k.shape
+    dtype = accumulation_dtype(k.dtype)
+    return (k.new_zeros(B, nkv, f, v.shape[-1], dtype=dtype), k.new_zeros(B, nkv, f, dtype=dtype),
+            k.new_full((B, nkv, f), float("-inf"), dtype=dtype))
+
+
+def chunked_efficient_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: State | None = None,
+                                chunk_size: int = 64, real: torch.Tensor | None = None
+                                ) -> tuple[torch.Tensor, State]:
+    """q (B, nh, T, hs), k and v (B, nkv, T, hs) -> out (B, nh, T, hs), final state.
+
+    `real` (B, T) bool marks the positions that count; the others (left padding in a batch of
+    prompts) add nothing to the state."""
+    B, nh, T, hs = q.shape
+    nkv, C = k.shape[1], chunk_size
+    g, n_chunks = nh // nkv, -(-T // chunk_size)
+    N, D, m = state if state is not None else empty_state(k, v)
+    dtype = N.dtype
+    pad = n_chunks * C - T
+    counts = torch.ones(B, T, dtype=torch.bool, device=q.device) if real is None else real
+    counts = F.pad(counts, (0, pad))  # positions past T count for nothing either
+    a = F.pad(q.to(dtype).softmax(-1), (0, 0, 0, pad)).view(B, nkv, g, n_chunks, C, hs)  # softmax(q) per group
+    k = F.pad(k.to(dtype), (0, 0, 0, pad)).view(B, nkv, n_chunks, C, hs)
+    v = F.pad(v.to(dtype), (0, 0, 0, pad)).view(B, nkv, n_chunks, C, hs)
+    counts = counts.view(B, 1, n_chunks, C, 1)
+    # Per-feature stabiliser of each chunk: the running maximum of the keys that count. It
+    # cancels in N/D, so it is a constant to autograd (detached): gradients stay exact.
+    chunk_max = k.detach().masked_fill(~counts, float("-inf")).amax(3)  # (B, nkv, N, hs)
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    tiny = torch.finfo(dtype).tiny
+    outputs = []
+    chunks = zip(a.unbind(3), k.unbind(2), v.unbind(2), counts.unbind(2), chunk_max.unbind(2), strict=True)
+    for a_n, k_n, v_n, count_n, max_n in chunks:
+        s = torch.maximum(m, max_n)  # (B, nkv, hs)
+        s = torch.where(torch.isinf(s), torch.zeros_like(s), s)  # nothing counted yet: any stabiliser works
+        rescale = torch.exp(m - s)  # (B, nkv, hs): the state moves to the new stabiliser
+        e = torch.where(count_n, torch.exp(k_n - s[:, :, None]), torch.zeros_like(k_n))  # (B, nkv, C, hs)
+        D_i = D[:, :, None] * rescale[:, :, None] + e.cumsum(2)  # (B, nkv, C, hs): D at each position
+        b = a_n / D_i[:, :, None].clamp_min(tiny)  # (B, nkv, g, C, hs)
+        N = N * rescale[..., None]
+        scores = torch.einsum("bhgcf,bhdf->bhgcd", b, e).masked_fill(~causal, 0)  # (B, nkv, g, C, C)
+        out = torch.einsum("bhgcd,bhde->bhgce", scores, v_n) + torch.einsum("bhgcf,bhfe->bhgce", b, N)
+        outputs.append(out)  # (B, nkv, g, C, hs)
+        N = N + torch.einsum("bhcf,bhce->bhfe", e, v_n)
+        D, m = D_i[:, :, -1], s
+    out = torch.stack(outputs, dim=3).reshape(B, nh, n_chunks * C, hs)[:, :, :T]  # (B, nh, T, hs)
+    return out, (N, D, m)
+
+
+def efficient_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: State,
+                   real: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
+    """One new position: q (B, nh, 1, hs), k and v (B, nkv, 1, hs); `real` (B,) bool."""
+    N, D, m = state
+    B, nh, _, hs = q.shape
+    nkv = k.shape[1]
+    k, v = k[:, :, 0].to(N.dtype), v[:, :, 0].to(N.dtype)  # (B, nkv, hs)
+    s = torch.maximum(m, k.detach())
+    e, rescale = torch.exp(k - s), torch.exp(m - s)  # (B, nkv, hs) each
+    new = (N * rescale[..., None] + e[..., None] * v[:, :, None, :], D * rescale + e, s)
+    if real is not None:  # a padding position leaves the state as it was
+        keep = real[:, None, None]
+        new = (torch.where(keep[..., None], new[0], N), torch.where(keep, new[1], D), torch.where(keep, new[2], m))
+    N, D, m = new
+    a = q[:, :, 0].to(N.dtype).softmax(-1).view(B, nkv, nh // nkv, hs)  # (B, nkv, g, hs)
+    b = a / D[:, :, None].clamp_min(torch.finfo(N.dtype).tiny)
+    out = torch.einsum("bhgf,bhfe->bhge", b, N).reshape(B, nh, 1, hs)  # (B, nh, 1, hs)
+    return out, (N, D, m)
+
+
+class EfficientState:
+    """(N, D, m) per K/V head: (B, nkv, hs, hs), (B, nkv, hs), (B, nkv, hs), whatever the length."""
+
+    def __init__(self, context: GenerationCache, layer: EfficientAttention):
+        self.context, self.chunk_size = context, layer.chunk_size
+        shape = (context.batch_size, layer.n_kv_head, 0, layer.head_dim)
+        empty = torch.zeros(shape, dtype=context.dtype, device=context.device)
+        self.state = empty_state(empty, empty)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        context, T = self.context, q.shape[2]
+        real = context.real(context.seen, T) if context.has_padding else None  # (B, T)
+        if T == 1:
+            out, self.state = efficient_step(q, k, v, self.state, None if real is None else real[:, 0])
+        else:
+            out, self.state = chunked_efficient_attention(q, k, v, self.state, self.chunk_size, real)
+        return out.to(q.dtype)
+
+    def nbytes(self) -> int:
+        return tensor_bytes(*self.state)
