@@ -5,6 +5,7 @@ import torch
 
 from lm import ModelConfig, Transformer
 from lm.attention import LinearSpec, SlidingSpec, SoftmaxSpec, layer_specs, reference
+from lm.attention.additive import AdditiveSpec, additive_attention
 from lm.attention.efficient import EfficientSpec, chunked_efficient_attention, efficient_step
 from lm.attention.feature_maps import FEATURE_MAPS, feature_map
 from lm.attention.linear import chunked_linear_attention
@@ -120,6 +121,18 @@ def test_efficient_state_carries_across_calls_and_steps():
     torch.testing.assert_close(state[0] * torch.exp(state[2])[..., None], N * torch.exp(m)[..., None])
 
 
+@pytest.mark.parametrize("heads", HEADS, ids=HEAD_IDS)
+@pytest.mark.parametrize("T, block", [(1, 4), (7, 4), (16, 4), (33, 8), (20, 64)])
+def test_blocked_additive_attention_equals_the_pairwise_loop(heads, T, block):
+    q, k, v = qkv(*heads, T, seed=T + block)
+    g = torch.Generator().manual_seed(T)
+    w = torch.randn(heads[0], 8, generator=g, dtype=torch.float64).requires_grad_()
+    bias = torch.randn(heads[0], 8, generator=g, dtype=torch.float64).requires_grad_()
+    fast = additive_attention(q, k, v, w, bias, block)
+    naive = reference.additive_attention(q, k, v, w, bias)
+    assert_same_values_and_grads(fast, naive, (q, k, v, w, bias))
+
+
 def test_linear_attention_accumulates_half_precision_inputs_in_float32():
     _, (fq, fk, v), _ = featurised("elu", 4, 2, 300)
     out, (S, z) = chunked_linear_attention(fq.bfloat16(), fk.bfloat16(), v.bfloat16(), 1e-6, chunk_size=16)
@@ -162,6 +175,7 @@ KINDS = {  # name -> the model's attention, in any form ModelConfig takes (2 lay
     "efficient": EfficientSpec(chunk_size=4),
     "hybrid": [LinearSpec(), SlidingSpec(window=4)],
     "hybrid-efficient": [EfficientSpec(chunk_size=4), SoftmaxSpec()],
+    "additive": AdditiveSpec(block=4),
 }
 
 
@@ -189,7 +203,8 @@ def test_sliding_and_linear_run_past_the_context_but_full_attention_does_not():
     idx = torch.randint(0, 61, (1, 40))  # max_seq_len is 16
     assert small_model(SlidingSpec(window=4))(idx).shape == (1, 40, 61)
     assert small_model("linear")(idx).shape == (1, 40, 61)
-    for attention in ("softmax", KINDS["sliding-global"]):
+    assert small_model(KINDS["efficient"])(idx).shape == (1, 40, 61)
+    for attention in ("softmax", KINDS["sliding-global"], KINDS["additive"]):
         with pytest.raises(ValueError, match="exceeds max_seq_len=16"):
             small_model(attention)(idx)
 

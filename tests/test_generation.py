@@ -5,6 +5,7 @@ import torch
 
 from lm import GenerationError, ModelConfig, Transformer, generate, stream
 from lm.attention import LinearSpec, SlidingSpec, SoftmaxSpec, layer_specs
+from lm.attention.additive import AdditiveSpec
 from lm.attention.efficient import EfficientSpec
 from lm.cache import GenerationCache
 from lm.generation import Sampling
@@ -22,6 +23,8 @@ KINDS = {  # name -> (the model's attention, n_kv_head); 2 layers
     "hybrid": ([LinearSpec(chunk_size=4), SlidingSpec(window=3)], 2),
     "efficient": (EfficientSpec(chunk_size=8), 2),
     "efficient-mqa": (EfficientSpec(chunk_size=4), 1),
+    "additive": (AdditiveSpec(block=8), 2),
+    "hybrid-additive": ([AdditiveSpec(block=4), LinearSpec(chunk_size=4)], 4),
 }
 VOCAB = 53
 
@@ -68,7 +71,7 @@ def test_batched_prompts_of_different_lengths_decode_as_alone(name):
 
 def test_linear_state_through_a_long_prompt_and_a_ring_past_the_context():
     """Sliding and linear models decode past max_seq_len with state that does not grow."""
-    for name in ("linear", "sliding-wrapped"):
+    for name in ("linear", "sliding-wrapped", "efficient"):
         model = make_model(name, max_seq_len=16)
         prompt = torch.randint(0, VOCAB, (1, 50))  # longer than the context, in one prefill
         run = stream(model, prompt, 30)

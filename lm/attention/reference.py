@@ -106,3 +106,18 @@ def recurrent_efficient_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         context = (N / D[..., None]).repeat_interleave(group, dim=1)  # (B, nh, hs_f, hs)
         outputs.append(torch.einsum("bhf,bhfe->bhe", q[:, :, t].softmax(-1), context))
     return torch.stack(outputs, dim=2)
+
+
+def additive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
+                       bias: torch.Tensor) -> torch.Tensor:
+    """Causal additive attention pair by pair: score_ij = w_h . tanh(q_i + k_j + b_h) for each
+    j <= i, softmax over j, weighted sum of values. w, bias (nh, hs)."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)  # (B, nh, T, hs)
+    v = v.repeat_interleave(group, dim=1)  # (B, nh, T, hs)
+    outputs = []
+    for i in range(q.shape[2]):
+        scores = torch.stack([(w * torch.tanh(q[:, :, i] + k[:, :, j] + bias)).sum(-1) for j in range(i + 1)], -1)
+        weights = scores.softmax(dim=-1)  # (B, nh, i + 1)
+        outputs.append(sum(weights[:, :, j, None] * v[:, :, j] for j in range(i + 1)))
+    return torch.stack(outputs, dim=2)

@@ -52,23 +52,31 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=context.dtype, device=context.device)
         self.v = torch.zeros(shape, dtype=context.dtype, device=context.device)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q (B, nh, T, hs) of the next T slots over every slot so far; k, v (B, nkv, T, hs) are stored."""
-        start, T = self.context.seen, q.shape[2]
-        end = start + T
+    def store(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v (B, nkv, T, hs) of the next T slots; K and V of every slot so far, (B, nkv, end, hs)."""
+        start, end = self.context.seen, self.context.seen + k.shape[2]
         if end > self.k.shape[2]:
             raise ValueError(f"the K/V cache holds {self.k.shape[2]} positions; {end} were asked for")
         self.k[:, :, start:end] = k
         self.v[:, :, start:end] = v
-        keys, values = self.k[:, :, :end], self.v[:, :, :end]  # (B, nkv, end, hs)
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+    def causal_mask(self, T: int) -> torch.Tensor:
+        """Which slots the next T queries see: (T, end), or (B, 1, T, end) with padded rows."""
+        start = self.context.seen
+        q_slots = torch.arange(start, start + T, device=self.k.device)
+        k_slots = torch.arange(start + T, device=self.k.device)
+        return visibility_mask(self.context, q_slots, k_slots, k_slots[None, :] <= q_slots[:, None])
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (B, nh, T, hs) of the next T slots over every slot so far; k, v (B, nkv, T, hs) are stored."""
+        start, T = self.context.seen, q.shape[2]
+        keys, values = self.store(k, v)  # (B, nkv, end, hs)
         gqa = keys.shape[1] != q.shape[1]
         if not self.context.has_padding and (T == 1 or start == 0):
             # One new token sees every cached one; a first chunk is plain causal attention.
             return F.scaled_dot_product_attention(q, keys, values, is_causal=T > 1, enable_gqa=gqa)
-        q_slots = torch.arange(start, end, device=q.device)
-        k_slots = torch.arange(end, device=q.device)
-        mask = visibility_mask(self.context, q_slots, k_slots, k_slots[None, :] <= q_slots[:, None])
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.causal_mask(T), enable_gqa=gqa)
 
     def nbytes(self) -> int:
         return tensor_bytes(self.k, self.v)

@@ -1,0 +1,115 @@
+"""Additive attention (Bahdanau et al. 2015) as causal self-attention with grouped K/V heads.
+
+Shapes: B batch, T queries, S keys, nh query heads, nkv K/V heads, g = nh / nkv, hs head size.
+
+Bahdanau scores a query against a key with a one-hidden-layer network instead of a dot product,
+score_ij = w^T tanh(W_q q_i + W_k k_j + b). Here q and k already are learned projections of the
+layer input, so W_q and W_k would be absorbed into them exactly; each query head h keeps its own
+w_h and b_h (hs each):
+
+    score_ij = w_h . tanh(q_i + k_j + b_h),   out_i = sum_{j<=i} softmax_j(score_ij) v_j
+
+Every (query, key) pair runs its own tanh over hs numbers, so the cost is O(T^2 hs) in time
+whatever the kernel. The fast path bounds memory: `block` queries at a time form their
+(block, S, hs) hidden activations, and in training each block is recomputed in the backward
+pass (activation checkpointing), so only one block's activations exist at once. Position enters
+through causality alone: q + k has no rotation RoPE could encode a relative offset in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lm.attention.base import AttentionSpec, LayerShape, register
+from lm.attention.projections import GroupedQKV
+from lm.attention.softmax import KVCache
+from lm.cache import CacheSpec, GenerationCache
+from lm.checks import require_int
+
+
+@register("additive")
+@dataclass(frozen=True)
+class AdditiveSpec(AttentionSpec):
+    """Causal additive (Bahdanau) attention; `block` queries at a time bound the memory."""
+
+    block: int = 64
+
+    def check(self) -> None:
+        require_int("block", self.block)
+
+    def build(self, shape: LayerShape) -> AdditiveAttention:
+        return AdditiveAttention(self, shape)
+
+
+class AdditiveAttention(GroupedQKV):
+    uses_rope = False
+
+    def __init__(self, spec: AdditiveSpec, shape: LayerShape):
+        super().__init__(shape)
+        self.block = spec.block
+        self.score = nn.Parameter(torch.empty(shape.n_head, shape.head_dim))  # w_h
+        self.score_bias = nn.Parameter(torch.empty(shape.n_head, shape.head_dim))  # b_h
+        nn.init.normal_(self.score, std=shape.head_dim**-0.5)
+        nn.init.zeros_(self.score_bias)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return additive_attention(q, k, v, self.score, self.score_bias, self.block)
+
+    def generation_state(self) -> CacheSpec:
+        return CacheSpec("kv", self.n_kv_head, self.head_dim)
+
+    def build_cache(self, context: GenerationCache, max_len: int) -> AdditiveCache:
+        return AdditiveCache(context, self, max_len)
+
+
+def additive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, bias: torch.Tensor,
+                       block: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """q (B, nh, T, hs) over k, v (B, nkv, S, hs) -> (B, nh, T, hs); w, bias (nh, hs).
+
+    Without `mask`, T == S and query i sees keys j <= i. A `mask` (T, S) or (B, 1, T, S) says
+    which keys each query sees instead (the generation cache's slots)."""
+    B, nh, T, hs = q.shape
+    nkv, S = k.shape[1], k.shape[2]
+    g = nh // nkv
+    q = (q + bias[:, None, :]).view(B, nkv, g, T, hs)  # b_h folded into the query once
+    w = w.view(nkv, g, hs)
+    if mask is None:
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril()
+    mask = mask.expand(B, 1, T, S).view(B, 1, 1, T, S)  # broadcast over K/V heads and groups
+    outputs = []
+    for start in range(0, T, block):
+        end = min(T, start + block)
+        # Keys past the block's last query are never seen without a mask; skip them (causal work halves).
+        keys = S if T != S else end
+        args = (q[:, :, :, start:end], k[:, :, :keys], v[:, :, :keys], w, mask[..., start:end, :keys])
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, w)):
+            outputs.append(checkpoint(_attend_block, *args, use_reentrant=False))
+        else:
+            outputs.append(_attend_block(*args))
+    return torch.cat(outputs, dim=3).view(B, nh, T, hs)  # (B, nkv, g, T, hs) -> (B, nh, T, hs)
+
+
+def _attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
+                  mask: torch.Tensor) -> torch.Tensor:
+    """q (B, nkv, g, t, hs) over k, v (B, nkv, s, hs) under mask (B, 1, 1, t, s) -> (B, nkv, g, t, hs)."""
+    hidden = torch.tanh(q[:, :, :, :, None, :] + k[:, :, None, None, :, :])  # (B, nkv, g, t, s, hs)
+    scores = torch.einsum("bhgtsd,hgd->bhgts", hidden, w)  # (B, nkv, g, t, s)
+    weights = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    return torch.einsum("bhgts,bhsd->bhgtd", weights, v)
+
+
+class AdditiveCache(KVCache):
+    """K and V of every position, as for softmax attention; the scores differ, not what is kept."""
+
+    def __init__(self, context: GenerationCache, layer: AdditiveAttention, max_len: int):
+        super().__init__(context, layer.n_kv_head, layer.head_dim, max_len)
+        self.layer = layer
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        mask = self.causal_mask(q.shape[2])
+        keys, values = self.store(k, v)
+        return additive_attention(q, keys, values, self.layer.score, self.layer.score_bias, self.layer.block, mask)
