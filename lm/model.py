@@ -56,6 +56,8 @@ class Transformer(nn.Module):
             residual_out = name.endswith(("attn.out.weight", "mlp.down.weight"))
             scale = 1 / math.sqrt(2 * self.config.n_layer) if residual_out else 1.0
             nn.init.normal_(p, mean=0.0, std=std * scale)
+        for block in self.blocks:
+            block.attn.reset_own_parameters()
 
     def forward(self, idx: torch.Tensor, cache: GenerationCache | None = None) -> torch.Tensor:
         """Logits (B, T, V) for token ids idx (B, T).

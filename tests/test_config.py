@@ -29,6 +29,11 @@ ROOT = Path(__file__).resolve().parents[1]
     (dict(attention={"kind": "sliding", "dilation": 0}), "dilation=0 must be an integer >= 1"),
     (dict(attention={"kind": "linear", "feature_map": "cosine"}), "feature_map='cosine' is not one of"),
     (dict(attention={"kind": "linear", "eps": 0}), "eps=0 must be a positive number"),
+    (dict(attention={"kind": "lowrank", "rank": 8, "block": 8}), "rank=8 must be less than block=8"),
+    (dict(attention={"kind": "lowrank", "block": 0}), "block=0 must be an integer >= 1"),
+    (dict(attention={"kind": "lowrank", "rank": -1}), "rank=-1 must be an integer >= 1"),
+    (dict(attention={"kind": "additive", "block": 0}), "block=0 must be an integer >= 1"),
+    (dict(attention={"kind": "efficient", "chunk_size": 0}), "chunk_size=0 must be an integer >= 1"),
 ])
 def test_bad_model_config_names_the_field(fields, message):
     with pytest.raises(ConfigError) as err:

@@ -7,6 +7,7 @@ from lm import ConfigError, ModelConfig, Transformer
 from lm.attention import LinearSpec, SlidingSpec, SoftmaxSpec
 from lm.attention.additive import AdditiveSpec
 from lm.attention.efficient import EfficientSpec
+from lm.attention.lowrank import LowRankSpec
 from lm.checkpoint import load, read_checkpoint, save_checkpoint
 from lm.convert import to_grouped
 from lm.weights import split_qkv
@@ -68,7 +69,7 @@ def test_same_head_count_is_the_identity():
 
 @pytest.mark.parametrize("attention", [SoftmaxSpec(), SlidingSpec(window=4), LinearSpec(chunk_size=4),
                                        [LinearSpec(chunk_size=4), SoftmaxSpec()], EfficientSpec(chunk_size=4),
-                                       AdditiveSpec(block=4)], ids=str)
+                                       AdditiveSpec(block=4), LowRankSpec(block=4, rank=2)], ids=str)
 def test_identical_heads_within_groups_convert_to_the_same_function(attention):
     """An MHA model whose K/V heads repeat within each group is a GQA model in disguise."""
     src = teacher(attention=attention)

@@ -7,6 +7,7 @@ from lm import GenerationError, ModelConfig, Transformer, generate, stream
 from lm.attention import LinearSpec, SlidingSpec, SoftmaxSpec, layer_specs
 from lm.attention.additive import AdditiveSpec
 from lm.attention.efficient import EfficientSpec
+from lm.attention.lowrank import LowRankSpec
 from lm.cache import GenerationCache
 from lm.generation import Sampling
 
@@ -25,6 +26,8 @@ KINDS = {  # name -> (the model's attention, n_kv_head); 2 layers
     "efficient-mqa": (EfficientSpec(chunk_size=4), 1),
     "additive": (AdditiveSpec(block=8), 2),
     "hybrid-additive": ([AdditiveSpec(block=4), LinearSpec(chunk_size=4)], 4),
+    "lowrank": (LowRankSpec(block=4, rank=2), 2),
+    "lowrank-mqa-odd": (LowRankSpec(block=5, rank=3), 1),
 }
 VOCAB = 53
 

@@ -53,7 +53,12 @@ class AdditiveAttention(GroupedQKV):
         self.block = spec.block
         self.score = nn.Parameter(torch.empty(shape.n_head, shape.head_dim))  # w_h
         self.score_bias = nn.Parameter(torch.empty(shape.n_head, shape.head_dim))  # b_h
-        nn.init.normal_(self.score, std=shape.head_dim**-0.5)
+        self.reset_own_parameters()
+
+    def reset_own_parameters(self) -> None:
+        """w_h of unit scale, so scores start with the spread of dot products (a sum of hs terms
+        of size ~1/sqrt(hs)); no bias."""
+        nn.init.normal_(self.score, std=self.head_dim**-0.5)
         nn.init.zeros_(self.score_bias)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

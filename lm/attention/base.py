@@ -71,6 +71,11 @@ class AttentionLayer(Protocol):
         """An empty cache for `context.batch_size` rows of up to `max_len` positions."""
         ...
 
+    def reset_own_parameters(self) -> None:
+        """Initialise parameters of its own that the model's normal(0, init_std) does not suit
+        (called by the Transformer after that; GroupedQKV's does nothing)."""
+        ...
+
 
 @dataclass(frozen=True)
 class AttentionSpec:

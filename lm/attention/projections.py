@@ -44,3 +44,7 @@ class GroupedQKV(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def reset_own_parameters(self) -> None:
+        """Initialise the kind's parameters besides the shared projections, if its parameters need
+        more than the model's normal(0, init_std), which the Transformer applies first."""

@@ -121,3 +121,21 @@ def additive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: tor
         weights = scores.softmax(dim=-1)  # (B, nh, i + 1)
         outputs.append(sum(weights[:, :, j, None] * v[:, :, j] for j in range(i + 1)))
     return torch.stack(outputs, dim=2)
+
+
+def lowrank_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, E: torch.Tensor, F: torch.Tensor,
+                      block: int) -> torch.Tensor:
+    """Causal low-rank attention query by query: gather the raw keys of its own block up to
+    itself and E K_c, F V_c (r slots each) of every completed earlier block c, then softmax."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)  # (B, nh, T, hs)
+    v = v.repeat_interleave(group, dim=1)  # (B, nh, T, hs)
+    outputs = []
+    for i in range(q.shape[2]):
+        own = i // block
+        keys = [E @ k[:, :, c * block:(c + 1) * block] for c in range(own)] + [k[:, :, own * block:i + 1]]
+        values = [F @ v[:, :, c * block:(c + 1) * block] for c in range(own)] + [v[:, :, own * block:i + 1]]
+        keys, values = torch.cat(keys, dim=2), torch.cat(values, dim=2)  # (B, nh, seen, hs)
+        scores = (q[:, :, i, None] @ keys.transpose(-1, -2))[:, :, 0] / math.sqrt(q.shape[-1])  # (B, nh, seen)
+        outputs.append((scores.softmax(-1)[:, :, None] @ values)[:, :, 0])
+    return torch.stack(outputs, dim=2)

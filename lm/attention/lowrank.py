@@ -1,0 +1,179 @@
+"""Low-rank attention after Linformer (Wang et al. 2020), in a causal form.
+
+Shapes: B batch, T queries, S keys, nh query heads, nkv K/V heads, hs head size, L block size,
+r rank, P compressed slots.
+
+Linformer attends softmax(Q (E K)^T / sqrt(hs)) (F V) with learned E, F of shape (r, N): every
+compressed key mixes all N positions, the future included, so it cannot train a decoder. The
+causal form here compresses only what is complete. Positions are cut into blocks of L tokens;
+a query attends
+
+- the raw keys of its own block up to itself (exact, causal), and
+- r compressed key/value slots for every *completed* earlier block: E K_c and F V_c for block c,
+  with E, F of shape (r, L) learned and shared by every block and head.
+
+So query i sees i mod L + 1 raw keys and r * floor(i / L) compressed ones: O(N (L + r N / L))
+time and memory instead of O(N^2), and at r / L = 1/8 an eighth of full attention's scores.
+Decoding keeps the compressed slots of the completed blocks plus the raw K/V of the current
+block, so it is exact against the full forward; the cache grows by r slots per L tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lm.attention.base import AttentionSpec, LayerShape, register
+from lm.attention.projections import GroupedQKV
+from lm.cache import CacheSpec, GenerationCache, tensor_bytes
+from lm.checks import require_int
+from lm.errors import ConfigError
+
+QUERY_GROUP = 256  # queries per SDPA call of the fast path: bounds its mask at 256 x (keys in view)
+
+
+@register("lowrank")
+@dataclass(frozen=True)
+class LowRankSpec(AttentionSpec):
+    """Own block exactly, each completed earlier block through `rank` learned compressed slots."""
+
+    block: int = 64
+    rank: int = 8
+
+    def check(self) -> None:
+        require_int("block", self.block)
+        require_int("rank", self.rank)
+        if self.rank >= self.block:
+            raise ConfigError(f"rank={self.rank} must be less than block={self.block}: compression keeps fewer slots")
+
+    def build(self, shape: LayerShape) -> LowRankAttention:
+        return LowRankAttention(self, shape)
+
+
+@dataclass(frozen=True)
+class CompressedCacheSpec(CacheSpec):
+    """r slots per completed block of L positions, plus the raw K/V of the block in progress."""
+
+    block: int = 1
+    rank: int = 1
+
+    def numel(self, seq_len: int, batch: int = 1) -> int:
+        slots = self.rank * (seq_len // self.block) + seq_len % self.block
+        return batch * 2 * self.n_kv_head * slots * self.head_dim
+
+
+class LowRankAttention(GroupedQKV):
+    def __init__(self, spec: LowRankSpec, shape: LayerShape):
+        super().__init__(shape)
+        self.block, self.rank = spec.block, spec.rank
+        # E and F of Linformer, over one block's positions instead of the whole sequence.
+        self.compress_k = nn.Parameter(torch.empty(spec.rank, spec.block))
+        self.compress_v = nn.Parameter(torch.empty(spec.rank, spec.block))
+        self.reset_own_parameters()
+
+    def reset_own_parameters(self) -> None:
+        """Slot s starts as the mean of the s-th of r equal segments of the block: a summary from
+        the first step, and distinct slots (equal ones would get equal gradients and stay equal)."""
+        with torch.no_grad():
+            for E in (self.compress_k, self.compress_v):
+                E.copy_(segment_means(self.rank, self.block))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return lowrank_attention(q, k, v, self.compress_k, self.compress_v, self.block)
+
+    def generation_state(self) -> CacheSpec:
+        return CompressedCacheSpec("compressed", self.n_kv_head, self.head_dim, block=self.block, rank=self.rank)
+
+    def build_cache(self, context: GenerationCache, max_len: int) -> LowRankCache:
+        return LowRankCache(context, self)
+
+
+def segment_means(rank: int, block: int) -> torch.Tensor:
+    """(r, L): row s averages positions l with floor(l r / L) == s."""
+    segment = torch.arange(block) * rank // block  # (L,): the segment of each position
+    E = (segment[None, :] == torch.arange(rank)[:, None]).float()  # (r, L)
+    return E / E.sum(1, keepdim=True)
+
+
+def compress(x: torch.Tensor, E: torch.Tensor) -> torch.Tensor:
+    """The completed blocks of x (B, nkv, S, hs), which starts at a block boundary -> (B, nkv, P, hs),
+    r slots per block in block order."""
+    B, nkv, S, hs = x.shape
+    r, L = E.shape
+    n = S // L
+    blocks = x[:, :, : n * L].reshape(B, nkv, n, L, hs)  # (B, nkv, n, L, hs)
+    return torch.einsum("rl,bhnld->bhnrd", E.to(x.dtype), blocks).reshape(B, nkv, n * r, hs)  # (B, nkv, n*r, hs)
+
+
+def lowrank_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, E: torch.Tensor, Fv: torch.Tensor,
+                      block: int, prior: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      q_offset: int = 0) -> torch.Tensor:
+    """q (B, nh, T, hs) over k, v (B, nkv, S, hs) -> (B, nh, T, hs).
+
+    k and v start at a block boundary; query t sits at position q_offset + t of them. `prior`
+    holds the compressed (keys, values) (B, nkv, P, hs) of the blocks before k's start, which
+    every query sees. Training calls it with q_offset 0, S == T and no prior; the cache with
+    the raw keys of the current block ahead of the new ones."""
+    B, nh, T, hs = q.shape
+    r = E.shape[0]
+    kc, vc = compress(k, E), compress(v, Fv)  # (B, nkv, n*r, hs): the blocks completed here
+    if prior is not None:
+        kc, vc = torch.cat((prior[0], kc), dim=2), torch.cat((prior[1], vc), dim=2)
+    n_prior = 0 if prior is None else prior[0].shape[2]
+    # The block each compressed slot summarises, counting prior blocks as -1 (seen by everyone).
+    slot_block = torch.cat((torch.full((n_prior,), -1, device=q.device),
+                            torch.arange(kc.shape[2] - n_prior, device=q.device) // r))
+    gqa = k.shape[1] != nh
+    outputs = []
+    for start in range(0, T, QUERY_GROUP):
+        pos = q_offset + torch.arange(start, min(T, start + QUERY_GROUP), device=q.device)  # (t,)
+        own = pos // block  # (t,)
+        first = int(own[0]) * block  # raw keys in view: from the first query's block to the last query
+        raw = torch.arange(first, int(pos[-1]) + 1, device=q.device)  # (s,)
+        n_slots = n_prior + int(own[-1]) * r  # compressed slots any query of the group may see
+        keys = torch.cat((kc[:, :, :n_slots], k[:, :, raw]), dim=2)  # (B, nkv, n_slots + s, hs)
+        values = torch.cat((vc[:, :, :n_slots], v[:, :, raw]), dim=2)
+        sees_slot = slot_block[None, :n_slots] < own[:, None]  # (t, n_slots)
+        sees_raw = (raw[None, :] // block == own[:, None]) & (raw[None, :] <= pos[:, None])  # (t, s)
+        mask = torch.cat((sees_slot, sees_raw), dim=1)  # (t, n_slots + s)
+        outputs.append(F.scaled_dot_product_attention(q[:, :, start:start + len(pos)], keys, values, attn_mask=mask,
+                                                      enable_gqa=gqa))
+    return torch.cat(outputs, dim=2)
+
+
+class LowRankCache:
+    """Per row: the compressed slots of its completed blocks and the raw K/V of its current block.
+
+    Blocks count from each row's first real token, so rows of a left-padded batch keep their own
+    block boundaries; rows are therefore advanced one at a time."""
+
+    def __init__(self, context: GenerationCache, layer: LowRankAttention):
+        self.context, self.layer = context, layer
+        empty = torch.zeros(1, layer.n_kv_head, 0, layer.head_dim, dtype=context.dtype, device=context.device)
+        self.rows = [{"kc": empty, "vc": empty, "k": empty, "v": empty} for _ in range(context.batch_size)]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        context, T = self.context, q.shape[2]
+        out = q.new_zeros(q.shape)  # padding positions read zeros; nothing sees them
+        real = context.real(context.seen, T)  # (B, T)
+        layer = self.layer
+        for b, row in enumerate(self.rows):
+            first = int((~real[b]).sum())  # left padding comes first
+            if first == T:
+                continue
+            keys = torch.cat((row["k"], k[b:b + 1, :, first:]), 2)  # (1, nkv, from block start, hs)
+            values = torch.cat((row["v"], v[b:b + 1, :, first:]), 2)
+            out[b:b + 1, :, first:] = lowrank_attention(q[b:b + 1, :, first:], keys, values, layer.compress_k,
+                                                        layer.compress_v, layer.block, (row["kc"], row["vc"]),
+                                                        q_offset=row["k"].shape[2])
+            done = keys.shape[2] // layer.block * layer.block
+            row["kc"] = torch.cat((row["kc"], compress(keys, layer.compress_k)), 2)
+            row["vc"] = torch.cat((row["vc"], compress(values, layer.compress_v)), 2)
+            row["k"], row["v"] = keys[:, :, done:], values[:, :, done:]
+        return out
+
+    def nbytes(self) -> int:
+        return sum(tensor_bytes(*row.values()) for row in self.rows)
