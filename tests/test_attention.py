@@ -10,7 +10,8 @@ from lm.attention.efficient import EfficientSpec, chunked_efficient_attention, e
 from lm.attention.feature_maps import FEATURE_MAPS, feature_map
 from lm.attention.linear import chunked_linear_attention
 from lm.attention.lowrank import LowRankSpec, lowrank_attention
-from lm.attention.sliding import sliding_window_attention
+from lm.attention.sinks import causal_with_learned_sink
+from lm.attention.sliding import sliding_window_attention, sliding_with_sinks
 
 HEADS = [(4, 4), (4, 2), (4, 1)]
 HEAD_IDS = ["mha", "gqa", "mqa"]
@@ -41,6 +42,32 @@ def test_sliding_window_equals_masked_softmax(heads, T, window, dilation):
     fast = sliding_window_attention(q, k, v, window, dilation)
     naive = reference.sliding_window_attention(q, k, v, window, dilation)
     assert_same_values_and_grads(fast, naive, (q, k, v))
+
+
+@pytest.mark.parametrize("heads", HEADS, ids=HEAD_IDS)
+@pytest.mark.parametrize("T, window, dilation, sinks", [(1, 4, 1, 2), (5, 4, 1, 2), (33, 4, 2, 3), (64, 16, 3, 4),
+                                                        (17, 100, 1, 4), (40, 3, 1, 6), (40, 3, 2, 1), (12, 2, 1, 0)])
+@pytest.mark.parametrize("learned", [False, True], ids=["", "learned-sink"])
+def test_sliding_window_with_sinks_equals_masked_softmax(heads, T, window, dilation, sinks, learned):
+    q, k, v = qkv(*heads, T, seed=T * 7 + sinks)
+    logit = torch.randn(heads[0], dtype=torch.float64, generator=torch.Generator().manual_seed(T)).requires_grad_()
+    logit = logit if learned else None
+    fast = sliding_with_sinks(q, k, v, window, dilation, sinks, logit)
+    naive = reference.sliding_window_attention(q, k, v, window, dilation, sinks, logit)
+    assert_same_values_and_grads(fast, naive, (q, k, v) + ((logit,) if learned else ()))
+
+
+@pytest.mark.parametrize("heads", HEADS, ids=HEAD_IDS)
+@pytest.mark.parametrize("T", [1, 9, 40])
+def test_learned_sink_equals_an_extra_logit_in_the_masked_softmax(heads, T):
+    q, k, v = qkv(*heads, T, seed=T)
+    logit = torch.linspace(-2, 3, heads[0], dtype=torch.float64).requires_grad_()
+    fast = causal_with_learned_sink(q, k, v, logit)
+    naive = reference.causal_softmax_attention(q, k, v, logit)
+    assert_same_values_and_grads(fast, naive, (q, k, v, logit))
+    # the sink takes its share: a large logit leaves little for the values
+    quiet = causal_with_learned_sink(q, k, v, torch.full((heads[0],), 30.0, dtype=torch.float64))
+    assert quiet.abs().max() < 1e-8
 
 
 @pytest.mark.parametrize("T", [7, 40])
@@ -192,6 +219,9 @@ KINDS = {  # name -> the model's attention, in any form ModelConfig takes (2 lay
     "additive": AdditiveSpec(block=4),
     "lowrank": LowRankSpec(block=4, rank=2),
     "hybrid-lowrank": [LowRankSpec(block=3, rank=1), SlidingSpec(window=4)],
+    "sliding-sinks": SlidingSpec(window=3, sink_tokens=2),
+    "sliding-sinks-learned": SlidingSpec(window=3, dilation=2, sink_tokens=1, learned_sink=True),
+    "softmax-learned-sink": SoftmaxSpec(learned_sink=True),
 }
 
 

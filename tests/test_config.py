@@ -74,7 +74,7 @@ def test_every_way_of_writing_the_attention_gives_one_spec_per_layer():
 def test_stored_config_holds_every_option_of_every_layer():
     stored = ModelConfig(n_layer=2, attention=["linear", "sliding"]).to_dict()["attention"]
     assert stored == [{"kind": "linear", "feature_map": "elu", "chunk_size": 64, "eps": 1e-6},
-                      {"kind": "sliding", "window": 128, "dilation": 1}]
+                      {"kind": "sliding", "window": 128, "dilation": 1, "sink_tokens": 0, "learned_sink": False}]
     assert json.loads(json.dumps(stored)) == stored  # plain data
 
 

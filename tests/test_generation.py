@@ -28,6 +28,10 @@ KINDS = {  # name -> (the model's attention, n_kv_head); 2 layers
     "hybrid-additive": ([AdditiveSpec(block=4), LinearSpec(chunk_size=4)], 4),
     "lowrank": (LowRankSpec(block=4, rank=2), 2),
     "lowrank-mqa-odd": (LowRankSpec(block=5, rank=3), 1),
+    # the first 3 tokens stay visible while a 4-slot ring wraps many times
+    "sliding-sinks": (SlidingSpec(window=4, sink_tokens=3), 2),
+    "sliding-sinks-dilated-learned": (SlidingSpec(window=3, dilation=2, sink_tokens=2, learned_sink=True), 1),
+    "softmax-learned-sink": (SoftmaxSpec(learned_sink=True), 2),
 }
 VOCAB = 53
 
@@ -74,7 +78,7 @@ def test_batched_prompts_of_different_lengths_decode_as_alone(name):
 
 def test_linear_state_through_a_long_prompt_and_a_ring_past_the_context():
     """Sliding and linear models decode past max_seq_len with state that does not grow."""
-    for name in ("linear", "sliding-wrapped", "efficient"):
+    for name in ("linear", "sliding-wrapped", "efficient", "sliding-sinks"):
         model = make_model(name, max_seq_len=16)
         prompt = torch.randint(0, VOCAB, (1, 50))  # longer than the context, in one prefill
         run = stream(model, prompt, 30)

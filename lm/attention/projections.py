@@ -19,7 +19,7 @@ class GroupedQKV(nn.Module):
     uses_rope = True
     context_limited = True
 
-    def __init__(self, shape: LayerShape):
+    def __init__(self, shape: LayerShape, learned_sink: bool = False):
         super().__init__()
         self.layer_idx = shape.layer_idx
         self.n_head, self.n_kv_head, self.head_dim = shape.n_head, shape.n_kv_head, shape.head_dim
@@ -27,6 +27,8 @@ class GroupedQKV(nn.Module):
         # K and V get n_kv_head heads only, which is what makes GQA/MQA cheaper to cache.
         self.qkv = nn.Linear(shape.d_model, sum(qkv_rows(self.n_head, self.n_kv_head, self.head_dim)), bias=False)
         self.out = nn.Linear(self.n_head * self.head_dim, shape.d_model, bias=False)
+        # One logit per query head in the softmax denominator with no value (lm.attention.sinks).
+        self.sink_logit = nn.Parameter(torch.zeros(self.n_head)) if learned_sink else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: LayerCache | None = None) -> torch.Tensor:

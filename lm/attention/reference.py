@@ -10,30 +10,39 @@ import math
 import torch
 
 
-def causal_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Full masked softmax: q (B, nh, T, hs), k and v (B, nkv, T, hs) -> (B, nh, T, hs)."""
+def masked_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+                             sink_logit: torch.Tensor | None = None) -> torch.Tensor:
+    """Full masked softmax: q (B, nh, T, hs), k and v (B, nkv, T, hs), visible (T, T) -> (B, nh, T, hs).
+    A `sink_logit` (nh,) joins every row's softmax as one more logit with no value attached."""
     group = q.shape[1] // k.shape[1]
     # Copy each K/V head out to the query heads of its group, the plain way.
     k = k.repeat_interleave(group, dim=1)  # (B, nh, T, hs)
     v = v.repeat_interleave(group, dim=1)  # (B, nh, T, hs)
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, nh, T, T)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sink_logit is None:
+        return scores.softmax(dim=-1) @ v
+    sink = sink_logit[None, :, None, None].expand(*scores.shape[:3], 1)  # (B, nh, T, 1)
+    weights = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]  # the sink's share goes nowhere
+    return weights @ v
+
+
+def causal_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             sink_logit: torch.Tensor | None = None) -> torch.Tensor:
     T = q.shape[2]
-    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
-    scores = scores.masked_fill(future, float("-inf"))
-    return scores.softmax(dim=-1) @ v
+    return masked_softmax_attention(q, k, v, torch.ones(T, T, dtype=torch.bool).tril(), sink_logit)
 
 
 def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
-                             dilation: int = 1) -> torch.Tensor:
-    """Full masked softmax where query i sees keys j = i - m*dilation, 0 <= m < window."""
-    group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)  # (B, nh, T, hs)
-    v = v.repeat_interleave(group, dim=1)  # (B, nh, T, hs)
+                             dilation: int = 1, sink_tokens: int = 0,
+                             sink_logit: torch.Tensor | None = None) -> torch.Tensor:
+    """Full masked softmax where query i sees keys j = i - m*dilation, 0 <= m < window, and the
+    first `sink_tokens` positions (j <= i)."""
     T = q.shape[2]
     back = torch.arange(T)[:, None] - torch.arange(T)[None, :]  # (T, T): i - j
     visible = (back >= 0) & (back % dilation == 0) & (back // dilation < window)
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, nh, T, T)
-    return scores.masked_fill(~visible, float("-inf")).softmax(dim=-1) @ v
+    visible |= (back >= 0) & (torch.arange(T)[None, :] < sink_tokens)
+    return masked_softmax_attention(q, k, v, visible, sink_logit)
 
 
 def _initial_state(k: torch.Tensor, v: torch.Tensor, state):

@@ -20,8 +20,9 @@ import torch.nn.functional as F
 
 from lm.attention.base import AttentionSpec, LayerShape, register
 from lm.attention.projections import GroupedQKV
+from lm.attention.sinks import SINK_DIMS, masked_with_learned_sink, widen_for_sink
 from lm.cache import CacheSpec, GenerationCache, tensor_bytes, visibility_mask
-from lm.checks import require_int
+from lm.checks import require_bool, require_int
 
 
 def band_mask(window: int, device: torch.device) -> torch.Tensor:
@@ -56,6 +57,61 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return torch.cat((first, out), dim=2)[:, :, :T]
 
 
+def sliding_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, dilation: int,
+                       sink_tokens: int, sink_logit: torch.Tensor | None) -> torch.Tensor:
+    """The window plus sinks: the first `sink_tokens` positions stay visible to every query, and a
+    learned per-head `sink_logit` (nh,) joins each softmax (lm.attention.sinks).
+
+    Every residue class of the dilation becomes a row of the batch, cut into blocks of W queries;
+    block n attends [the extra keys | block n-1 | block n] (a zero block stands before block 0)
+    under a mask from absolute positions, so a sink already inside a query's window counts once.
+    Costs O(T (W + sinks)), like the plain window."""
+    B, nh, T, hs = q.shape
+    nkv, W, d = k.shape[1], window, dilation
+    S = min(sink_tokens, T)
+    extra_k, extra_v = k[:, :, :S], v[:, :, :S]  # (B, nkv, S, hs): the sink tokens' own keys
+    scale = None
+    if sink_logit is not None:
+        q, k, sink_key, scale = widen_for_sink(q, k, sink_logit)
+        extra_k = torch.cat((sink_key, F.pad(extra_k, (0, SINK_DIMS))), dim=2)  # (B, nkv, 1 + S, e)
+        extra_v = F.pad(extra_v, (0, 0, 1, 0))  # the sink's value is zero
+    E = extra_k.shape[2]  # extra keys per block
+    n = -(-T // (d * W))  # blocks per residue class
+    m = n * W  # positions per residue class
+    q, k, v = (F.pad(t, (0, 0, 0, m * d - T)) for t in (q, k, v))
+
+    def fold(x: torch.Tensor) -> torch.Tensor:  # (B, h, m*d, c) -> (B*d, h, m, c): residue r at row b*d + r
+        return x.unflatten(2, (m, d)).permute(0, 3, 1, 2, 4).flatten(0, 1)
+
+    qf, kf, vf = fold(q), fold(k), fold(v)
+    q_blocks = qf.unflatten(2, (n, W)).transpose(1, 2).flatten(0, 1)  # (B*d*n, nh, W, e)
+    k_pairs = _block_pairs(F.pad(kf, (0, 0, W, 0)), W)  # (B*d*n, nkv, 2W, e): a zero block before block 0
+    v_pairs = _block_pairs(F.pad(vf, (0, 0, W, 0)), W)  # (B*d*n, nkv, 2W, hs)
+    per_block = lambda x: x[:, None].expand(B, d * n, *x.shape[1:]).flatten(0, 1)  # noqa: E731
+    keys = torch.cat((per_block(extra_k), k_pairs), dim=2)  # (B*d*n, nkv, E + 2W, e)
+    values = torch.cat((per_block(extra_v), v_pairs), dim=2)  # (B*d*n, nkv, E + 2W, hs)
+
+    # Absolute positions: query a of block b in residue r is (b W + a) d + r; key c of its pair is
+    # (b W + c - W) d + r (negative: the zero block, never seen).
+    r = torch.arange(d, device=q.device)[:, None, None]  # (d, 1, 1)
+    b = torch.arange(n, device=q.device)[None, :, None]  # (1, n, 1)
+    a = torch.arange(W, device=q.device)
+    q_pos = (b * W + a) * d + r  # (d, n, W)
+    k_pos = (b * W + torch.arange(2 * W, device=q.device) - W) * d + r  # (d, n, 2W)
+    back = q_pos[..., :, None] - k_pos[..., None, :]  # (d, n, W, 2W)
+    window_mask = (k_pos[..., None, :] >= 0) & (back >= 0) & (back < W * d)  # same residue: multiples of d
+    sink_back = q_pos[..., None] - torch.arange(S, device=q.device)  # (d, n, W, S)
+    sink_mask = (sink_back >= 0) & ~((sink_back < W * d) & (sink_back % d == 0))  # not already in the window
+    if sink_logit is not None:
+        sink_mask = F.pad(sink_mask, (1, 0), value=True)
+    mask = torch.cat((sink_mask, window_mask), dim=-1).flatten(0, 1)  # (d*n, W, E + 2W)
+    mask = mask[None].expand(B, d * n, W, E + 2 * W).flatten(0, 1)[:, None]  # (B*d*n, 1, W, E + 2W)
+    out = F.scaled_dot_product_attention(q_blocks, keys, values, attn_mask=mask, scale=scale,
+                                         enable_gqa=nkv != nh)  # (B*d*n, nh, W, hs)
+    out = out.unflatten(0, (B, d, n)).permute(0, 3, 2, 4, 1, 5).reshape(B, nh, m * d, -1)  # (B, nh, m*d, hs)
+    return out[:, :, :T]
+
+
 def _block_pairs(x: torch.Tensor, W: int) -> torch.Tensor:
     """(B, h, n*W, hs) -> (B*(n-1), h, 2W, hs): blocks r and r+1 side by side for every r.
 
@@ -82,14 +138,19 @@ def _dilated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, d: 
 @register("sliding")
 @dataclass(frozen=True)
 class SlidingSpec(AttentionSpec):
-    """Each query sees the last `window` positions, `dilation` apart (so a span of window*dilation)."""
+    """Each query sees the last `window` positions, `dilation` apart (so a span of window*dilation),
+    and the first `sink_tokens` positions of the sequence."""
 
     window: int = 128
     dilation: int = 1
+    sink_tokens: int = 0  # the first positions stay visible to every query (StreamingLLM's sinks)
+    learned_sink: bool = False  # a per-head logit in the denominator with no value (gpt-oss)
 
     def check(self) -> None:
         require_int("window", self.window)
         require_int("dilation", self.dilation)
+        require_int("sink_tokens", self.sink_tokens, minimum=0)
+        require_bool("learned_sink", self.learned_sink)
 
     def build(self, shape: LayerShape) -> SlidingWindowAttention:
         return SlidingWindowAttention(self, shape)
@@ -99,39 +160,52 @@ class SlidingWindowAttention(GroupedQKV):
     context_limited = False
 
     def __init__(self, spec: SlidingSpec, shape: LayerShape):
-        super().__init__(shape)
-        self.window, self.dilation = spec.window, spec.dilation
+        super().__init__(shape, spec.learned_sink)
+        self.window, self.dilation, self.sink_tokens = spec.window, spec.dilation, spec.sink_tokens
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.sink_tokens or self.sink_logit is not None:
+            return sliding_with_sinks(q, k, v, self.window, self.dilation, self.sink_tokens, self.sink_logit)
         return sliding_window_attention(q, k, v, self.window, self.dilation)
 
     def generation_state(self) -> CacheSpec:
-        # Query i reaches back to i - (W-1)*d, so the last (W-1)*d + 1 <= W*d positions suffice.
-        return CacheSpec("ring", self.n_kv_head, self.head_dim, positions=self.window * self.dilation)
+        # Query i reaches back to i - (W-1)*d, so the last (W-1)*d + 1 <= W*d positions suffice;
+        # the sink tokens are kept beside them for good.
+        positions = self.window * self.dilation + self.sink_tokens
+        return CacheSpec("ring", self.n_kv_head, self.head_dim, positions=positions)
 
     def build_cache(self, context: GenerationCache, max_len: int) -> RingKVCache:
-        return RingKVCache(context, self.n_kv_head, self.head_dim, self.window, self.dilation)
+        return RingKVCache(context, self)
 
 
 class RingKVCache:
-    """K and V of the last window*dilation slots, (B, nkv, W*d, hs) each, written round-robin.
+    """K and V of the last window*dilation slots, (B, nkv, W*d, hs) each, written round-robin,
+    and those of each row's first `sink_tokens` positions, (B, nkv, S, hs), kept for good.
 
     Its size never grows with the generated length. New queries attend the ring's contents
     plus their own keys under the window rule on absolute slot numbers, so a chunk longer than
-    the ring is still exact; the newest W*d keys are then kept.
+    the ring is still exact; the newest W*d keys are then kept. A sink token inside a query's
+    window is read from the ring, outside it from the sink buffer: it counts once either way.
     """
 
-    def __init__(self, context: GenerationCache, n_kv_head: int, head_dim: int, window: int, dilation: int):
-        self.context, self.window, self.dilation = context, window, dilation
-        size = window * dilation
-        shape = (context.batch_size, n_kv_head, size, head_dim)
+    def __init__(self, context: GenerationCache, layer: SlidingWindowAttention):
+        self.context, self.window, self.dilation = context, layer.window, layer.dilation
+        self.sink_logit = layer.sink_logit
+        size = layer.window * layer.dilation
+        shape = (context.batch_size, layer.n_kv_head, size, layer.head_dim)
         self.k = torch.zeros(shape, dtype=context.dtype, device=context.device)
         self.v = torch.zeros(shape, dtype=context.dtype, device=context.device)
         self.slot_of = torch.full((size,), -1, dtype=torch.long, device=context.device)  # -1: empty
+        S = layer.sink_tokens
+        self.sink_k = torch.zeros(shape[:2] + (S, shape[3]), dtype=context.dtype, device=context.device)
+        self.sink_v = torch.zeros_like(self.sink_k)
+        # Each row's sinks are its first S real tokens, which start after its left padding.
+        self.sink_slot = context.pad[:, None] + torch.arange(S, device=context.device)  # (B, S)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         start, T = self.context.seen, q.shape[2]
-        if T == 1:
+        sinks = self.sink_k.shape[2] > 0
+        if T == 1 and not sinks and self.sink_logit is None:
             return self._attend_one(q, k, v, start)
         q_slots = torch.arange(start, start + T, device=q.device)
         keys = torch.cat((self.k, k), dim=2)  # (B, nkv, W*d + T, hs)
@@ -141,7 +215,15 @@ class RingKVCache:
         in_window = (back >= 0) & (back % self.dilation == 0) & (back < self.window * self.dilation)
         visible = in_window & (k_slots[None, :] >= 0)
         mask = visibility_mask(self.context, q_slots, k_slots, visible)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=keys.shape[1] != q.shape[1])
+        if sinks:
+            self._keep_sinks(k, v, start)
+            keys, values = torch.cat((self.sink_k, keys), dim=2), torch.cat((self.sink_v, values), dim=2)
+            mask = torch.cat((self._sink_mask(q_slots), mask.expand(q.shape[0], 1, *visible.shape)), dim=-1)
+        if self.sink_logit is not None:
+            out = masked_with_learned_sink(q, keys, values, mask, self.sink_logit)
+        else:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                                 enable_gqa=keys.shape[1] != q.shape[1])
         keep = min(T, self.k.shape[2])
         index = q_slots[-keep:] % self.k.shape[2]
         self.k[:, :, index] = k[:, :, -keep:]
@@ -163,5 +245,22 @@ class RingKVCache:
         gqa = self.k.shape[1] != q.shape[1]
         return F.scaled_dot_product_attention(q, self.k, self.v, attn_mask=mask, enable_gqa=gqa)
 
+    def _keep_sinks(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        """Copy the sink tokens among these T new slots into the sink buffer."""
+        T = k.shape[2]
+        offset = self.sink_slot - start  # (B, S): where each row's sink sits among the new slots
+        here = (offset >= 0) & (offset < T)
+        if not bool(here.any()):
+            return
+        index = offset.clamp(0, T - 1)[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])  # (B, nkv, S, hs)
+        self.sink_k = torch.where(here[:, None, :, None], k.gather(2, index), self.sink_k)
+        self.sink_v = torch.where(here[:, None, :, None], v.gather(2, index), self.sink_v)
+
+    def _sink_mask(self, q_slots: torch.Tensor) -> torch.Tensor:
+        """(B, 1, T, S): a sink is seen once it exists (at or before the query) and is not in the window."""
+        back = q_slots[None, :, None] - self.sink_slot[:, None, :]  # (B, T, S)
+        in_window = (back < self.window * self.dilation) & (back % self.dilation == 0)
+        return ((back >= 0) & ~in_window)[:, None]
+
     def nbytes(self) -> int:
-        return tensor_bytes(self.k, self.v)
+        return tensor_bytes(self.k, self.v, self.sink_k, self.sink_v)

@@ -15,16 +15,23 @@ import torch.nn.functional as F
 
 from lm.attention.base import AttentionSpec, LayerShape, register
 from lm.attention.projections import GroupedQKV
+from lm.attention.sinks import causal_with_learned_sink, masked_with_learned_sink
 from lm.cache import CacheSpec, GenerationCache, tensor_bytes, visibility_mask
+from lm.checks import require_bool
 
 
 @register("softmax")
 @dataclass(frozen=True)
 class SoftmaxSpec(AttentionSpec):
-    """Full causal attention; MHA, GQA or MQA by the model's n_kv_head. No options."""
+    """Full causal attention; MHA, GQA or MQA by the model's n_kv_head."""
+
+    learned_sink: bool = False  # a per-head logit in the denominator with no value (gpt-oss)
+
+    def check(self) -> None:
+        require_bool("learned_sink", self.learned_sink)
 
     def build(self, shape: LayerShape) -> SoftmaxAttention:
-        return SoftmaxAttention(shape)
+        return SoftmaxAttention(shape, self.learned_sink)
 
 
 class SoftmaxAttention(GroupedQKV):
@@ -34,21 +41,24 @@ class SoftmaxAttention(GroupedQKV):
         SDPA's `enable_gqa` lets the kernel share each K/V head across its query group
         instead of materialising n_head copies of K and V.
         """
+        if self.sink_logit is not None:
+            return causal_with_learned_sink(q, k, v, self.sink_logit)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
 
     def generation_state(self) -> CacheSpec:
         return CacheSpec("kv", self.n_kv_head, self.head_dim)
 
     def build_cache(self, context: GenerationCache, max_len: int) -> KVCache:
-        return KVCache(context, self.n_kv_head, self.head_dim, max_len)
+        return KVCache(context, self.n_kv_head, self.head_dim, max_len, self.sink_logit)
 
 
 class KVCache:
     """Preallocated K and V of every position, n_kv_head heads only: (B, nkv, max_len, hs) each."""
 
-    def __init__(self, context: GenerationCache, n_kv_head: int, head_dim: int, max_len: int):
+    def __init__(self, context: GenerationCache, n_kv_head: int, head_dim: int, max_len: int,
+                 sink_logit: torch.Tensor | None = None):
         shape = (context.batch_size, n_kv_head, max_len, head_dim)
-        self.context = context
+        self.context, self.sink_logit = context, sink_logit
         self.k = torch.zeros(shape, dtype=context.dtype, device=context.device)
         self.v = torch.zeros(shape, dtype=context.dtype, device=context.device)
 
@@ -73,6 +83,8 @@ class KVCache:
         start, T = self.context.seen, q.shape[2]
         keys, values = self.store(k, v)  # (B, nkv, end, hs)
         gqa = keys.shape[1] != q.shape[1]
+        if self.sink_logit is not None:
+            return masked_with_learned_sink(q, keys, values, self.causal_mask(T), self.sink_logit)
         if not self.context.has_padding and (T == 1 or start == 0):
             # One new token sees every cached one; a first chunk is plain causal attention.
             return F.scaled_dot_product_attention(q, keys, values, is_causal=T > 1, enable_gqa=gqa)

@@ -1,0 +1,59 @@
+"""Attention sinks, shared by the softmax and sliding kinds.
+
+- **Learned sink** (as in gpt-oss): a per-head logit s_h in the softmax denominator with no value
+  attached, out_i = sum_j e^{score_ij} v_j / (e^{s_h} + sum_j e^{score_ij}), so a head can
+  attend to nothing. It rides SDPA as one extra key: queries get SINK_DIMS more dimensions,
+  the first holding s_h sqrt(hs); real keys get zeros there; the sink key is 1 there and 0
+  elsewhere, with a zero value. With SDPA's scale fixed at 1/sqrt(hs), the sink key scores exactly
+  s_h and every real score is unchanged.
+- **Sink tokens** (Longformer's global attention in causal form, StreamingLLM's attention sinks,
+  Xiao et al. 2023): the first positions stay visible to every query; sliding.py implements them.
+
+Shapes: B batch, T positions, nh query heads, nkv K/V heads, hs head size, e = hs + SINK_DIMS.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+SINK_DIMS = 8  # a multiple of 8 keeps the widened heads aligned for SDPA's kernels
+
+
+def widen_for_sink(q: torch.Tensor, k: torch.Tensor,
+                   sink_logit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """q (B, nh, T, hs), k (B, nkv, S, hs), sink_logit (nh,) -> q (B, nh, T, e), k (B, nkv, S, e),
+    the sink key (B, nkv, 1, e) and the scale to give SDPA."""
+    B, nh, T, hs = q.shape
+    logit = sink_logit.to(q.dtype) * math.sqrt(hs)  # (nh,)
+    extra = F.pad(logit[None, :, None, None].expand(B, nh, T, 1), (0, SINK_DIMS - 1))  # (B, nh, T, SINK_DIMS)
+    sink_key = k.new_zeros(k.shape[0], k.shape[1], 1, hs + SINK_DIMS)
+    sink_key[..., hs] = 1
+    return torch.cat((q, extra), dim=-1), F.pad(k, (0, SINK_DIMS)), sink_key, 1 / math.sqrt(hs)
+
+
+def causal_with_learned_sink(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             sink_logit: torch.Tensor) -> torch.Tensor:
+    """Causal attention of q (B, nh, T, hs) over k, v (B, nkv, T, hs) with a learned sink.
+
+    The sink key goes first and a dummy query with it, so SDPA's plain causal rule (query t+1
+    sees keys 0..t+1) gives every real query the sink plus keys 0..t, without a T x T mask."""
+    q, k, sink_key, scale = widen_for_sink(q, k, sink_logit)
+    q = F.pad(q, (0, 0, 1, 0))  # (B, nh, T + 1, e): a dummy query at the front
+    k = torch.cat((sink_key, k), dim=2)  # (B, nkv, T + 1, e)
+    v = F.pad(v, (0, 0, 1, 0))  # (B, nkv, T + 1, hs): the sink's value is zero
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    return out[:, :, 1:]
+
+
+def masked_with_learned_sink(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                             sink_logit: torch.Tensor) -> torch.Tensor:
+    """Attention of q (B, nh, T, hs) over k, v (B, nkv, S, hs) under a boolean mask (..., T, S),
+    plus a learned sink every query sees."""
+    q, k, sink_key, scale = widen_for_sink(q, k, sink_logit)
+    k = torch.cat((sink_key, k), dim=2)  # (B, nkv, S + 1, e)
+    v = F.pad(v, (0, 0, 1, 0))  # (B, nkv, S + 1, hs)
+    mask = torch.cat((mask.new_ones(*mask.shape[:-1], 1), mask), dim=-1)  # (..., T, S + 1): the sink is seen
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
