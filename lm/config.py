@@ -76,7 +76,7 @@ class ModelConfig:
         return [spec.kind for spec in self.attention]
 
     def describe_attention(self) -> str:
-        """'4 x sliding(window=128, dilation=1)', or one entry per run of equal layers."""
+        """'4 x linear(feature_map=elu, chunk_size=64, eps=1e-06)': each run of equal layers, in order."""
         runs: list[list] = []
         for spec in self.attention:
             if runs and runs[-1][1] == spec:

@@ -39,7 +39,8 @@ def hf_architecture(config: ModelConfig) -> tuple[str, int | None]:
     specs = set(config.attention)
     if specs == {SoftmaxSpec()}:
         return "llama", None
-    if len(specs) == 1 and (spec := specs.pop()) == SlidingSpec(window=getattr(spec, "window", 0)):
+    spec = specs.pop() if len(specs) == 1 else None
+    if isinstance(spec, SlidingSpec) and spec == SlidingSpec(window=spec.window):
         return "mistral", spec.window  # undilated, no sinks: exactly Mistral's window
     raise ConfigError(f"attention {config.describe_attention()} has no transformers equivalent; export takes "
                       "softmax (Llama) and one undilated sliding window in every layer (Mistral)")

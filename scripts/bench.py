@@ -22,6 +22,9 @@ import torch.nn.functional as F
 
 from lm import ModelConfig, Transformer
 from lm.attention import AttentionSpec, LayerShape, LinearSpec, SlidingSpec, SoftmaxSpec
+from lm.attention.additive import AdditiveSpec
+from lm.attention.efficient import EfficientSpec
+from lm.attention.lowrank import LowRankSpec
 
 # The reference shape named in the README and the issues.
 REFERENCE = dict(vocab_size=8192, n_layer=6, d_model=384, n_head=6, n_kv_head=2, d_ff=1024,
@@ -100,12 +103,18 @@ def bench_train(args) -> None:
 
 # ---------------------------------------------------------------------------- attention
 
-ATTENTION_KINDS = {  # name -> (spec, n_kv_head or None for n_head)
-    "mha": (SoftmaxSpec(), None),
-    "gqa": (SoftmaxSpec(), 2),
-    "mqa": (SoftmaxSpec(), 1),
-    "sliding": (SlidingSpec(window=512), None),
-    "linear": (LinearSpec(feature_map="elu"), None),
+ATTENTION_KINDS = {  # name -> (spec, n_kv_head or None for n_head, longest N it is timed at or None)
+    "mha": (SoftmaxSpec(), None, None),
+    "gqa": (SoftmaxSpec(), 2, None),
+    "mqa": (SoftmaxSpec(), 1, None),
+    "mha-learned-sink": (SoftmaxSpec(learned_sink=True), None, None),
+    "sliding": (SlidingSpec(window=512), None, None),
+    "sliding-sinks": (SlidingSpec(window=512, sink_tokens=4), None, None),
+    "linear": (LinearSpec(feature_map="elu"), None, None),
+    "efficient": (EfficientSpec(), None, None),
+    "lowrank": (LowRankSpec(block=64, rank=8), None, None),
+    # a tanh per (query, key, feature): ~40x the work of a dot product, so 16k would take minutes
+    "additive": (AdditiveSpec(), None, 4096),
 }
 
 
@@ -183,15 +192,17 @@ def bench_attention(args) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     exact_resident_memory()
     rows = []
-    cases = [(name, spec, n_kv_head, args.heads) for name, (spec, n_kv_head) in ATTENTION_KINDS.items()]
+    kinds = {name: ATTENTION_KINDS[name] for name in args.kinds}
+    cases = [(name, spec, n_kv_head, args.heads, longest) for name, (spec, n_kv_head, longest) in kinds.items()]
     if args.single_head:  # the footing of the published GPU figures: one head of size d_model
-        cases += [("mha-1head", SoftmaxSpec(), None, 1), ("linear-1head", LinearSpec(feature_map="elu"), None, 1)]
+        cases += [("mha-1head", SoftmaxSpec(), None, 1, None),
+                  ("linear-1head", LinearSpec(feature_map="elu"), None, 1, None)]
     print(f"attention op (q, k, v -> out; projections excluded), fp32, {torch.get_num_threads()} threads, "
           f"batch 1, d_model {args.d_model}; peak = resident memory above the inputs")
-    print(f"{'kind':14}{'N':>7}{'fwd s':>9}{'fwd+bwd s':>11}{'fwd MB':>9}{'fwd+bwd MB':>12}")
-    for name, spec, n_kv_head, heads in cases:
+    print(f"{'kind':18}{'N':>7}{'fwd s':>9}{'fwd+bwd s':>11}{'fwd MB':>9}{'fwd+bwd MB':>12}")
+    for name, spec, n_kv_head, heads, longest in cases:
         for n in args.lengths:
-            if heads == 1 and n != max(args.lengths):
+            if (heads == 1 and n != max(args.lengths)) or (longest is not None and n > longest):
                 continue
             torch.manual_seed(0)
             module, shape = attention_layer(spec, n_kv_head, args.d_model, heads)
@@ -201,7 +212,7 @@ def bench_attention(args) -> None:
                    "forward_backward_s": bwd_s, "forward_peak_mb": fwd_mem / 2**20,
                    "forward_backward_peak_mb": bwd_mem / 2**20}
             rows.append(row)
-            print(f"{name:14}{n:7}{fwd_s:9.4f}{bwd_s:11.4f}{row['forward_peak_mb']:9.1f}"
+            print(f"{name:18}{n:7}{fwd_s:9.4f}{bwd_s:11.4f}{row['forward_peak_mb']:9.1f}"
                   f"{row['forward_backward_peak_mb']:12.1f}", flush=True)
     csv_path = out_dir / "attention.csv"
     with open(csv_path, "w", newline="") as f:
@@ -225,11 +236,11 @@ def print_attention_ratios(rows: list[dict], n_max: int) -> None:
     if full is None:
         return
     print(f"at N={n_max}, against full causal softmax (mha, SDPA):")
-    for name in ("sliding", "linear"):
+    for name in sorted({kind for kind, _ in at} - {"mha", "mha-1head", "linear-1head"}):
         r = at.get((name, n_max))
         if r is None:
             continue
-        print(f"  {name:8} forward {full['forward_s'] / r['forward_s']:5.1f}x faster, "
+        print(f"  {name:16} forward {full['forward_s'] / r['forward_s']:5.1f}x faster, "
               f"forward+backward {full['forward_backward_s'] / r['forward_backward_s']:5.1f}x faster, "
               f"peak memory forward {_ratio(r['forward_peak_mb'], full['forward_peak_mb'])}, "
               f"forward+backward {_ratio(r['forward_backward_peak_mb'], full['forward_backward_peak_mb'])} of mha's")
@@ -237,7 +248,7 @@ def print_attention_ratios(rows: list[dict], n_max: int) -> None:
         if len(lengths) >= 2 and lengths[0] < lengths[-1]:
             doublings = math.log2(lengths[-1] / lengths[0])
             growth = (at[(name, lengths[-1])]["forward_s"] / at[(name, lengths[0])]["forward_s"]) ** (1 / doublings)
-            print(f"  {name:8} forward time grows {growth:.2f}x per doubling of N from {lengths[0]} to {lengths[-1]}")
+            print(f"  {name:16} forward time grows {growth:.2f}x per doubling of N from {lengths[0]} to {lengths[-1]}")
     single = at.get(("mha-1head", n_max)), at.get(("linear-1head", n_max))
     if all(single):
         print(f"  one head of size d_model: softmax {single[0]['forward_s']:.3f} s vs linear "
@@ -250,7 +261,7 @@ def print_whole_layer_times(args) -> None:
     n = max(args.lengths)
     times = {}
     for name in ("mha", "sliding", "linear"):
-        spec, n_kv_head = ATTENTION_KINDS[name]
+        spec, n_kv_head, _ = ATTENTION_KINDS[name]
         module, shape = attention_layer(spec, n_kv_head, args.d_model, args.heads)
         times[name], _ = time_attention(module, shape, n, backward=False, repeats=args.repeats, whole_module=True)
     print(f"whole layer (with projections) forward at N={n}: " + ", ".join(
@@ -288,8 +299,13 @@ GENERATE_KINDS = {  # name -> (spec, n_kv_head) at the reference shape (6 heads)
     "mha": (SoftmaxSpec(), 6),
     "gqa": (SoftmaxSpec(), 2),
     "mqa": (SoftmaxSpec(), 1),
+    "gqa-learned-sink": (SoftmaxSpec(learned_sink=True), 2),
     "sliding": (SlidingSpec(window=256), 2),
+    "sliding-sinks": (SlidingSpec(window=256, sink_tokens=4), 2),
     "linear": (LinearSpec(), 2),
+    "efficient": (EfficientSpec(), 2),
+    "additive": (AdditiveSpec(), 2),
+    "lowrank": (LowRankSpec(), 2),
 }
 
 
@@ -337,9 +353,10 @@ def bench_generate(args) -> None:
     header = "".join(f"{f'tok/s @{n}':>12}" for n in args.new_tokens)
     header += "".join(f"{f'ms @pos {p}':>13}" for p in args.positions)
     header += f"{'latency ratio':>15}{'cache bytes/token':>19}{'cache @' + str(max_len):>14}"
-    print(f"{'kind':14}{'kv heads':>9}{header}")
+    print(f"{'kind':18}{'kv heads':>9}{header}")
     rates: dict[str, dict[int, float]] = {}
-    for name, (spec, n_kv_head) in GENERATE_KINDS.items():
+    for name in args.kinds:
+        spec, n_kv_head = GENERATE_KINDS[name]
         model = reference_model(spec, n_kv_head, max_seq_len=max(max_len, long_position + 32))
         rates[name] = {}
         for n in args.new_tokens:
@@ -352,7 +369,7 @@ def bench_generate(args) -> None:
         per_token = total / (args.prompt + max(args.new_tokens))
         cells = "".join(f"{rates[name][n]:12.1f}" for n in args.new_tokens)
         cells += "".join(f"{t * 1e3:13.2f}" for t in latency)
-        print(f"{name:14}{n_kv_head:9}{cells}{latency[-1] / latency[0]:15.2f}{per_token:19,.0f}{total:14,}", flush=True)
+        print(f"{name:18}{n_kv_head:9}{cells}{latency[-1] / latency[0]:15.2f}{per_token:19,.0f}{total:14,}", flush=True)
     if args.compare:
         hf = hf_llama(ModelConfig(**{**REFERENCE, "max_seq_len": max_len})).eval()
         hf.generation_config.eos_token_id = None
@@ -364,9 +381,10 @@ def bench_generate(args) -> None:
 
         hf_rates = {n: n / decode_seconds(lambda n=n: hf_generate(n), args.repeats) for n in args.new_tokens}
         cells = "".join(f"{hf_rates[n]:12.1f}" for n in args.new_tokens)
-        print(f"{'transformers':14}{2:9}{cells}   (LlamaForCausalLM.generate, gqa shape, SDPA, cache on)")
+        print(f"{'transformers':18}{2:9}{cells}   (LlamaForCausalLM.generate, gqa shape, SDPA, cache on)")
         for n in args.new_tokens:
-            print(f"lm gqa / transformers decode tokens/s at {n} new tokens: {rates['gqa'][n] / hf_rates[n]:.2f}x")
+            if "gqa" in rates:
+                print(f"lm gqa / transformers decode tokens/s at {n} new tokens: {rates['gqa'][n] / hf_rates[n]:.2f}x")
 
 
 def main() -> None:
@@ -385,6 +403,8 @@ def main() -> None:
     attention.add_argument("--no-single-head", dest="single_head", action="store_false",
                            help="skip the one-head comparison at the longest N")
     attention.add_argument("--out", default="bench", help="folder for attention.csv and attention.png")
+    attention.add_argument("--kinds", nargs="+", choices=list(ATTENTION_KINDS), default=list(ATTENTION_KINDS),
+                           help="rows to time (default: all)")
     attention.set_defaults(run=bench_attention)
     gen = sub.add_parser("generate", help="decode tokens/s, per-token latency and cache bytes of each kind")
     gen.add_argument("--prompt", type=int, default=32, help="prompt tokens")
@@ -392,6 +412,8 @@ def main() -> None:
     gen.add_argument("--positions", type=int, nargs=2, default=[64, 4096], help="where per-token latency is taken")
     gen.add_argument("--repeats", type=int, default=2)
     gen.add_argument("--no-compare", dest="compare", action="store_false", help="skip transformers' generate")
+    gen.add_argument("--kinds", nargs="+", choices=list(GENERATE_KINDS), default=list(GENERATE_KINDS),
+                     help="rows to time (default: all)")
     gen.set_defaults(run=bench_generate)
     args = parser.parse_args()
     args.run(args)

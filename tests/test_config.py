@@ -106,7 +106,7 @@ def test_config_round_trips_through_a_plain_dict():
     ("attn=sliding attn.window=0", "error: window=0 must be an integer >= 1"),
     ("attn=hybrid attn.pattern=[linear,softmax]", "error: pattern=['linear', 'softmax'] has 2 entries but n_layer=4"),
     ("attn=hybrid attn.window=8", "error: option(s) ['window'] are taken by no layer's kind (linear, softmax); "
-                                  "they take ['chunk_size', 'eps', 'feature_map']"),
+                                  "they take ['chunk_size', 'eps', 'feature_map', 'learned_sink']"),
 ])
 def test_train_script_rejects_bad_config_in_one_line(override, message, tmp_path):
     result = subprocess.run(

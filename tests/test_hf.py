@@ -85,10 +85,15 @@ def test_import_of_a_transformers_folder_matches_it(variant, tokenizer, tmp_path
 
 @pytest.mark.parametrize("attention, message", [
     ("linear", "attention 2 x linear(feature_map=elu, chunk_size=64, eps=1e-06) has no transformers equivalent"),
-    (["linear", "softmax"], "attention 1 x linear(feature_map=elu, chunk_size=64, eps=1e-06), 1 x softmax has no"),
-    (SlidingSpec(window=4, dilation=2), "attention 2 x sliding(window=4, dilation=2) has no transformers equivalent"),
+    (["linear", "softmax"], "1 x linear(feature_map=elu, chunk_size=64, eps=1e-06), 1 x softmax(learned_sink=False)"),
+    (SlidingSpec(window=4, dilation=2), "2 x sliding(window=4, dilation=2, sink_tokens=0, learned_sink=False) has no"),
     ([SlidingSpec(window=4), SlidingSpec(window=8)], "one undilated sliding window in every layer"),
     (layer_specs("sliding", 2, global_every=2), "one undilated sliding window in every layer"),
+    ("efficient", "attention 2 x efficient(chunk_size=64) has no transformers equivalent"),
+    ("additive", "attention 2 x additive(block=64) has no transformers equivalent"),
+    ("lowrank", "attention 2 x lowrank(block=64, rank=8) has no transformers equivalent"),
+    (SlidingSpec(window=4, sink_tokens=2), "sliding(window=4, dilation=1, sink_tokens=2, learned_sink=False) has no"),
+    (SoftmaxSpec(learned_sink=True), "attention 2 x softmax(learned_sink=True) has no transformers equivalent"),
 ])
 def test_kinds_without_an_equivalent_are_refused(attention, message, tokenizer, tmp_path):
     model = Transformer(ModelConfig(vocab_size=300, n_layer=2, d_model=32, n_head=4, d_ff=48, attention=attention))

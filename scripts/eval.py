@@ -1,0 +1,20 @@
+"""Perplexity and bits per byte: python scripts/eval.py ckpt=checkpoints/<run>/last.ckpt [data=...] [split=val]"""
+
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from lm.cli import exit_on_user_error
+
+
+@hydra.main(config_path="../conf", config_name="eval", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    with exit_on_user_error():
+        from lm.evaluate import evaluate
+
+        evaluate(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""scripts/eval.py: perplexity and bits per byte, against a plain one-window-at-a-time count."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lm
+from lm.evaluate import score, token_stream
+from lm.tokenizer import EOT
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURE = ROOT / "tests" / "fixtures" / "v1" / "hybrid.ckpt"  # max_seq_len 32, vocab 300
+
+
+def plain_count(model, tokenizer, texts):
+    """Each document after an <|endoftext|>, the stream cut every max_seq_len tokens, one window at a time."""
+    stream = []
+    for text in texts:
+        stream += [(tokenizer.token_to_id(EOT), False)] + [(t, True) for t in tokenizer.encode(text).ids]
+    T, nll, tokens = model.config.max_seq_len, 0.0, 0
+    for s in range(0, len(stream) - 1, T):
+        window = stream[s:s + T + 1]
+        ids = torch.tensor([[t for t, _ in window]])
+        with torch.no_grad():
+            logp = F.log_softmax(model(ids[:, :-1])[0].double(), -1)
+        for i, (target, counts) in enumerate(window[1:]):
+            if counts:
+                nll, tokens = nll - logp[i, target].item(), tokens + 1
+    return nll, tokens
+
+
+def test_score_equals_a_plain_window_by_window_count():
+    model, tokenizer = lm.load(FIXTURE)
+    texts = ["def f(x):\n    return x * 2\n" * 7, "héllo wörld ✓ " * 5, "import os\n"]
+    result = score(model, *token_stream(iter(texts), tokenizer), batch_size=3, progress=False)
+    nll, tokens = plain_count(model, tokenizer, texts)
+    assert result.tokens == tokens and result.documents == 3
+    assert result.bytes == sum(len(t.encode()) for t in texts)  # UTF-8 bytes, not characters
+    assert result.nll_nats == pytest.approx(nll, rel=1e-5)
+    assert result.bits_per_byte == pytest.approx(nll / math.log(2) / result.bytes, rel=1e-5)
+    assert result.perplexity == pytest.approx(math.exp(nll / tokens), rel=1e-5)
+
+
+def test_eval_script_writes_one_line_and_a_record(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(6):
+        (corpus / f"m{i}.py").write_text(f"def f{i}(x):\n    return x + {i}\n" * 20)
+    out = tmp_path / "eval.json"
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "eval.py"), f"ckpt={FIXTURE}", "data=text",
+                          f"data.paths=[{corpus}]", "split=all", f"out={out}", "progress_bar=false"],
+                         capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().startswith("text all: ") and "bits per byte" in run.stdout
+    record = json.loads(out.read_text())
+    assert record["documents"] == 6 and record["bytes"] == sum(p.stat().st_size for p in corpus.iterdir())
+    assert record["bits_per_byte"] > 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["split=test"], "error: split='test' is not one of ['val', 'train', 'all']"),
+    ([f"ckpt={ROOT / 'nope.ckpt'}"], "does not exist"),
+])
+def test_eval_script_bad_input_is_one_line(args, message, tmp_path):
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "eval.py"), f"ckpt={FIXTURE}", *args,
+                          f"out={tmp_path / 'x.json'}"], capture_output=True, text=True, timeout=180)
+    assert run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1 and message in run.stderr
+    assert not (tmp_path / "x.json").exists()
