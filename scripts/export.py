@@ -1,4 +1,4 @@
-"""Export a checkpoint: python scripts/export.py ckpt=... out=DIR [format=safetensors|hf]"""
+"""Export a checkpoint: python scripts/export.py ckpt=... out=DIR|FILE.gguf [format=safetensors|hf|gguf]"""
 
 import sys
 
@@ -12,11 +12,13 @@ from lm.cli import exit_on_user_error
 def main(cfg: DictConfig) -> None:
     from lm.checkpoint import export_safetensors, load
     from lm.errors import ConfigError
+    from lm.gguf_export import export_gguf
     from lm.hf import export_hf
     from lm.paths import resolve_path
 
     with exit_on_user_error():
-        exporters = {"hf": export_hf, "safetensors": export_safetensors}
+        exporters = {"hf": export_hf, "safetensors": export_safetensors,
+                     "gguf": lambda model, tokenizer, out: export_gguf(model, tokenizer, out, cfg.gguf_type)}
         if cfg.format not in exporters:
             raise ConfigError(f"format={cfg.format!r} is not one of {sorted(exporters)}")
         model, tokenizer = load(resolve_path(cfg.ckpt))
