@@ -10,11 +10,11 @@ STAMP := $(VENV)/.installed
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
-install: $(STAMP) ## build .venv: CPU torch pinned by constraints.txt, lm editable, dev + hf + gguf extras
+install: $(STAMP) ## build .venv: CPU torch pinned by constraints.txt, lm editable, dev + hf + gguf + eval extras
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev,hf,gguf]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,hf,gguf,eval]'
 	touch $(STAMP)
 
 train: install ## train the default model (tiny MHA) on the standard-library corpus

@@ -5,7 +5,8 @@
   attend to nothing. It rides SDPA as one extra key: queries get SINK_DIMS more dimensions,
   the first holding s_h sqrt(hs); real keys get zeros there; the sink key is 1 there and 0
   elsewhere, with a zero value. With SDPA's scale fixed at 1/sqrt(hs), the sink key scores exactly
-  s_h and every real score is unchanged.
+  s_h and every real score is unchanged. Values are widened with zeros too and the output cut back,
+  because SDPA's flash kernel (no T x T scores in memory) wants one head size for q, k and v.
 - **Sink tokens** (Longformer's global attention in causal form, StreamingLLM's attention sinks,
   Xiao et al. 2023): the first positions stay visible to every query; sliding.py implements them.
 
@@ -40,20 +41,23 @@ def causal_with_learned_sink(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     The sink key goes first and a dummy query with it, so SDPA's plain causal rule (query t+1
     sees keys 0..t+1) gives every real query the sink plus keys 0..t, without a T x T mask."""
+    hs = q.shape[-1]
     q, k, sink_key, scale = widen_for_sink(q, k, sink_logit)
     q = F.pad(q, (0, 0, 1, 0))  # (B, nh, T + 1, e): a dummy query at the front
     k = torch.cat((sink_key, k), dim=2)  # (B, nkv, T + 1, e)
-    v = F.pad(v, (0, 0, 1, 0))  # (B, nkv, T + 1, hs): the sink's value is zero
+    v = F.pad(v, (0, SINK_DIMS, 1, 0))  # (B, nkv, T + 1, e): the sink's value is zero
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
-    return out[:, :, 1:]
+    return out[:, :, 1:, :hs]
 
 
 def masked_with_learned_sink(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                              sink_logit: torch.Tensor) -> torch.Tensor:
     """Attention of q (B, nh, T, hs) over k, v (B, nkv, S, hs) under a boolean mask (..., T, S),
     plus a learned sink every query sees."""
+    hs = q.shape[-1]
     q, k, sink_key, scale = widen_for_sink(q, k, sink_logit)
     k = torch.cat((sink_key, k), dim=2)  # (B, nkv, S + 1, e)
-    v = F.pad(v, (0, 0, 1, 0))  # (B, nkv, S + 1, hs)
+    v = F.pad(v, (0, SINK_DIMS, 1, 0))  # (B, nkv, S + 1, e): the sink's value is zero
     mask = torch.cat((mask.new_ones(*mask.shape[:-1], 1), mask), dim=-1)  # (..., T, S + 1): the sink is seen
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    return out[..., :hs]

@@ -71,10 +71,11 @@ def sliding_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window
     S = min(sink_tokens, T)
     extra_k, extra_v = k[:, :, :S], v[:, :, :S]  # (B, nkv, S, hs): the sink tokens' own keys
     scale = None
-    if sink_logit is not None:
+    if sink_logit is not None:  # values widened too, as in lm.attention.sinks: one head size for SDPA
         q, k, sink_key, scale = widen_for_sink(q, k, sink_logit)
+        v = F.pad(v, (0, SINK_DIMS))
         extra_k = torch.cat((sink_key, F.pad(extra_k, (0, SINK_DIMS))), dim=2)  # (B, nkv, 1 + S, e)
-        extra_v = F.pad(extra_v, (0, 0, 1, 0))  # the sink's value is zero
+        extra_v = F.pad(extra_v, (0, SINK_DIMS, 1, 0))  # the sink's value is zero
     E = extra_k.shape[2]  # extra keys per block
     n = -(-T // (d * W))  # blocks per residue class
     m = n * W  # positions per residue class
@@ -108,8 +109,8 @@ def sliding_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window
     mask = mask[None].expand(B, d * n, W, E + 2 * W).flatten(0, 1)[:, None]  # (B*d*n, 1, W, E + 2W)
     out = F.scaled_dot_product_attention(q_blocks, keys, values, attn_mask=mask, scale=scale,
                                          enable_gqa=nkv != nh)  # (B*d*n, nh, W, hs)
-    out = out.unflatten(0, (B, d, n)).permute(0, 3, 2, 4, 1, 5).reshape(B, nh, m * d, -1)  # (B, nh, m*d, hs)
-    return out[:, :, :T]
+    out = out.unflatten(0, (B, d, n)).permute(0, 3, 2, 4, 1, 5).reshape(B, nh, m * d, -1)  # (B, nh, m*d, e)
+    return out[:, :, :T, :hs]
 
 
 def _block_pairs(x: torch.Tensor, W: int) -> torch.Tensor:
