@@ -96,3 +96,19 @@ def test_harness_command_scores_kinds_transformers_cannot_load(attention, task_d
     results = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())["results"]
     assert 0 <= results["lm_local_choice"]["acc,none"] <= 1
     assert results["lm_local_texts"]["bits_per_byte,none"] > 0
+
+
+def test_generate_until_is_lm_greedy_decoding_cut_at_the_stop(tokenizer, tmp_path):
+    from types import SimpleNamespace
+
+    from lm import generate
+    from lm.harness import HarnessModel
+
+    ckpt, model = checkpoint(tmp_path, tokenizer, [SlidingSpec(window=8), LinearSpec(chunk_size=8)])
+    harness = HarnessModel(str(ckpt))
+    context = "def forward(self, x):\n"
+    ids = tokenizer.encode(context).ids
+    full = tokenizer.decode(generate(model, [ids], 20)[0][len(ids):])
+    stop = full[5:7]  # a stop string that occurs in the greedy continuation
+    request = SimpleNamespace(args=(context, {"until": [stop], "max_gen_toks": 20}))
+    assert harness.generate_until([request]) == [full[:full.index(stop)]]
