@@ -23,7 +23,8 @@ train: install ## train the default model (tiny MHA) on the standard-library cor
 test: install ## the test suite, without tests marked slow
 	$(PY) -m pytest -m "not slow" -q
 
-test-all: install ## every test, slow ones included
+test-all: install ## every test, slow ones included (installs llama-cpp-python, which compiles llama.cpp)
+	$(PY) -m pip install -q -c constraints.txt -e '.[llama]'
 	$(PY) -m pytest -q
 
 lint: install ## ruff

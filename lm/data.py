@@ -136,7 +136,7 @@ def build_corpus(data_cfg) -> Corpus:
         return hf_corpus(data_cfg.get("name"), data_cfg.get("config_name"), data_cfg.get("split", "train"),
                          data_cfg.get("text_field", "text"), bool(data_cfg.get("streaming", False)),
                          data_cfg.get("data_files"), data_cfg.get("max_docs"))
-    raise DataError(f"data.source={source!r} is not one of 'pystdlib', 'text', 'hf'")
+    raise DataError(f"data.source={source!r} is not one of 'pystdlib', 'text', 'hf', 'mqar'")
 
 
 # ------------------------------------------------------------------ split and tokenizer
@@ -329,7 +329,38 @@ class EpochShuffle(torch.utils.data.Sampler):
         return self.batches_per_epoch * self.batch_size - self._skip()
 
 
-class TokenDataModule(L.LightningDataModule):
+class ShuffledDataModule(L.LightningDataModule):
+    """Loaders over `train_set` and `val_set` (set by a subclass's setup): the training order is
+    EpochShuffle's, so a resumed run continues at the batch it stopped at, and validation is
+    split across ranks without overlap."""
+
+    batch_size: int
+    seed: int
+    num_workers: int
+    is_text = True  # False: examples are not text, and no text sample is printed after training
+
+    def _rank_and_world(self) -> tuple[int, int]:
+        trainer = getattr(self, "trainer", None)
+        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+
+    def train_dataloader(self) -> DataLoader:
+        # Resuming: Lightning restores the step count before asking for the dataloader, so the
+        # shuffle starts at the global batch the checkpointed run had reached.
+        trainer = getattr(self, "trainer", None)
+        start_batch = trainer.global_step * trainer.accumulate_grad_batches if trainer is not None else 0
+        rank, world = self._rank_and_world()
+        sampler = EpochShuffle(len(self.train_set), self.seed, self.batch_size, start_batch, rank, world)
+        return DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler, drop_last=True,
+                          num_workers=self.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        rank, world = self._rank_and_world()
+        shard = list(range(rank, len(self.val_set), world))  # each rank a disjoint share; losses are summed
+        return DataLoader(torch.utils.data.Subset(self.val_set, shard), batch_size=self.batch_size, shuffle=False,
+                          num_workers=self.num_workers)
+
+
+class TokenDataModule(ShuffledDataModule):
     def __init__(self, corpus: Corpus, cache_dir: Path, seq_len: int, batch_size: int, vocab_size: int,
                  val_fraction: float = 0.05, seed: int = 0, num_workers: int = 0, tokenizer_json: str | None = None):
         super().__init__()
@@ -365,22 +396,11 @@ class TokenDataModule(L.LightningDataModule):
             raise DataError(f"data.batch_size={self.batch_size} is larger than the {len(self.train_set)} "
                             f"training sequences of the corpus")
 
-    def _rank_and_world(self) -> tuple[int, int]:
-        trainer = getattr(self, "trainer", None)
-        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
 
-    def train_dataloader(self) -> DataLoader:
-        # Resuming: Lightning restores the step count before asking for the dataloader, so the
-        # shuffle starts at the global batch the checkpointed run had reached.
-        trainer = getattr(self, "trainer", None)
-        start_batch = trainer.global_step * trainer.accumulate_grad_batches if trainer is not None else 0
-        rank, world = self._rank_and_world()
-        sampler = EpochShuffle(len(self.train_set), self.seed, self.batch_size, start_batch, rank, world)
-        return DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler, drop_last=True,
-                          num_workers=self.num_workers)
+def make_data_module(data_cfg, seq_len: int, seed: int = 0, tokenizer_json: str | None = None) -> ShuffledDataModule:
+    """The data module a `data` config group names: a corpus of text, or generated recall examples."""
+    if data_cfg.get("source") == "mqar":
+        from lm.mqar import RecallDataModule
 
-    def val_dataloader(self) -> DataLoader:
-        rank, world = self._rank_and_world()
-        shard = list(range(rank, len(self.val_set), world))  # each rank a disjoint share; losses are summed
-        return DataLoader(torch.utils.data.Subset(self.val_set, shard), batch_size=self.batch_size, shuffle=False,
-                          num_workers=self.num_workers)
+        return RecallDataModule.from_config(data_cfg, seq_len)
+    return TokenDataModule.from_config(data_cfg, seq_len, seed, tokenizer_json)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from lm.checkpoint import FORMAT_VERSION, write_atomically
 from lm.errors import TrainingError
 from lm.model import Transformer
+from lm.mqar import IGNORE
 
 
 @dataclass
@@ -30,11 +31,30 @@ class OptimConfig:
     fused: bool = True
 
 
-def next_token_loss(forward, batch: torch.Tensor, reduction: str = "mean") -> tuple[torch.Tensor, int]:
-    """Cross-entropy of predicting batch[:, 1:] from batch[:, :-1], and the number of targets."""
-    inputs, targets = batch[:, :-1], batch[:, 1:]  # (B, T) each
-    logits = forward(inputs)  # (B, T, V)
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction=reduction), targets.numel()
+def inputs_and_targets(batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of text windows (B, T + 1) predicts batch[:, 1:] from batch[:, :-1]; a batch that is
+    already a pair (inputs, targets), each (B, T), marks the positions not scored with IGNORE."""
+    if isinstance(batch, (tuple, list)):
+        return batch[0], batch[1]
+    return batch[:, :-1], batch[:, 1:]
+
+
+def next_token_loss(forward, batch, reduction: str = "mean") -> tuple[torch.Tensor, int]:
+    """Cross-entropy of the batch's targets, and the number of targets scored."""
+    loss, n, _ = scored_batch(forward, batch, reduction, accuracy=False)
+    return loss, n
+
+
+def scored_batch(forward, batch, reduction: str = "sum", accuracy: bool = True):
+    """(cross-entropy, targets scored, targets the arg-max predicts right or None)."""
+    inputs, targets = inputs_and_targets(batch)  # (B, T) each
+    logits = forward(inputs).flatten(0, 1)  # (B*T, V)
+    targets = targets.flatten()  # (B*T,)
+    loss = F.cross_entropy(logits.float(), targets, reduction=reduction, ignore_index=IGNORE)
+    # A text batch scores every target; counting a recall batch's answers syncs, but only there.
+    n = targets.numel() if isinstance(batch, torch.Tensor) else int((targets != IGNORE).sum())
+    correct = (logits.argmax(-1) == targets).sum() if accuracy else None  # IGNORE never equals an id
+    return loss, n, correct
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
@@ -67,7 +87,10 @@ class LitLM(L.LightningModule):
         self.skip_nonfinite = skip_nonfinite
         self.skipped_steps = 0
         self.skipped_in_a_row = 0
-        self.val_history: list[tuple[int, float]] = []  # (optimizer step, val loss) of every validation
+        # (optimizer step, val loss, val accuracy, training seconds so far) of every validation
+        self.val_history: list[tuple[int, float, float, float]] = []
+        self.train_seconds = 0.0  # time in training steps, validation excluded (this process, not resumed ones)
+        self.train_tokens = 0
         # The compiled callable is kept out of the module tree so checkpoints hold the
         # plain model's parameter names, loadable with or without compile.
         self._forward = torch.compile(model) if compile else model
@@ -102,7 +125,10 @@ class LitLM(L.LightningModule):
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
         seconds = time.perf_counter() - self._batch_start
-        tokens = (batch.shape[1] - 1) * batch.shape[0] * self.trainer.world_size
+        inputs, _ = inputs_and_targets(batch)
+        tokens = inputs.numel() * self.trainer.world_size
+        self.train_seconds += seconds
+        self.train_tokens += tokens
         self.log("train/tokens_per_s", tokens / seconds, prog_bar=True)
 
     def on_before_optimizer_step(self, optimizer) -> None:
@@ -111,20 +137,22 @@ class LitLM(L.LightningModule):
         self.log("train/grad_norm", torch.nn.utils.get_total_norm(grads))
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
-        loss, n = self.loss(batch)
-        self._val_sums.append(torch.stack([loss.detach() * n, torch.tensor(float(n), device=loss.device)]))
+        loss_sum, n, correct = scored_batch(self._forward, batch)
+        self._val_sums.append(torch.stack([loss_sum.detach(), torch.tensor(float(n), device=loss_sum.device),
+                                           correct.float()]))
 
     def on_validation_epoch_end(self) -> None:
-        total_loss, total_tokens = torch.stack(self._val_sums).sum(0)
+        sums = torch.stack(self._val_sums).sum(0)  # (3,): loss, targets, correct
         self._val_sums.clear()
-        total_loss = self.trainer.strategy.reduce(total_loss, reduce_op="sum")
-        total_tokens = self.trainer.strategy.reduce(total_tokens, reduce_op="sum")
+        total_loss, total_tokens, total_correct = self.trainer.strategy.reduce(sums, reduce_op="sum")
         val_loss = total_loss / total_tokens  # token-weighted, exact over the whole val set
+        accuracy = total_correct / total_tokens  # arg-max next token (recall data: the answers)
         # Already summed over ranks above; sync_dist only tells Lightning the value is global.
         self.log("val/loss", val_loss, prog_bar=True, sync_dist=True)
         self.log("val/ppl", val_loss.exp(), sync_dist=True)
+        self.log("val/accuracy", accuracy, sync_dist=True)
         self.last_val_step = self.global_step
-        self.val_history.append((self.global_step, float(val_loss)))
+        self.val_history.append((self.global_step, float(val_loss), float(accuracy), self.train_seconds))
 
     def configure_optimizers(self):
         # Decay matmul weights only; norms and embeddings are not decayed (a tied head is the

@@ -156,7 +156,7 @@ def plot_histories(records: list[dict], teacher_loss: float, path: Path) -> None
         for r in records[1:]:
             if r["kv_heads"] != kv_heads or not r["history"]:
                 continue
-            steps, losses = zip(*r["history"], strict=True)
+            steps, losses = [h[0] for h in r["history"]], [h[1] for h in r["history"]]
             style = "-" if r["fraction"] == max(x["fraction"] for x in records[1:]) else "--"
             ax.plot(steps, losses, style, marker="o", markersize=3, color=colours.get(r["init"], "black"),
                     label=f"{r['init']}, alpha={r['fraction']}")

@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from lm.attention import layer_specs
 from lm.checkpoint import read_checkpoint, stored_model_config
 from lm.config import ConfigError, ModelConfig
-from lm.data import TokenDataModule
+from lm.data import make_data_module
 from lm.generation import generate
 from lm.lit import AtomicCheckpointIO, LitLM, OptimConfig
 from lm.model import Transformer
@@ -149,7 +149,7 @@ def train(cfg: DictConfig, model_config: ModelConfig | None = None, init_state: 
     run_dir = resolve_path(cfg.checkpoint_dir) / cfg.run_name
     ckpt_path, resumed = resume_path(cfg, run_dir)
 
-    data = TokenDataModule.from_config(cfg.data, cfg.model.max_seq_len, cfg.seed, tokenizer_json)
+    data = make_data_module(cfg.data, cfg.model.max_seq_len, cfg.seed, tokenizer_json)
     data.prepare_data()
     data.setup("fit")
     model = Transformer(model_config or model_config_from(cfg, data.tokenizer.get_vocab_size()))
@@ -207,12 +207,16 @@ def train(cfg: DictConfig, model_config: ModelConfig | None = None, init_state: 
         trainer.validate(lit, datamodule=data, verbose=False)
         trainer.save_checkpoint(run_dir / "last.ckpt")
     val_loss = float(trainer.callback_metrics["val/loss"])
-    result = {"val_loss": val_loss, "run_dir": str(run_dir), "last": str(run_dir / "last.ckpt"),
-              "best": best.best_model_path, "steps": trainer.global_step, "val_history": lit.val_history}
+    val_accuracy = float(trainer.callback_metrics["val/accuracy"])
+    result = {"val_loss": val_loss, "val_accuracy": val_accuracy, "run_dir": str(run_dir),
+              "last": str(run_dir / "last.ckpt"), "best": best.best_model_path, "steps": trainer.global_step,
+              "val_history": lit.val_history, "train_seconds": lit.train_seconds,
+              "train_tokens_per_s": lit.train_tokens / lit.train_seconds if lit.train_seconds else None}
     if trainer.is_global_zero:
         ppl = torch.tensor(val_loss).exp()
-        print(f"final val loss {val_loss:.4f} (ppl {ppl:.1f}) after {trainer.global_step} steps")
-        if cfg.sample.max_new_tokens > 0:
+        print(f"final val loss {val_loss:.4f} (ppl {ppl:.1f}), accuracy {val_accuracy:.4f}, "
+              f"after {trainer.global_step} steps")
+        if cfg.sample.max_new_tokens > 0 and data.is_text:
             result["sample"] = sample_text(model, data.tokenizer, cfg.sample)
             print(f"sample:\n{result['sample']}")
     if isinstance(trainer.logger, L.pytorch.loggers.WandbLogger):

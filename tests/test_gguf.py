@@ -54,6 +54,21 @@ def test_gguf_loads_in_transformers_with_our_logits(variant, dtype, tokenizer, t
         assert generate(model, prompt, 16)[0] == their_tokens
 
 
+def test_a_trained_checkpoint_runs_with_our_greedy_tokens(tmp_path, small_corpus):
+    from conftest import train_small_run
+    from lm import load
+
+    # The default training config (train.yaml, as `make train` runs it), shrunk to test size.
+    model, tokenizer = load(train_small_run(tmp_path, small_corpus, "trainer.max_steps=20", "optim.warmup_steps=5"))
+    export_gguf(model, tokenizer, tmp_path / "model.gguf")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="model.gguf").eval()
+    prompt = torch.tensor([tokenizer.encode("def main(argv):\n    ").ids])
+    new = model.config.max_seq_len - prompt.shape[1]
+    with torch.no_grad():
+        their_tokens = theirs.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False)[0].tolist()
+    assert generate(model, prompt, new)[0] == their_tokens
+
+
 def test_gguf_tokenizer_encodes_as_ours(tokenizer, tmp_path):
     export_gguf(native("mha-tied"), tokenizer, tmp_path / "model.gguf")
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="model.gguf")

@@ -1,0 +1,21 @@
+"""Which attention should I use? Train every kind on recall and language modelling and measure it:
+python scripts/compare.py [preset=quick] [kinds=[mha,linear]] [data=text data.paths=[...]]"""
+
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from lm.cli import exit_on_user_error
+
+
+@hydra.main(config_path="../conf", config_name="compare", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    with exit_on_user_error():
+        from lm.compare import run_study
+
+        run_study(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
