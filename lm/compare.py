@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import platform
 import time
 from dataclasses import dataclass
@@ -115,18 +114,27 @@ def _entry(base: str, options: dict, configs: list[str], name: str | None = None
                       f"nor a registered kind ({', '.join(available_kinds())})")
 
 
-def training_config(entry: Entry, task_overrides: list[str], values: dict) -> DictConfig:
-    """conf/train.yaml with this entry's attention and the study's settings."""
+def training_config(entry: Entry, task_overrides: list[str], values: dict, data: dict | None = None) -> DictConfig:
+    """conf/train.yaml with this entry's attention and the study's settings (`data` replaces the
+    data group whole)."""
     attn = f"attn={entry.attn}" if entry.attn else "attn=mha"
     cfg = compose(config_name="train", overrides=[attn, "logger=none", *task_overrides])
     if entry.attn is None:  # a registered kind without a YAML: its spec's defaults, every head its own K/V
         cfg.attn = OmegaConf.create({"name": entry.kind, "kind": entry.kind, "n_kv_head": None})
-    cfg = OmegaConf.merge(cfg, values, {"attn": entry.options})
-    return cfg
+    if data is not None:
+        cfg.data = OmegaConf.create(data)
+    return OmegaConf.merge(cfg, values, {"attn": entry.options})
 
 
 def plan(cfg: DictConfig) -> list[Arm]:
     """Every arm of the study, each checked before any training starts."""
+    if cfg.data.get("source") == "mqar":
+        raise ConfigError("data=mqar: the study's `data` is the language-modelling corpus (pystdlib, text or hf); "
+                          "the recall runs are set under mqar.*")
+    for context in cfg.speed.contexts:
+        if not isinstance(context, int) or context <= cfg.speed.new_tokens:
+            raise ConfigError(f"speed.contexts entry {context!r} must be an integer above "
+                              f"speed.new_tokens={cfg.speed.new_tokens}")
     entries = study_entries(cfg)
     out = resolve_path(cfg.out)
     m, lm = cfg.mqar, cfg.lm
@@ -150,7 +158,7 @@ def plan(cfg: DictConfig) -> list[Arm]:
                   "optim": {"lr": lm.lr, "warmup_steps": lm.warmup_steps},
                   "trainer": _trainer(lm.steps, lm.val_every, lm.val_batches)}
         data = OmegaConf.to_container(cfg.data, resolve=True)
-        arms.append(Arm("lm", entry, None, None, training_config(entry, [], OmegaConf.merge({"data": data}, values))))
+        arms.append(Arm("lm", entry, None, None, training_config(entry, [], values, data)))
     for arm in arms:
         arm.cfg.run_name = arm.name
         check_arm(arm)
@@ -299,7 +307,3 @@ def write_outputs(out: Path, results: dict) -> None:
     print(table)
     print(f"study took {results['seconds'] / 60:.1f} min; wrote results.json, results.md, mqar_accuracy.png, "
           f"lm_loss.png under {out}")
-
-
-def geometric_mean(values: list[float]) -> float:
-    return math.exp(sum(map(math.log, values)) / len(values))

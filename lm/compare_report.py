@@ -49,7 +49,8 @@ def markdown(results: dict) -> str:
         lines += ["### Language modelling, speed and memory", "",
                   f"{model['n_layer']} layers, d_model {model['d_model']}, {model['n_head']} heads, "
                   f"d_ff {model['d_ff']}, context {model['max_seq_len']}; {s['steps']} steps of {s['batch_size']} "
-                  f"sequences, lr {s['lr']}. Loss and bits per byte over the whole validation split. Decoding: batch 1, "
+                  f"sequences, lr {s['lr']}. Loss and bits per byte over the whole validation split. "
+                  f"Decoding: batch 1, "
                   f"greedy, the last {settings['speed']['new_tokens']} tokens of each context, on a freshly "
                   f"initialised model of the same shape; cache bytes once the whole context is in.", "",
                   "| kind | parameters | val loss | bits/byte | train tokens/s | "
@@ -66,6 +67,13 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
+MARKERS = "os^Dv<>PX*h"  # with the ten default colours: eleven or more kinds stay distinguishable
+
+
+def _style(i: int) -> dict:
+    return {"marker": MARKERS[i % len(MARKERS)], "color": f"C{i % 10}"}
+
+
 def _pyplot():
     import matplotlib
 
@@ -76,23 +84,29 @@ def _pyplot():
 
 
 def plot_mqar(records: list[dict], path: Path) -> None:
-    """Accuracy against the number of pairs, one panel per width, one line per kind."""
+    """Accuracy against whichever of width and pairs the grid varies more (log2 axis), one panel
+    per value of the other, one line per kind."""
     mqar = _by_kind(records, "mqar")
     if not mqar:
         return
     plt = _pyplot()
-    widths = sorted({r["width"] for rs in mqar.values() for r in rs})
-    fig, axes = plt.subplots(1, len(widths), figsize=(5 * len(widths), 4.2), sharey=True, squeeze=False)
-    for ax, width in zip(axes[0], widths, strict=True):
-        for kind, rs in mqar.items():
-            points = sorted((r["pairs"], r["val_accuracy"]) for r in rs if r["width"] == width)
-            ax.plot(*zip(*points, strict=True), marker="o", label=kind)
+    every = [r for rs in mqar.values() for r in rs]
+    widths, pairs = sorted({r["width"] for r in every}), sorted({r["pairs"] for r in every})
+    x_key, panel_key = ("pairs", "width") if len(pairs) >= len(widths) else ("width", "pairs")
+    panels = pairs if panel_key == "pairs" else widths
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), sharey=True, squeeze=False)
+    for ax, panel in zip(axes[0], panels, strict=True):
+        for i, (kind, rs) in enumerate(mqar.items()):
+            points = sorted((r[x_key], r["val_accuracy"]) for r in rs if r[panel_key] == panel)
+            if points:
+                ax.plot(*zip(*points, strict=True), label=kind, **_style(i))
         ax.set_xscale("log", base=2)
-        ax.set_title(f"model width {width}")
-        ax.set_xlabel("key-value pairs")
+        ax.set_xticks(pairs if x_key == "pairs" else widths, [str(v) for v in (pairs if x_key == "pairs" else widths)])
+        ax.set_title(f"{'model width' if panel_key == 'width' else 'key-value pairs'} {panel}")
+        ax.set_xlabel("key-value pairs" if x_key == "pairs" else "model width (d_model)")
         ax.set_ylim(-0.02, 1.02)
         ax.grid(True, alpha=0.3)
-    axes[0][0].set_ylabel("MQAR accuracy (held out)")
+    axes[0][0].set_ylabel("MQAR accuracy (held-out answers)")
     axes[0][-1].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -106,10 +120,10 @@ def plot_lm_loss(records: list[dict], path: Path) -> None:
         return
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for kind, (r, *_) in lm.items():
+    for i, (kind, (r, *_)) in enumerate(lm.items()):
         seconds = [h[3] for h in r["history"]]
         losses = [h[1] for h in r["history"]]
-        ax.plot(seconds, losses, marker="o", markersize=3, label=kind)
+        ax.plot(seconds, losses, markersize=3, label=kind, **_style(i))
     ax.set_xlabel("training wall-clock (s, validation excluded)")
     ax.set_ylabel("validation loss")
     ax.grid(True, alpha=0.3)

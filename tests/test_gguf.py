@@ -56,6 +56,7 @@ def test_gguf_loads_in_transformers_with_our_logits(variant, dtype, tokenizer, t
 
 def test_a_trained_checkpoint_runs_with_our_greedy_tokens(tmp_path, small_corpus):
     from conftest import train_small_run
+
     from lm import load
 
     # The default training config (train.yaml, as `make train` runs it), shrunk to test size.

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import train_small_run
+
 from lm import generate, load
 from lm.gguf_export import export_gguf
 

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 import torch
+from conftest import compose_config
 from omegaconf import open_dict
 
-from conftest import compose_config
 from lm import load
 from lm.errors import DataError
 from lm.lit import next_token_loss, scored_batch
