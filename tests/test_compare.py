@@ -84,7 +84,7 @@ def test_an_unknown_kind_is_one_line_before_any_work(tmp_path):
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (["mqar.pairs=[4,20]"], "data.pairs=20 is more than the 15 distinct keys"),
-    (["mqar.pairs=[4,16]", "mqar.seq_len=32"], "data.pairs=16 does not fit data.seq_len=32"),
+    (["mqar.pairs=[4,16]", "mqar.seq_len=32", "mqar.vocab_size=256"], "data.pairs=16 does not fit data.seq_len=32"),
     (["mqar.widths=[30]"], "d_model=30"),
     (["kinds=[mha,mha]"], "kinds names \\['mha'\\] more than once"),
     (["extra_kinds=[{name: x, attn: linear, feature_map: cosine}]"], "cosine"),
