@@ -14,11 +14,13 @@ def _by_kind(records: list[dict], task: str) -> dict[str, list[dict]]:
 
 
 def _si_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    if n < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
         n /= 1024
-    return ""
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}"
+    raise AssertionError("unreachable")
 
 
 def markdown(results: dict) -> str:
