@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from omegaconf.errors import OmegaConfBaseException
 
 from lm.errors import USER_ERRORS
+from lm.interrupt import RunInterrupted
 
 
 @contextmanager
@@ -19,6 +20,9 @@ def exit_on_user_error():
     except USER_ERRORS as e:
         sys.stderr.write(f"error: {e}\n")
         raise SystemExit(2) from None
+    except RunInterrupted as e:
+        sys.stderr.write(f"{e}\n")
+        raise SystemExit(e.exit_code) from None
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None)
         message = str(e).strip().splitlines()[0]

@@ -33,10 +33,11 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
 from lm.attention import available_kinds
-from lm.checkpoint import load, write_atomically
+from lm.checkpoint import load
 from lm.config import ConfigError
 from lm.data import build_corpus
 from lm.evaluate import score, split_documents, token_stream
+from lm.files import write_atomically
 from lm.generation import stream
 from lm.model import Transformer
 from lm.mqar import RecallTask

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
 from lm.errors import DataError
+from lm.files import remove_stale_temporaries
 from lm.paths import resolve_path
 from lm.tokenizer import EOT, train_tokenizer
 
@@ -167,6 +168,31 @@ class TokenCache:
     def tokens(self, split: str) -> np.ndarray:
         return np.memmap(self.path / f"{split}.bin", dtype=self.meta["dtype"], mode="r")
 
+    def damage(self) -> str | None:
+        """What is wrong with the folder's files (None when nothing): every file must have the
+        size and checksum meta.json recorded, so a truncated or overwritten cache is never read."""
+        try:
+            recorded = self.meta["files"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return "meta.json is unreadable or from an older cache format"
+        for name, (size, checksum) in recorded.items():
+            path = self.path / name
+            if not path.is_file():
+                return f"{name} is missing"
+            if path.stat().st_size != size:
+                return f"{name} has {path.stat().st_size} bytes, not {size}"
+            if file_checksum(path) != checksum:
+                return f"{name} does not match its checksum"
+        return None
+
+
+def file_checksum(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
 
 def cache_key(corpus: Corpus, vocab_size: int, val_fraction: float, tokenizer_json: str | None = None) -> str:
     return _digest([CACHE_FORMAT, corpus.fingerprint, vocab_size, val_fraction, tokenizer_json])[:16]
@@ -182,12 +208,16 @@ def build_token_cache(corpus: Corpus, cache_dir: Path, vocab_size: int, val_frac
     """
     safe_name = corpus.name.replace("/", "_").replace(":", "_")
     final = cache_dir / f"{safe_name}-{cache_key(corpus, vocab_size, val_fraction, tokenizer_json)}"
+    remove_stale_temporaries(cache_dir)
     if (final / "meta.json").exists():
-        return TokenCache(final)
+        damage = TokenCache(final).damage()
+        if damage is None:
+            return TokenCache(final)
+        print(f"note: token cache {final} is damaged ({damage}); rebuilding it")
     tmp = final.with_name(final.name + f".tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
         n_train_docs = 0
 
         def train_texts() -> Iterator[str]:
@@ -216,11 +246,15 @@ def build_token_cache(corpus: Corpus, cache_dir: Path, vocab_size: int, val_frac
             counts = _move_tail_to_val(tmp, dtype, min_val_tokens, val_fraction)
         meta = {"corpus": corpus.name, "fingerprint": corpus.fingerprint, "vocab_size": tokenizer.get_vocab_size(),
                 "val_fraction": val_fraction, "dtype": np.dtype(dtype).name,
-                **{f"{split}_tokens": n for split, n in counts.items()}}
+                **{f"{split}_tokens": n for split, n in counts.items()},
+                "files": {name: [(tmp / name).stat().st_size, file_checksum(tmp / name)]
+                          for name in ("tokenizer.json", "train.bin", "val.bin")}}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-        if final.exists():  # a stale, unfinished folder from an older run
+        if final.exists():  # an unfinished or damaged folder from an older run
             shutil.rmtree(final)
         os.replace(tmp, final)
+    except OSError as e:
+        raise DataError(f"could not write the token cache in {str(cache_dir)!r}: {e.strerror or e}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return TokenCache(final)

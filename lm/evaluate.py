@@ -105,8 +105,9 @@ def evaluate(cfg) -> dict:
     """What scripts/eval.py runs: load, score, print one line, write the JSON record."""
     import json
 
-    from lm.checkpoint import load, write_atomically
+    from lm.checkpoint import load
     from lm.data import build_corpus
+    from lm.files import write_atomically
     from lm.paths import resolve_path
 
     if cfg.split not in SPLITS:

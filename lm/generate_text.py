@@ -3,9 +3,11 @@ and streams the text to stdout; settings are checked before anything is loaded."
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import TextIO
 
+import torch
 from omegaconf import DictConfig
 
 from lm.checkpoint import load
@@ -27,7 +29,36 @@ def read_prompts(cfg: DictConfig) -> list[str]:
         prompts = [line for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
     if not prompts or not all(prompts):
         raise GenerationError("the prompt is empty: give some text to continue")
+    for prompt in prompts:
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:  # bytes the shell could not decode arrive as lone surrogates
+            raise GenerationError("the prompt is not valid UTF-8 text") from None
     return prompts
+
+
+ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+def read_stop_strings(stop) -> list[str]:
+    """The stop strings as the user meant them: `stop=["\\n\\n"]` reaches us as backslash, n
+    (Hydra keeps escapes literal), so \\n, \\t, \\r and \\\\ are read as the characters they name."""
+    strings = [re.sub(r"\\([ntr\\])", lambda m: ESCAPES[m.group(1)], str(s)) for s in stop or []]
+    if any(not s for s in strings):
+        raise GenerationError("stop=[...] holds an empty string, which would stop before the first token")
+    return strings
+
+
+def check_run_settings(cfg: DictConfig) -> None:
+    """Seed and device, checked before the model is loaded."""
+    seed = cfg.seed
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+        raise GenerationError(f"seed={seed!r} must be null or an integer from 0 to 2**63-1")
+    device = str(cfg.device)
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise GenerationError(f"device={device!r}: this torch has no CUDA device; use device=cpu")
+    if device.split(":")[0] not in ("cpu", "cuda", "mps"):
+        raise GenerationError(f"device={device!r} is not cpu, cuda or mps")
 
 
 def cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
@@ -42,7 +73,8 @@ def generate_text(cfg: DictConfig, out: TextIO | None = None, err: TextIO | None
     out, err = out or sys.stdout, err or sys.stderr
     sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p, cfg.repetition_penalty)
     prompts = read_prompts(cfg)
-    stop = [str(s) for s in cfg.stop or []]
+    stop = read_stop_strings(cfg.stop)
+    check_run_settings(cfg)
     model, tokenizer = load(resolve_path(cfg.ckpt), device=cfg.device)
     ids = [tokenizer.encode(p).ids for p in prompts]
     run = Generation(model, ids, cfg.max_new_tokens, sampling, stop=stop, tokenizer=tokenizer,

@@ -9,6 +9,7 @@ Shapes: B batch, T tokens, V vocab size.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -31,15 +32,17 @@ class Sampling:
     repetition_penalty: float | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise GenerationError(f"temperature={self.temperature!r} must be >= 0")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not 0 <= self.temperature < math.inf:
+            raise GenerationError(f"temperature={self.temperature!r} must be a finite number >= 0")
         if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
             raise GenerationError(f"top_k={self.top_k!r} must be an integer >= 1")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
+        if self.top_p is not None and (not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1):
             raise GenerationError(f"top_p={self.top_p!r} must be in (0, 1]")
-        if self.min_p is not None and not 0 <= self.min_p <= 1:
+        if self.min_p is not None and (not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1):
             raise GenerationError(f"min_p={self.min_p!r} must be in [0, 1]")
-        if self.repetition_penalty is not None and not self.repetition_penalty > 0:
+        if self.repetition_penalty is not None and (not isinstance(self.repetition_penalty, (int, float))
+                                                    or not 0 < self.repetition_penalty < math.inf):
             raise GenerationError(f"repetition_penalty={self.repetition_penalty!r} must be > 0")
 
     def pick(self, logits: torch.Tensor, seen: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -21,8 +21,8 @@ import torch
 from tokenizers import Tokenizer
 
 from lm.attention import SoftmaxSpec
-from lm.checkpoint import write_atomically
 from lm.errors import ConfigError
+from lm.files import write_atomically
 from lm.model import Transformer
 from lm.tokenizer import EOT
 from lm.weights import to_hf_state_dict

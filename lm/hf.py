@@ -89,10 +89,38 @@ def is_hf_folder(path: str | Path) -> bool:
     return Path(path).is_dir() and (Path(path) / "config.json").is_file()
 
 
-def config_from_hf(values: dict, folder: Path) -> ModelConfig:
+def read_json_object(path: Path) -> dict:
+    """A JSON file that must hold one object (a config), as a dict; anything else is one line."""
+    try:
+        values = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{str(path)!r} is not readable JSON ({' '.join(str(e).split())[:100]})") from None
+    if not isinstance(values, dict):
+        raise CheckpointError(f"{str(path)!r} holds a JSON {type(values).__name__}, not an object")
+    return values
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise CheckpointError(f"{str(path)!r} does not exist")
+    try:
+        return load_file(str(path))
+    except Exception as e:  # safetensors raises its own SafetensorError and others for damaged files
+        raise CheckpointError(f"{str(path)!r} is not a readable safetensors file "
+                              f"({' '.join(str(e).split())[:120]})") from None
+
+
+def check_model_type(values: dict, folder: Path) -> str:
     kind = values.get("model_type")
     if kind not in ("llama", "mistral"):
         raise CheckpointError(f"{str(folder)!r} holds model_type={kind!r}; import reads llama and mistral")
+    return kind
+
+
+def config_from_hf(values: dict, folder: Path) -> ModelConfig:
+    kind = check_model_type(values, folder)
     unsupported = [name for name in ("attention_bias", "mlp_bias") if values.get(name)]
     if values.get("hidden_act", "silu") != "silu":
         unsupported.append(f"hidden_act={values['hidden_act']}")
@@ -106,44 +134,65 @@ def config_from_hf(values: dict, folder: Path) -> ModelConfig:
     missing = [key for key in required if values.get(key) is None]
     if missing:
         raise CheckpointError(f"{str(folder)!r}: config.json lacks {', '.join(missing)}")
+    for key in ("hidden_size", "num_attention_heads"):
+        if isinstance(values[key], bool) or not isinstance(values[key], int) or values[key] < 1:
+            raise CheckpointError(f"{str(folder)!r} has {key}={values[key]!r}; it must be a positive integer")
     if values.get("head_dim") not in (None, values["hidden_size"] // values["num_attention_heads"]):
         raise CheckpointError(f"{str(folder)!r} has head_dim={values['head_dim']} != hidden_size / heads")
     fields = {ours: values[theirs] for ours, theirs in CONFIG_KEYS.items() if values.get(theirs) is not None}
     fields["rope_theta"] = float(rope.get("rope_theta", values.get("rope_theta", 10000.0)))
     fields["tie_embeddings"] = bool(values.get("tie_word_embeddings", False))
     window = values.get("sliding_window") if kind == "mistral" else None
-    return ModelConfig(**fields, attention=SlidingSpec(window=window) if window else SoftmaxSpec())
+    try:
+        return ModelConfig(**fields, attention=SlidingSpec(window=window) if window else SoftmaxSpec())
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{str(folder)!r} has an unusable config.json: {e}") from None
 
 
 def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     index = folder / "model.safetensors.index.json"
     if index.is_file():  # a sharded checkpoint
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(n, str) for n in weight_map.values()):
+            raise CheckpointError(f"{str(index)!r} has no weight_map of names to files")
+        files = sorted(set(weight_map.values()))
     else:
         files = ["model.safetensors"]
     weights = {}
     for name in files:
-        if not (folder / name).is_file():
+        path = folder / name
+        if not path.resolve().is_relative_to(folder.resolve()):
+            raise CheckpointError(f"{str(index)!r} names {name!r}, a file outside its folder")
+        if not path.is_file():
             raise CheckpointError(f"{str(folder)!r} has no {name} (only safetensors weights are read)")
-        weights.update(load_file(str(folder / name)))
+        weights.update(read_safetensors(path))
     return weights
 
 
 def load_hf(folder: str | Path, device: str | torch.device = "cpu",
             values: dict | None = None) -> tuple[Transformer, Tokenizer]:
     """(model in eval mode, tokenizer) from a local Llama or Mistral folder (`values`: its
-    config.json when the caller has read it already)."""
+    config.json when the caller has read it already). The config is checked against the
+    weights before anything is built from it."""
+    from lm.checkpoint import build_checked, check_size_against_weights, read_tokenizer
+
     folder = Path(folder)
-    config = config_from_hf(values or json.loads((folder / "config.json").read_text()), folder)
+    values = values or read_json_object(folder / "config.json")
+    check_model_type(values, folder)
     hf = read_hf_weights(folder)
+    check_size_against_weights(values, hf, f"{str(folder)!r}", layer_prefix="model.layers.",
+                               embedding="model.embed_tokens.weight",
+                               names=("num_hidden_layers", "vocab_size", "hidden_size"))
+    config = config_from_hf(values, folder)
     try:
         state = from_hf_state_dict(hf, config)
     except KeyError as e:
         raise CheckpointError(f"{str(folder)!r} lacks the weight {e.args[0]}") from None
-    model = Transformer(config)
-    model.load_state_dict(state)
+    except RuntimeError as e:  # a weight of the wrong size cannot be split or reshaped as the config says
+        raise CheckpointError(f"{str(folder)!r} has weights that disagree with config.json "
+                              f"({' '.join(str(e).split())[:120]})") from None
     if not (folder / "tokenizer.json").is_file():
         raise CheckpointError(f"{str(folder)!r} has no tokenizer.json (a fast tokenizer is needed)")
-    return model.to(device).eval(), Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer_text = (folder / "tokenizer.json").read_text(encoding="utf-8", errors="replace")
+    tokenizer = read_tokenizer(tokenizer_text, config.vocab_size, f"{str(folder)!r}")
+    return build_checked(config, state, f"{str(folder)!r}").to(device).eval(), tokenizer

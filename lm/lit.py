@@ -14,8 +14,9 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
-from lm.checkpoint import FORMAT_VERSION, write_atomically
+from lm.checkpoint import FORMAT_VERSION
 from lm.errors import TrainingError
+from lm.files import write_atomically
 from lm.model import Transformer
 from lm.mqar import IGNORE
 
@@ -76,7 +77,7 @@ class AtomicCheckpointIO(L.pytorch.plugins.TorchCheckpointIO):
 class LitLM(L.LightningModule):
     def __init__(self, model: Transformer, optim: OptimConfig, total_steps: int,
                  tokenizer_json: str | None = None, run_config: dict | None = None, compile: bool = False,
-                 provenance: dict | None = None, skip_nonfinite: bool = False):
+                 provenance: dict | None = None, skip_nonfinite: bool = False, corpus_fingerprint: str | None = None):
         super().__init__()
         self.model = model
         self.optim = optim
@@ -85,6 +86,7 @@ class LitLM(L.LightningModule):
         self.run_config = run_config or {}
         self.provenance = provenance or {}
         self.skip_nonfinite = skip_nonfinite
+        self.corpus_fingerprint = corpus_fingerprint
         self.skipped_steps = 0
         self.skipped_in_a_row = 0
         # (optimizer step, val loss, val accuracy, training seconds so far) of every validation
@@ -171,6 +173,21 @@ class LitLM(L.LightningModule):
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
+    def on_train_start(self) -> None:
+        """Apply this run's optimizer settings over the ones a resumed checkpoint restored: the
+        restored optimizer and schedule would go on with the old learning rate while the run's
+        config says the new one. (A fresh run sets the same values again; nothing changes.)"""
+        o = self.optim
+        optimizer, scheduler = self.optimizers().optimizer, self.lr_schedulers()
+        step = scheduler.last_epoch  # the schedule's position: optimizer steps taken so far
+        decay, _ = optimizer.param_groups  # configure_optimizers' order: decayed, then not decayed
+        decay["weight_decay"] = o.weight_decay
+        for group, multiplier in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+            group["betas"] = (o.beta1, o.beta2)
+            group["initial_lr"] = o.lr
+            group["lr"] = o.lr * multiplier(step)
+        scheduler.base_lrs = [o.lr] * len(optimizer.param_groups)
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if not all(torch.isfinite(p).all() for p in self.model.parameters()):
             # Refusing here aborts the save, so the previous checkpoint stays the last good one.
@@ -183,6 +200,7 @@ class LitLM(L.LightningModule):
             "tokenizer": self.tokenizer_json,
             "run_config": self.run_config,
             "provenance": self.provenance,
+            "corpus_fingerprint": self.corpus_fingerprint,
             "wandb_run_id": getattr(getattr(self.logger, "experiment", None), "id", None)
             if isinstance(self.logger, L.pytorch.loggers.WandbLogger) else None,
         }

@@ -6,19 +6,24 @@ validates once more at the end and prints a short sample from the trained model.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from lm.attention import layer_specs
-from lm.checkpoint import read_checkpoint, stored_model_config
+from lm.checkpoint import model_state_dict, read_checkpoint, stored_model_config
+from lm.checks import require_choice, require_int, require_positive
 from lm.config import ConfigError, ModelConfig
 from lm.data import make_data_module
+from lm.files import RunLock, remove_stale_temporaries, run_folder
 from lm.generation import generate
+from lm.interrupt import StopOnSignal
 from lm.lit import AtomicCheckpointIO, LitLM, OptimConfig
 from lm.model import Transformer
 from lm.paths import resolve_path
@@ -89,21 +94,59 @@ def resume_path(cfg: DictConfig, run_dir: Path) -> tuple[str | None, dict]:
             raise ConfigError(f"resume=true but run {cfg.run_name!r} has no checkpoint at {path}")
     if path is None:
         return None, {}
-    entry = read_checkpoint(path)["lm"]  # weights_only: refuses code, names corruption
-    saved = stored_model_config(entry).to_dict()
+    ckpt = read_checkpoint(path)  # weights_only: refuses code, names corruption
+    entry = ckpt["lm"]
+    saved = stored_model_config(entry, model_state_dict(ckpt), f"checkpoint {str(path)!r}").to_dict()
     requested = model_config_from(cfg, saved["vocab_size"]).to_dict() if not cfg.get("init_from") else saved
     differences = [f"{k}={saved.get(k)!r} (config: {v!r})" for k, v in requested.items() if saved.get(k) != v]
     if differences:
         raise ConfigError(f"checkpoint {str(path)!r} does not match the configured model: {', '.join(differences)}")
+    changed = changed_data_settings(entry.get("run_config") or {}, cfg)
+    if changed:
+        raise ConfigError(f"resume=true cannot change {', '.join(changed)}: the checkpoint was trained on other data "
+                          "settings; start afresh (resume=false or another run_name) to change them")
     return str(path), entry
 
 
-def check_trainer(cfg: DictConfig) -> None:
-    t = cfg.trainer
-    if not isinstance(t.max_steps, int) or t.max_steps < 1:
-        raise ConfigError(f"trainer.max_steps={t.max_steps!r} must be a positive integer")
-    if not isinstance(t.accumulate_grad_batches, int) or t.accumulate_grad_batches < 1:
-        raise ConfigError(f"trainer.accumulate_grad_batches={t.accumulate_grad_batches!r} must be a positive integer")
+# Data settings a resumed run may change: they decide neither which text nor which batches.
+DATA_SETTINGS_FREE_ON_RESUME = ("num_workers", "cache_dir")
+
+
+def changed_data_settings(stored_run_config: dict, cfg: DictConfig) -> list[str]:
+    """`data.<key> (checkpoint: a, now: b)` for each data setting that differs from the stored run's."""
+    stored = stored_run_config.get("data")
+    if not isinstance(stored, dict):
+        return []  # an uptrained or hand-made checkpoint records no data settings
+    now = OmegaConf.to_container(cfg.data, resolve=True)
+    keys = sorted((set(stored) | set(now)) - set(DATA_SETTINGS_FREE_ON_RESUME))
+    return [f"data.{k} (checkpoint: {stored.get(k)!r}, now: {now.get(k)!r})"
+            for k in keys if stored.get(k) != now.get(k)]
+
+
+PRECISIONS = ("auto", "32-true", "32", "16-mixed", "bf16-mixed", "bf16-true", "16-true", "64-true")
+
+
+def check_run_settings(cfg: DictConfig) -> None:
+    """Every number the run will use, checked before any data or model work starts."""
+    t, o, d = cfg.trainer, cfg.optim, cfg.data
+    for name in ("max_steps", "val_every_n_steps", "limit_val_batches", "accumulate_grad_batches",
+                 "log_every_n_steps", "progress_refresh_steps"):
+        require_int(f"trainer.{name}", t[name], minimum=1)
+    require_choice("trainer.precision", str(t.precision), PRECISIONS)
+    require_positive("optim.lr", o.lr)
+    require_int("optim.warmup_steps", o.warmup_steps, minimum=0)
+    for name in ("beta1", "beta2", "min_lr_ratio"):
+        value = o[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+            raise ConfigError(f"optim.{name}={value!r} must be a number from 0 to 1")
+    if isinstance(o.weight_decay, bool) or not isinstance(o.weight_decay, (int, float)) or not o.weight_decay >= 0:
+        raise ConfigError(f"optim.weight_decay={o.weight_decay!r} must be a number >= 0")
+    require_int("data.batch_size", d.batch_size)
+    if "num_workers" in d:
+        require_int("data.num_workers", d.num_workers, minimum=0)
+    every = (cfg.get("checkpoint") or {}).get("every_n_steps")
+    if every is not None:
+        require_int("checkpoint.every_n_steps", every)
 
 
 def weights_from(path: str) -> tuple[ModelConfig, dict, str]:
@@ -138,7 +181,7 @@ def train(cfg: DictConfig, model_config: ModelConfig | None = None, init_state: 
     Uptraining passes the converted `model_config` and its weights (`init_state`), the source
     run's tokenizer and the conversion's `provenance`; `validate_first` measures step 0.
     """
-    check_trainer(cfg)
+    check_run_settings(cfg)
     if cfg.get("init_from") and model_config is None:
         model_config, init_state, tokenizer_json = weights_from(cfg.init_from)
     # Validate the model settings before spending time on data; the tokenizer fixes the
@@ -146,12 +189,28 @@ def train(cfg: DictConfig, model_config: ModelConfig | None = None, init_state: 
     if model_config is None:
         model_config_from(cfg, cfg.data.vocab_size)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    run_dir = resolve_path(cfg.checkpoint_dir) / cfg.run_name
+    run_dir = run_folder(resolve_path(cfg.checkpoint_dir), cfg.run_name)
+    # Under DDP every rank runs train(); the first process on each machine holds the run's lock.
+    lock = RunLock(run_dir, cfg.run_name) if int(os.environ.get("LOCAL_RANK", 0)) == 0 else contextlib.nullcontext()
+    with lock:
+        remove_stale_temporaries(run_dir)
+        return _train_locked(cfg, run_dir, model_config, init_state, tokenizer_json, provenance, validate_first)
+
+
+def _train_locked(cfg: DictConfig, run_dir: Path, model_config: ModelConfig | None, init_state: dict | None,
+                  tokenizer_json: str | None, provenance: dict | None, validate_first: bool) -> dict:
     ckpt_path, resumed = resume_path(cfg, run_dir)
+    if resumed and tokenizer_json is None:
+        # A resumed run keeps the ids its weights were trained with, whatever the corpus is now.
+        tokenizer_json = resumed.get("tokenizer")
 
     data = make_data_module(cfg.data, cfg.model.max_seq_len, cfg.seed, tokenizer_json)
     data.prepare_data()
     data.setup("fit")
+    corpus_fingerprint = getattr(getattr(data, "corpus", None), "fingerprint", None)
+    if resumed.get("corpus_fingerprint") not in (None, corpus_fingerprint):
+        print("note: the corpus has changed since the checkpoint; the run continues on the new text "
+              "with the tokenizer it was trained with")
     model = Transformer(model_config or model_config_from(cfg, data.tokenizer.get_vocab_size()))
     if init_state is not None:
         model.load_state_dict(init_state)
@@ -164,7 +223,8 @@ def train(cfg: DictConfig, model_config: ModelConfig | None = None, init_state: 
     run_config = OmegaConf.to_container(cfg, resolve=True)
     lit = LitLM(model, OptimConfig(**cfg.optim), total_steps=cfg.trainer.max_steps,
                 tokenizer_json=data.tokenizer.to_str(), run_config=run_config, compile=cfg.compile,
-                provenance=provenance, skip_nonfinite=bool(cfg.trainer.get("skip_nonfinite", False)))
+                provenance=provenance, skip_nonfinite=bool(cfg.trainer.get("skip_nonfinite", False)),
+                corpus_fingerprint=corpus_fingerprint)
 
     precision = pick_precision(cfg.trainer)
     print(f"run {cfg.run_name}: {model.num_params() / 1e6:.2f}M parameters, n_head={model.config.n_head} "
@@ -178,7 +238,8 @@ def train(cfg: DictConfig, model_config: ModelConfig | None = None, init_state: 
     last = L.pytorch.callbacks.ModelCheckpoint(
         dirpath=run_dir, filename="last", monitor=None, save_top_k=1, enable_version_counter=False
     )
-    checkpoint_callbacks = [best, last]
+    stop = StopOnSignal(run_dir / "last.ckpt")
+    checkpoint_callbacks = [best, last, stop]
     every = (cfg.get("checkpoint") or {}).get("every_n_steps")
     if every:  # a third writer of last.ckpt: Lightning saves either per n steps or per validation, not both
         checkpoint_callbacks.append(L.pytorch.callbacks.ModelCheckpoint(
@@ -200,7 +261,13 @@ def train(cfg: DictConfig, model_config: ModelConfig | None = None, init_state: 
     )
     if validate_first:
         trainer.validate(lit, datamodule=data, verbose=False)
-    trainer.fit(lit, datamodule=data, ckpt_path=ckpt_path)
+    with stop:
+        try:
+            trainer.fit(lit, datamodule=data, ckpt_path=ckpt_path)
+        except SIGTERMException:
+            if stop.signum is None:
+                raise
+    stop.raise_if_stopped()
     if lit.last_val_step != trainer.global_step:
         # max_steps is not a multiple of the validation interval: measure the final weights
         # and make `last.ckpt` hold them.

@@ -10,7 +10,7 @@ import math
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from lm.checkpoint import model_state_dict, read_checkpoint, save_checkpoint, stored_model_config
+from lm.checkpoint import build_checked, model_state_dict, read_checkpoint, save_checkpoint, stored_model_config
 from lm.convert import to_grouped
 from lm.errors import ConfigError
 from lm.paths import resolve_path
@@ -65,9 +65,12 @@ def uptrain(cfg: DictConfig) -> dict:
     plus the val loss right after conversion and the provenance."""
     source_path = resolve_path(cfg.ckpt)
     source = read_checkpoint(source_path)
-    source_config = stored_model_config(source["lm"])
+    what = f"checkpoint {str(source_path)!r}"
+    source_state = model_state_dict(source)
+    source_config = stored_model_config(source["lm"], source_state, what)
+    build_checked(source_config, source_state, what)  # names, shapes and finite values, before converting
     n_kv_head = cfg.attn.n_kv_head
-    state, config = to_grouped(model_state_dict(source), source_config, n_kv_head, init=cfg.uptrain.init, seed=cfg.seed)
+    state, config = to_grouped(source_state, source_config, n_kv_head, init=cfg.uptrain.init, seed=cfg.seed)
     source_steps = int(source.get("global_step", 0))
     steps = budget(cfg, source_steps)
     provenance = {"source": str(cfg.ckpt), "source_step": source_steps, "init": cfg.uptrain.init,

@@ -26,38 +26,70 @@ def losses_by_step(run_dir: Path, version: int) -> dict[int, float]:
     return {int(r["step"]): float(r["train/loss"]) for r in rows if r.get("train/loss")}
 
 
-def test_killed_run_resumes_on_the_uninterrupted_loss_curve(train_config, tmp_path):
-    common = ["trainer.max_steps=120", "trainer.val_every_n_steps=1000", "checkpoint.every_n_steps=5",
-              "trainer.log_every_n_steps=1", "logger=csv"]
-    straight = train(train_config(*common, "run_name=straight"))
-    expected = losses_by_step(Path(straight["run_dir"]), 0)
+COMMON = ["trainer.val_every_n_steps=1000", "checkpoint.every_n_steps=5", "trainer.log_every_n_steps=1", "logger=csv"]
 
-    cfg = train_config(*common, "run_name=killed")
-    overrides = [f"data.paths=[{cfg.data.paths[0]}]", f"data.cache_dir={cfg.data.cache_dir}",
-                 f"checkpoint_dir={cfg.checkpoint_dir}", f"hydra.run.dir={tmp_path / 'hydra'}"]
+
+def start_training_child(train_config, tmp_path, *overrides) -> tuple[subprocess.Popen, Path]:
+    """scripts/train.py in a child process with train_config's settings; (process, its last.ckpt)."""
+    cfg = train_config(*overrides)
+    paths = [f"data.paths=[{cfg.data.paths[0]}]", f"data.cache_dir={cfg.data.cache_dir}",
+             f"checkpoint_dir={cfg.checkpoint_dir}", f"hydra.run.dir={tmp_path / 'hydra'}"]
     args = ["data=text", "data.vocab_size=512", "data.batch_size=4", "trainer=cpu", "trainer.limit_val_batches=2",
             "trainer.progress_bar=false", "optim.warmup_steps=2", "sample.max_new_tokens=0",
-            *TINY_MODEL, *common, "run_name=killed", *overrides]
+            *TINY_MODEL, *overrides, *paths]
     child = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "train.py"), *args],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    last = Path(cfg.checkpoint_dir) / "killed" / "last.ckpt"
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return child, Path(cfg.checkpoint_dir) / cfg.run_name / "last.ckpt"
+
+
+def wait_for_step(child: subprocess.Popen, last: Path, step: int) -> None:
     deadline = time.time() + 120
     while time.time() < deadline and child.poll() is None:
-        if last.is_file() and read_checkpoint(last)["global_step"] >= 20:
-            break
+        if last.is_file() and read_checkpoint(last)["global_step"] >= step:
+            return
         time.sleep(0.02)
-    assert child.poll() is None, "the child finished before it could be killed"
+    raise AssertionError(f"the child finished or stalled before step {step}")
+
+
+def assert_resumes_on_curve(train_config, run_name: str, stopped_at: int, expected: dict, max_steps: int) -> None:
+    resumed = train(train_config(*COMMON, f"trainer.max_steps={max_steps}", f"run_name={run_name}", "resume=true"))
+    assert resumed["steps"] == max_steps
+    after = losses_by_step(Path(resumed["run_dir"]), 1)
+    assert min(after) == stopped_at and max(after) == max_steps - 1
+    for step, loss in after.items():
+        assert abs(loss - expected[step]) < 1e-5, (step, loss, expected[step])
+
+
+def test_killed_run_resumes_on_the_uninterrupted_loss_curve(train_config, tmp_path):
+    straight = train(train_config(*COMMON, "trainer.max_steps=120", "run_name=straight"))
+    expected = losses_by_step(Path(straight["run_dir"]), 0)
+
+    child, last = start_training_child(train_config, tmp_path, *COMMON, "trainer.max_steps=120", "run_name=killed")
+    wait_for_step(child, last, 20)
     os.kill(child.pid, signal.SIGKILL)
     child.wait()
     killed_at = read_checkpoint(last)["global_step"]  # last.ckpt is whole even if the kill hit a save
     assert 20 <= killed_at < 120
+    assert_resumes_on_curve(train_config, "killed", killed_at, expected, 120)
 
-    resumed = train(train_config(*common, "run_name=killed", "resume=true"))
-    assert resumed["steps"] == 120
-    after = losses_by_step(Path(resumed["run_dir"]), 1)
-    assert min(after) == killed_at and max(after) == 119
-    for step, loss in after.items():
-        assert abs(loss - expected[step]) < 1e-5, (step, loss, expected[step])
+
+def test_ctrl_c_and_sigterm_save_the_current_step_and_resume_exactly(train_config, tmp_path):
+    straight = train(train_config(*COMMON, "trainer.max_steps=80", "run_name=straight"))
+    expected = losses_by_step(Path(straight["run_dir"]), 0)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        name = signal.Signals(signum).name.lower()
+        child, last = start_training_child(train_config, tmp_path, *COMMON, "trainer.max_steps=80",
+                                           f"run_name={name}")
+        wait_for_step(child, last, 10)  # the periodic save (every 5 steps) shows the run is under way
+        os.kill(child.pid, signum)
+        _, stderr = child.communicate(timeout=120)
+        assert child.returncode == 128 + signum, stderr
+        stopped_at = read_checkpoint(last)["global_step"]
+        assert 10 <= stopped_at < 80
+        assert stderr.strip().splitlines()[-1] == (f"stopped by {signal.Signals(signum).name} at step {stopped_at}; "
+                                                   f"{last} holds it, resume=true continues the run")
+        assert not list(last.parent.glob(".*tmp*"))
+        assert_resumes_on_curve(train_config, name, stopped_at, expected, 80)
 
 
 def test_resumed_wandb_run_keeps_its_id(train_config, monkeypatch):
@@ -104,7 +136,7 @@ def test_a_failed_save_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatc
     monkeypatch.setattr(torch, "save", disk_full)
     with pytest.raises(CheckpointError) as err:
         io.save_checkpoint({"step": 2, "w": torch.zeros(3)}, path)
-    assert "No space left on device" in str(err.value) and "previous checkpoint is untouched" in str(err.value)
+    assert "No space left on device" in str(err.value) and "previous file is untouched" in str(err.value)
     monkeypatch.undo()
     assert torch.load(path, weights_only=True)["step"] == 1
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]

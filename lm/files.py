@@ -1,0 +1,141 @@
+"""Writing files so that nothing is ever half-written, and keeping runs out of each other's way.
+
+Every file lm writes (checkpoints, exports, token caches, study records) is written under a
+temporary name beside its final one and renamed into place, so a kill, a full disk or a
+read-only folder leaves the previous file whole. Temporary names end in `.tmp-<pid>`; the
+next run removes those whose process is gone.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import shutil
+from pathlib import Path
+
+from lm.errors import CheckpointError, ConfigError
+
+TMP_SUFFIX = re.compile(r"\.tmp-(\d+)$")
+
+
+def _default_file_mode() -> int:
+    """The mode a plain open() gives a new file under this process's umask (usually 0644);
+    some writers (safetensors) create 0600 files instead."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+FILE_MODE = _default_file_mode()
+
+
+def tmp_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def is_write_failure(error: BaseException) -> bool:
+    """An OSError, or torch.save's RuntimeError for one (a full disk raises
+    "PytorchStreamWriter failed writing file ...", not an OSError)."""
+    return isinstance(error, OSError) or (isinstance(error, RuntimeError) and "PytorchStreamWriter" in str(error))
+
+
+def write_failure_reason(error: BaseException) -> str:
+    if isinstance(error, OSError):
+        return error.strerror or str(error)
+    return " ".join(str(error).split())[:200]
+
+
+def write_atomically(path: str | Path, write, error=CheckpointError) -> Path:
+    """Call write(tmp) beside `path`, then rename tmp into place: a crash or a full disk during
+    the write leaves the previous file whole. A write failure becomes one line (`error`), and
+    the temporary file is removed whatever stops the write."""
+    path = Path(path)
+    tmp = tmp_name(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write(tmp)
+        os.chmod(tmp, FILE_MODE)
+        os.replace(tmp, path)
+    except BaseException as e:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        if is_write_failure(e):
+            raise error(f"could not write {str(path)!r}: {write_failure_reason(e)}; "
+                        "the previous file is untouched") from None
+        raise
+    return path
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # alive, owned by someone else
+    return True
+
+
+def remove_stale_temporaries(folder: Path) -> list[Path]:
+    """Remove `*.tmp-<pid>` files and folders in `folder` whose writing process has died."""
+    removed = []
+    if not folder.is_dir():
+        return removed
+    for entry in folder.iterdir():
+        found = TMP_SUFFIX.search(entry.name)
+        if not found or pid_alive(int(found.group(1))):
+            continue
+        try:
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+            removed.append(entry)
+        except OSError:
+            pass  # a folder we cannot clean is no reason to stop a run
+    return removed
+
+
+class RunLock:
+    """An exclusive lock on a run folder, held while one process trains it.
+
+    flock locks belong to the open file, so the kernel drops them when the process dies however
+    it dies: a killed run never leaves a stuck lock, only a harmless `.lock` file."""
+
+    def __init__(self, run_dir: Path, run_name: str):
+        self.path = run_dir / ".lock"
+        self.run_name = run_name
+        self._file = None
+
+    def __enter__(self) -> RunLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a+")
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.seek(0)
+            holder = self._file.read().strip() or "another process"
+            self._file.close()
+            self._file = None
+            raise ConfigError(f"run {self.run_name!r} is being trained by {holder} right now; "
+                              "wait for it or choose another run_name") from None
+        self._file.seek(0)
+        self._file.truncate()
+        self._file.write(f"process {os.getpid()}")
+        self._file.flush()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._file is not None:
+            fcntl.flock(self._file, fcntl.LOCK_UN)
+            self._file.close()
+            self._file = None
+
+
+def run_folder(checkpoint_dir: Path, run_name) -> Path:
+    """checkpoint_dir / run_name, refusing a name that would put the run anywhere else."""
+    name = str(run_name) if run_name is not None else ""
+    run_dir = (checkpoint_dir / name).resolve()
+    if not name.strip() or run_dir == checkpoint_dir.resolve() or not run_dir.is_relative_to(checkpoint_dir.resolve()):
+        raise ConfigError(f"run_name={name!r} must name a folder inside checkpoint_dir ({checkpoint_dir})")
+    return checkpoint_dir / name
