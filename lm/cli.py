@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import difflib
+import os
 import re
 import sys
 from contextlib import contextmanager
 
+from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException, OverrideParseException
+from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from lm.errors import USER_ERRORS
 from lm.interrupt import RunInterrupted
+
+FAILED_ARMS: list[str] = []  # arms of a -m sweep that ended in a user error, in order
 
 
 @contextmanager
@@ -18,6 +24,11 @@ def exit_on_user_error():
     try:
         yield
     except USER_ERRORS as e:
+        arm = sweep_arm()
+        if arm is not None:  # one bad arm of a -m sweep: say so, and let the others run
+            sys.stderr.write(f"error: [{arm}] {e}\n")
+            FAILED_ARMS.append(arm)
+            return
         sys.stderr.write(f"error: {e}\n")
         raise SystemExit(2) from None
     except RunInterrupted as e:
@@ -28,6 +39,16 @@ def exit_on_user_error():
         message = str(e).strip().splitlines()[0]
         sys.stderr.write(f"error: {key + ': ' if key else ''}{message}\n")
         raise SystemExit(2) from None
+
+
+def sweep_arm() -> str | None:
+    """The overrides of the running -m sweep arm, or None outside a sweep."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return None
+    return " ".join(HydraConfig.get().overrides.task) or "(no overrides)"
 
 
 def quote_text_overrides(argv: list[str], keys: tuple[str, ...]) -> list[str]:
@@ -44,3 +65,74 @@ def quote_text_overrides(argv: list[str], keys: tuple[str, ...]) -> list[str]:
             arg = f"{key}='{value}'"
         quoted.append(arg)
     return quoted
+
+
+# ------------------------------------------------------------------ Hydra's own errors
+
+def run_script(main) -> int:
+    """Run a `@hydra.main` function. Hydra's own errors (an unknown key or group option, an
+    override it cannot parse) become one line naming the close matches, and exit code 2; a
+    -m sweep runs every arm and lists the ones that failed at the end."""
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # let Hydra's exceptions reach us instead of a printed trace
+    try:
+        main()
+    except HydraException as e:
+        sys.stderr.write(f"error: {hydra_error_line(e)}\n")
+        return 2
+    if FAILED_ARMS:
+        sys.stderr.write(f"error: {len(FAILED_ARMS)} arm(s) of the sweep failed: {'; '.join(FAILED_ARMS)}\n")
+        return 2
+    return 0
+
+
+def hydra_error_line(error: HydraException) -> str:
+    message = str(error).strip()
+    if isinstance(error, MissingConfigException):
+        found = re.search(r"Could not find '([^']+)/([^'/]+)'", message)
+        options = re.findall(r"^\t(\S+)$", message.split("Config search path:")[0], flags=re.M)
+        if found and options:
+            group, choice = found.groups()
+            return f"{group}={choice} is not an option of {group}{close_matches(choice, options)} " \
+                   f"(options: {', '.join(options)})"
+    cause = error.__cause__
+    if isinstance(error, ConfigCompositionException) and isinstance(cause, OmegaConfBaseException):
+        key = cause.full_key or message
+        root = cause.parent_node._get_root() if cause.parent_node is not None else None
+        keys = dotted_keys(root) if root is not None else []
+        return f"{key} is not a setting{close_keys(key, keys)} (+{key}=... adds a new one)"
+    if isinstance(error, OverrideParseException):
+        return f"cannot read an override on the command line ({message.splitlines()[0]})"
+    return message.splitlines()[0]
+
+
+def close_matches(word: str, candidates: list[str]) -> str:
+    matches = difflib.get_close_matches(word, candidates, n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join(matches)}?" if matches else ""
+
+
+def close_keys(key: str, keys: list[str]) -> str:
+    """Close matches for a dotted setting: among its siblings first, then anywhere by its last
+    part, so `trainer.max_stepz` finds `trainer.max_steps` and `max_steps` finds it too."""
+    parent, _, name = key.rpartition(".")
+    siblings = [k for k in keys if k.rpartition(".")[0] == parent]
+    for pool in (siblings, keys):
+        leaves = {k.rpartition(".")[2]: k for k in pool}
+        matches = [leaves[m] for m in difflib.get_close_matches(name, list(leaves), n=3, cutoff=0.75)]
+        if matches:
+            return f"; did you mean {' or '.join(matches)}?"
+    return ""
+
+
+def dotted_keys(node, prefix: str = "") -> list[str]:
+    """Every setting of a config as a dotted name (hydra's own node excluded)."""
+    keys = []
+    for key in node.keys():
+        if key == "hydra":
+            continue
+        child = node._get_node(key)
+        name = f"{prefix}{key}"
+        if isinstance(child, DictConfig):
+            keys += dotted_keys(child, name + ".")
+        else:
+            keys.append(name)
+    return keys

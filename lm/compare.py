@@ -306,5 +306,5 @@ def write_outputs(out: Path, results: dict) -> None:
     plot_mqar(results["records"], out / "mqar_accuracy.png")
     plot_lm_loss(results["records"], out / "lm_loss.png")
     print(table)
-    print(f"study took {results['seconds'] / 60:.1f} min; wrote results.json, results.md, mqar_accuracy.png, "
+    print(f"this command took {results['seconds'] / 60:.1f} min; wrote results.json, results.md, mqar_accuracy.png, "
           f"lm_loss.png under {out}")

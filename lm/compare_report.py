@@ -27,7 +27,8 @@ def markdown(results: dict) -> str:
     records, settings, machine = results["records"], results["settings"], results["machine"]
     lines = [f"Machine: {machine['cpu']} ({machine['threads']} threads)"
              + (f", {machine['gpu']}" if machine["gpu"] else "") + f", torch {machine['torch']}; "
-             f"the whole study took {results['seconds'] / 60:.1f} min.", ""]
+             f"its arms took {sum(r['seconds'] for r in records) / 60:.1f} min of training and measuring in all "
+             f"(summed over the records, also those a repeated command reused).", ""]
     mqar = _by_kind(records, "mqar")
     if mqar:
         m = settings["mqar"]

@@ -34,16 +34,25 @@ def tmp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")
 
 
+# torch.save reports a failed write (a full disk, a vanished folder) as a RuntimeError of its
+# zip writer, e.g. "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598".
+TORCH_WRITER_ERRORS = ("PytorchStreamWriter", "inline_container")
+
+
 def is_write_failure(error: BaseException) -> bool:
-    """An OSError, or torch.save's RuntimeError for one (a full disk raises
-    "PytorchStreamWriter failed writing file ...", not an OSError)."""
-    return isinstance(error, OSError) or (isinstance(error, RuntimeError) and "PytorchStreamWriter" in str(error))
+    return isinstance(error, OSError) or (isinstance(error, RuntimeError)
+                                          and any(marker in str(error) for marker in TORCH_WRITER_ERRORS))
 
 
-def write_failure_reason(error: BaseException) -> str:
+def write_failure_reason(error: BaseException, folder: Path) -> str:
     if isinstance(error, OSError):
         return error.strerror or str(error)
-    return " ".join(str(error).split())[:200]
+    try:
+        if shutil.disk_usage(folder).free < 1 << 20:
+            return "No space left on device"
+    except OSError:
+        pass
+    return f"the write failed ({' '.join(str(error).split())[:160]})"
 
 
 def write_atomically(path: str | Path, write, error=CheckpointError) -> Path:
@@ -63,7 +72,7 @@ def write_atomically(path: str | Path, write, error=CheckpointError) -> Path:
         except OSError:
             pass
         if is_write_failure(e):
-            raise error(f"could not write {str(path)!r}: {write_failure_reason(e)}; "
+            raise error(f"could not write {str(path)!r}: {write_failure_reason(e, path.parent)}; "
                         "the previous file is untouched") from None
         raise
     return path

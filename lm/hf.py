@@ -76,8 +76,9 @@ def export_hf(model: Transformer, tokenizer: Tokenizer, out: str | Path) -> Path
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(out)
-    transformers.GenerationConfig(bos_token_id=eot, eos_token_id=eot, pad_token_id=eot,
-                                  max_length=c.max_seq_len).save_pretrained(out)
+    # No max_length: transformers warns when it meets one beside the caller's max_new_tokens, and
+    # the context limit already is config.json's max_position_embeddings.
+    transformers.GenerationConfig(bos_token_id=eot, eos_token_id=eot, pad_token_id=eot).save_pretrained(out)
     save_file(to_hf_state_dict(model.state_dict(), c), str(out / "model.safetensors"), metadata={"format": "pt"})
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=EOT, eos_token=EOT,
                                                 pad_token=EOT, model_max_length=c.max_seq_len)

@@ -103,8 +103,8 @@ def resume_path(cfg: DictConfig, run_dir: Path) -> tuple[str | None, dict]:
         raise ConfigError(f"checkpoint {str(path)!r} does not match the configured model: {', '.join(differences)}")
     changed = changed_data_settings(entry.get("run_config") or {}, cfg)
     if changed:
-        raise ConfigError(f"resume=true cannot change {', '.join(changed)}: the checkpoint was trained on other data "
-                          "settings; start afresh (resume=false or another run_name) to change them")
+        raise ConfigError(f"a resumed run cannot change {', '.join(changed)}: the checkpoint was trained on "
+                          "other data settings; start afresh (resume=false or another run_name) to change them")
     return str(path), entry
 
 

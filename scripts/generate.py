@@ -5,7 +5,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from lm.cli import exit_on_user_error, quote_text_overrides
+from lm.cli import exit_on_user_error, quote_text_overrides, run_script
 
 
 @hydra.main(config_path="../conf", config_name="generate", version_base="1.3")
@@ -18,4 +18,4 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     sys.argv = quote_text_overrides(sys.argv, keys=("prompt", "prompt_file"))
-    sys.exit(main())
+    sys.exit(run_script(main))

@@ -7,7 +7,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from lm.cli import exit_on_user_error
+from lm.cli import exit_on_user_error, run_script
 
 
 @hydra.main(config_path="../conf", config_name="uptrain", version_base="1.3")
@@ -24,4 +24,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_script(main))

@@ -2,6 +2,7 @@
 
 import csv
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +16,8 @@ from conftest import TINY_MODEL
 import lm
 from lm.checkpoint import read_checkpoint
 from lm.errors import CheckpointError, ConfigError
-from lm.lit import AtomicCheckpointIO
+from lm.files import RunLock, write_atomically
+from lm.lit import AtomicCheckpointIO, warmup_cosine
 from lm.training import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -169,3 +171,115 @@ def test_safetensors_export_is_plain_data_that_load_reads(tmp_path, tied):
     with torch.no_grad():
         assert torch.equal(loaded(idx), model(idx))
     assert (loaded.head.weight is loaded.embed.weight) == tied
+
+
+def test_a_real_full_disk_during_torch_save_is_one_line_and_leaves_nothing_behind(tmp_path):
+    """/dev/full refuses every write with ENOSPC, as a full disk does; torch.save turns that into
+    a RuntimeError of its zip writer, which must still read as a failed write."""
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full on this system")
+    path = tmp_path / "last.ckpt"
+    torch.save({"step": 1}, path)
+
+    def write(tmp: Path) -> None:
+        tmp.write_bytes(b"half a checkpoint")
+        torch.save({"w": torch.ones(100_000)}, "/dev/full")
+
+    with pytest.raises(CheckpointError, match=r"could not write .*last.ckpt.*the previous file is untouched"):
+        write_atomically(path, write)
+    assert torch.load(path, weights_only=True)["step"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+
+
+def dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_stale_temporaries_of_dead_runs_are_removed_and_live_ones_kept(train_config):
+    cfg = train_config("trainer.max_steps=2")
+    run_dir, cache = Path(cfg.checkpoint_dir) / cfg.run_name, Path(cfg.data.cache_dir)
+    run_dir.mkdir(parents=True)
+    cache.mkdir(parents=True)
+    pid = dead_pid()
+    stale = [run_dir / f".last.ckpt.tmp-{pid}", cache / f"text-0123.tmp-{pid}"]
+    stale[0].write_bytes(b"half")
+    stale[1].mkdir()
+    live = run_dir / f".notes.txt.tmp-{os.getpid()}"  # this process is alive: kept
+    live.write_bytes(b"being written")
+    train(cfg)
+    assert not any(p.exists() for p in stale) and live.exists()
+
+
+def test_a_second_run_of_the_same_name_is_refused_and_a_killed_one_leaves_no_lock(train_config):
+    cfg = train_config("trainer.max_steps=2")
+    run_dir = Path(cfg.checkpoint_dir) / cfg.run_name
+    with RunLock(run_dir, cfg.run_name):
+        with pytest.raises(ConfigError, match=f"run 'mha-tiny' is being trained by process {os.getpid()} right now"):
+            train(cfg)
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from lm.files import RunLock; RunLock(Path(sys.argv[1]), 'x').__enter__(); "
+                               "print('locked', flush=True); time.sleep(600)", str(run_dir)],
+                              stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert holder.stdout.readline().strip() == "locked"
+    with pytest.raises(ConfigError, match="is being trained by process"):
+        train(cfg)
+    holder.kill()
+    holder.wait()
+    assert train(cfg)["steps"] == 2
+
+
+def test_a_damaged_token_cache_is_rebuilt_with_a_note(train_config, capsys):
+    cfg = train_config("trainer.max_steps=2")
+    train(cfg)
+    (cached,) = [p for p in Path(cfg.data.cache_dir).iterdir() if p.is_dir()]
+    size = (cached / "train.bin").stat().st_size
+    with open(cached / "train.bin", "r+b") as f:
+        f.truncate(size // 2)
+    capsys.readouterr()
+    train(cfg)
+    assert f"note: token cache {cached} is damaged (train.bin has {size // 2} bytes, not {size}); rebuilding it" \
+        in capsys.readouterr().out
+    assert (cached / "train.bin").stat().st_size == size
+    with open(cached / "val.bin", "r+b") as f:  # same size, other bytes
+        first = f.read(1)
+        f.seek(0)
+        f.write(bytes([first[0] ^ 1]))
+    train(cfg)
+    assert "val.bin does not match its checksum" in capsys.readouterr().out
+
+
+def test_resume_keeps_its_tokenizer_on_a_changed_corpus_and_applies_a_new_learning_rate(train_config, tmp_path,
+                                                                                        small_corpus, capsys):
+    corpus = tmp_path / "corpus"
+    shutil.copytree(small_corpus, corpus)
+    first = train(train_config(f"data.paths=[{corpus}]", "trainer.max_steps=4", "trainer.log_every_n_steps=1"))
+    tokenizer = read_checkpoint(first["last"])["lm"]["tokenizer"]
+    (corpus / "added.py").write_text("def added():\n    return 'a file that changes the tokenizer'\n" * 50)
+    capsys.readouterr()
+    resumed = train(train_config(f"data.paths=[{corpus}]", "trainer.max_steps=8", "trainer.log_every_n_steps=1",
+                                 "optim.lr=0.0005", "resume=true"))
+    assert "note: the corpus has changed since the checkpoint" in capsys.readouterr().out
+    ckpt = read_checkpoint(resumed["last"])
+    assert ckpt["lm"]["tokenizer"] == tokenizer
+    assert ckpt["lm"]["run_config"]["optim"]["lr"] == 0.0005
+    rows = csv.DictReader(open(Path(resumed["run_dir"]) / "csv" / "version_1" / "metrics.csv"))
+    lrs = {int(r["step"]): float(r["train/lr"]) for r in rows if r.get("train/lr")}
+    assert sorted(lrs) == [4, 5, 6, 7]
+    for step, lr in lrs.items():  # the new base rate on the old schedule (warm-up 2, cosine to 0.1 at step 8)
+        assert lr == pytest.approx(0.0005 * warmup_cosine(step, 2, 8, 0.1), rel=1e-6), step
+
+
+def test_exported_files_have_the_usual_mode(tmp_path):
+    from tokenizers import Tokenizer, models
+
+    from lm import ModelConfig, Transformer
+    from lm.checkpoint import export_safetensors
+    from lm.files import FILE_MODE
+
+    model = Transformer(ModelConfig(vocab_size=20, n_layer=1, d_model=16, n_head=2, d_ff=32))
+    tokenizer = Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>"))
+    folder = export_safetensors(model, tokenizer, tmp_path / "export")
+    modes = {p.name: p.stat().st_mode & 0o777 for p in folder.iterdir()}
+    assert modes == dict.fromkeys(["model.safetensors", "config.json", "tokenizer.json"], FILE_MODE)
