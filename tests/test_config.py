@@ -101,7 +101,7 @@ def test_config_round_trips_through_a_plain_dict():
 
 @pytest.mark.parametrize("override, message", [
     ("attn.n_kv_head=4", "error: n_head=6 is not divisible by n_kv_head=4"),
-    ("trainer.max_steps=0", "error: trainer.max_steps=0 must be a positive integer"),
+    ("trainer.max_steps=0", "error: trainer.max_steps=0 must be an integer >= 1"),
     ("model.d_model=abc", "error: d_model='abc' must be an integer >= 1"),
     ("attn=sliding attn.window=0", "error: window=0 must be an integer >= 1"),
     ("attn=hybrid attn.pattern=[linear,softmax]", "error: pattern=['linear', 'softmax'] has 2 entries but n_layer=4"),

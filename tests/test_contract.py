@@ -115,7 +115,7 @@ def test_a_kind_written_on_the_contract_alone_trains_decodes_and_saves(tmp_path)
     attention = layer_specs(["prefix_mean", "softmax"], 2, {"scale": 2.0})
     assert attention == [PrefixMeanSpec(scale=2.0), spec_class("softmax")()]
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(vocab_size=40, n_layer=2, d_model=32, n_head=4, n_kv_head=2, d_ff=48,
+    model = Transformer(ModelConfig(vocab_size=300, n_layer=2, d_model=32, n_head=4, n_kv_head=2, d_ff=48,
                                     max_seq_len=64, attention=attention, init_std=0.2))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     batch = torch.randint(0, 40, (4, 17))

@@ -77,7 +77,7 @@ def incompatible_copy(checkpoint: Path, folder: Path) -> Path:
     ("prompt=", "the prompt is empty"),
     ("top_p=1.5", "top_p=1.5 must be in (0, 1]"),
     ("top_p=0", "top_p=0 must be in (0, 1]"),
-    ("temperature=-1", "temperature=-1 must be >= 0"),
+    ("temperature=-1", "temperature=-1 must be a finite number >= 0"),
     ("max_new_tokens=-1", "max_new_tokens=-1 must be an integer >= 0"),
     ("CORRUPT", "is not a readable torch file"),
     ("INCOMPATIBLE", "has format_version=99; this lm reads versions 1, 2; a newer lm wrote it: upgrade lm"),

@@ -114,7 +114,7 @@ def test_full_attention_stops_at_its_context_or_truncates_left():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(top_p=0.0), "top_p=0.0 must be in (0, 1]"),
     (dict(top_p=1.5), "top_p=1.5 must be in (0, 1]"),
-    (dict(temperature=-0.1), "temperature=-0.1 must be >= 0"),
+    (dict(temperature=-0.1), "temperature=-0.1 must be a finite number >= 0"),
     (dict(max_new_tokens=-1), "max_new_tokens=-1 must be an integer >= 0"),
     (dict(idx=[[]]), "prompt 0 is empty"),
     (dict(stop=["\n"]), "stop strings need the tokenizer"),
