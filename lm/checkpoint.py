@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from lm.checks import is_count
 from lm.config import ModelConfig
-from lm.errors import CheckpointError
+from lm.errors import CheckpointError, one_line
 from lm.files import write_atomically
 from lm.model import Transformer
 
@@ -84,7 +85,7 @@ def check_size_against_weights(values: dict, weights: dict, what: str, layer_pre
         raise CheckpointError(f"{what} holds weights that are not a mapping of names to tensors")
     for name in names:
         value = values.get(name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_count(value):
             raise CheckpointError(f"{what} has {name}={value!r} in its config; it must be a positive integer")
     n_layer, vocab_size, d_model = (values[name] for name in names)
     pattern = re.compile(re.escape(layer_prefix) + r"(\d+)\.")
@@ -129,8 +130,7 @@ def read_tokenizer(text, vocab_size: int, what: str) -> Tokenizer:
     try:
         tokenizer = Tokenizer.from_str(text)
     except Exception as e:  # the tokenizers library raises plain Exception for any malformed JSON
-        raise CheckpointError(f"{what} holds a tokenizer that cannot be read ({' '.join(str(e).split())[:120]})") \
-            from None
+        raise CheckpointError(f"{what} holds a tokenizer that cannot be read ({one_line(e)})") from None
     if tokenizer.get_vocab_size() > vocab_size:
         raise CheckpointError(f"{what} holds a tokenizer of {tokenizer.get_vocab_size()} tokens for a model "
                               f"of vocab_size={vocab_size}")

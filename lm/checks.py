@@ -9,10 +9,13 @@ from typing import Any
 from lm.errors import ConfigError
 
 
+def is_count(value: Any, minimum: int = 1) -> bool:
+    """An int (not a bool, which Python counts as one) of at least `minimum`."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
 def require_int(name: str, value: Any, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name}={value!r} must be an integer >= {minimum}")
-    if value < minimum:
+    if not is_count(value, minimum):
         raise ConfigError(f"{name}={value!r} must be an integer >= {minimum}")
 
 

@@ -22,4 +22,10 @@ class TrainingError(ValueError):
     """Training cannot go on (a non-finite loss); the message names the step, in one line."""
 
 
+def one_line(error: BaseException, limit: int = 120) -> str:
+    """An exception's message squeezed onto one line, cut at `limit` characters, for quoting
+    a library's error inside ours."""
+    return " ".join(str(error).split())[:limit]
+
+
 USER_ERRORS = (ConfigError, DataError, CheckpointError, GenerationError, TrainingError)

@@ -14,7 +14,7 @@ import re
 import shutil
 from pathlib import Path
 
-from lm.errors import CheckpointError, ConfigError
+from lm.errors import CheckpointError, ConfigError, one_line
 
 TMP_SUFFIX = re.compile(r"\.tmp-(\d+)$")
 
@@ -52,12 +52,12 @@ def write_failure_reason(error: BaseException, folder: Path) -> str:
             return "No space left on device"
     except OSError:
         pass
-    return f"the write failed ({' '.join(str(error).split())[:160]})"
+    return f"the write failed ({one_line(error, 160)})"
 
 
-def write_atomically(path: str | Path, write, error=CheckpointError) -> Path:
+def write_atomically(path: str | Path, write) -> Path:
     """Call write(tmp) beside `path`, then rename tmp into place: a crash or a full disk during
-    the write leaves the previous file whole. A write failure becomes one line (`error`), and
+    the write leaves the previous file whole. A write failure becomes one CheckpointError line, and
     the temporary file is removed whatever stops the write."""
     path = Path(path)
     tmp = tmp_name(path)
@@ -72,7 +72,7 @@ def write_atomically(path: str | Path, write, error=CheckpointError) -> Path:
         except OSError:
             pass
         if is_write_failure(e):
-            raise error(f"could not write {str(path)!r}: {write_failure_reason(e, path.parent)}; "
+            raise CheckpointError(f"could not write {str(path)!r}: {write_failure_reason(e, path.parent)}; "
                         "the previous file is untouched") from None
         raise
     return path
@@ -88,21 +88,18 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_temporaries(folder: Path) -> list[Path]:
+def remove_stale_temporaries(folder: Path) -> None:
     """Remove `*.tmp-<pid>` files and folders in `folder` whose writing process has died."""
-    removed = []
     if not folder.is_dir():
-        return removed
+        return
     for entry in folder.iterdir():
         found = TMP_SUFFIX.search(entry.name)
         if not found or pid_alive(int(found.group(1))):
             continue
         try:
             shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
-            removed.append(entry)
         except OSError:
             pass  # a folder we cannot clean is no reason to stop a run
-    return removed
 
 
 class RunLock:

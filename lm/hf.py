@@ -19,8 +19,9 @@ import torch
 from tokenizers import Tokenizer
 
 from lm.attention import SlidingSpec, SoftmaxSpec
+from lm.checks import is_count
 from lm.config import ModelConfig
-from lm.errors import CheckpointError, ConfigError
+from lm.errors import CheckpointError, ConfigError, one_line
 from lm.model import Transformer
 from lm.tokenizer import EOT
 from lm.weights import from_hf_state_dict, to_hf_state_dict
@@ -95,7 +96,7 @@ def read_json_object(path: Path) -> dict:
     try:
         values = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise CheckpointError(f"{str(path)!r} is not readable JSON ({' '.join(str(e).split())[:100]})") from None
+        raise CheckpointError(f"{str(path)!r} is not readable JSON ({one_line(e, 100)})") from None
     if not isinstance(values, dict):
         raise CheckpointError(f"{str(path)!r} holds a JSON {type(values).__name__}, not an object")
     return values
@@ -110,7 +111,7 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         return load_file(str(path))
     except Exception as e:  # safetensors raises its own SafetensorError and others for damaged files
         raise CheckpointError(f"{str(path)!r} is not a readable safetensors file "
-                              f"({' '.join(str(e).split())[:120]})") from None
+                              f"({one_line(e)})") from None
 
 
 def check_model_type(values: dict, folder: Path) -> str:
@@ -136,7 +137,7 @@ def config_from_hf(values: dict, folder: Path) -> ModelConfig:
     if missing:
         raise CheckpointError(f"{str(folder)!r}: config.json lacks {', '.join(missing)}")
     for key in ("hidden_size", "num_attention_heads"):
-        if isinstance(values[key], bool) or not isinstance(values[key], int) or values[key] < 1:
+        if not is_count(values[key]):
             raise CheckpointError(f"{str(folder)!r} has {key}={values[key]!r}; it must be a positive integer")
     if values.get("head_dim") not in (None, values["hidden_size"] // values["num_attention_heads"]):
         raise CheckpointError(f"{str(folder)!r} has head_dim={values['head_dim']} != hidden_size / heads")
@@ -191,7 +192,7 @@ def load_hf(folder: str | Path, device: str | torch.device = "cpu",
         raise CheckpointError(f"{str(folder)!r} lacks the weight {e.args[0]}") from None
     except RuntimeError as e:  # a weight of the wrong size cannot be split or reshaped as the config says
         raise CheckpointError(f"{str(folder)!r} has weights that disagree with config.json "
-                              f"({' '.join(str(e).split())[:120]})") from None
+                              f"({one_line(e)})") from None
     if not (folder / "tokenizer.json").is_file():
         raise CheckpointError(f"{str(folder)!r} has no tokenizer.json (a fast tokenizer is needed)")
     tokenizer_text = (folder / "tokenizer.json").read_text(encoding="utf-8", errors="replace")

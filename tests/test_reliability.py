@@ -219,8 +219,8 @@ def test_a_second_run_of_the_same_name_is_refused_and_a_killed_one_leaves_no_loc
         with pytest.raises(ConfigError, match=f"run 'mha-tiny' is being trained by process {os.getpid()} right now"):
             train(cfg)
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
-                               "from lm.files import RunLock; lock = RunLock(Path(sys.argv[1]), 'x'); lock.__enter__(); "
-                               "print('locked', flush=True); time.sleep(600)", str(run_dir)],
+                               "from lm.files import RunLock\nwith RunLock(Path(sys.argv[1]), 'x'):\n"
+                               "    print('locked', flush=True); time.sleep(600)", str(run_dir)],
                               stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert holder.stdout.readline().strip() == "locked"
     with pytest.raises(ConfigError, match="is being trained by process"):
