@@ -7,7 +7,14 @@ holds one per layer plus what they share: how many slots have been consumed, and
 leading slots of each row are left padding (prompts of different lengths are left-padded into
 one batch; padded slots are never attended and never enter a linear state).
 
-Shapes: B batch, T new tokens in this call, S slots consumed so far.
+Two ways in, both on the same fixed buffers:
+- `attend(q, k, v)`: the next T slots after `seen`, a Python int (prefill, chunk by chunk);
+- `decode(q, k, v, pos)`: one new slot whose index `pos` is a 0-dim long tensor. Every shape is
+  fixed by the batch and `max_len`, buffers are written in place and masks span the whole buffer,
+  so the step never syncs with the host and one compiled graph serves every step (gpt-fast's
+  static KV cache). The caller advances `seen` after the step, outside any compiled code.
+
+Shapes: B batch, T new tokens in this call, S slots consumed so far, L max_len.
 """
 
 from __future__ import annotations
@@ -53,6 +60,10 @@ class GenerationCache:
         self.seen = 0  # slots consumed so far
         self.device = pad.device
         self.dtype = dtype or next(model.parameters()).dtype
+        # Read once per batch: a per-layer check at every step would sync with the device.
+        self.has_padding = bool((pad > 0).any())
+        self.slots = torch.arange(max_len, device=self.device)  # (L,)
+        self.real_slots = self.slots[None, :] >= pad[:, None]  # (B, L): False on each row's left padding
         self.layers = [block.attn.build_cache(self, max_len) for block in model.blocks]
 
     def positions(self, T: int) -> torch.Tensor:
@@ -65,9 +76,14 @@ class GenerationCache:
         slots = torch.arange(first_slot, first_slot + T, device=self.device)
         return slots[None, :] >= self.pad[:, None]
 
-    @property
-    def has_padding(self) -> bool:
-        return bool((self.pad > 0).any())
+    def decode_positions(self, pos: torch.Tensor) -> torch.Tensor:
+        """(B, 1) RoPE positions of slot `pos` (0-dim tensor), without leaving the device."""
+        return (pos - self.pad)[:, None].clamp(min=0)
+
+    def decode_mask(self, pos: torch.Tensor) -> torch.Tensor:
+        """(B, 1, 1, L) bool: the slots a query at slot `pos` sees in a full K/V buffer: every real
+        slot up to and including its own."""
+        return (self.real_slots & (self.slots <= pos))[:, None, None]
 
     def advance(self, T: int) -> None:
         self.seen += T

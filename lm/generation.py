@@ -95,13 +95,17 @@ class Generation:
     def __init__(self, model: Transformer, idx, max_new_tokens: int, sampling: Sampling,
                  stop: Sequence[str] | None = None, tokenizer=None, eos_id: int | None = None,
                  use_cache: bool = True, seed: int | None = None, truncate: str | None = None,
-                 prefill_chunk: int = 1024):
+                 prefill_chunk: int = 1024, compile: bool = False):
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise GenerationError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
         if stop and tokenizer is None:
             raise GenerationError("stop strings need the tokenizer to read the text: pass tokenizer=")
         if truncate not in (None, "left"):
             raise GenerationError(f"truncate={truncate!r} must be null or 'left'")
+        if not isinstance(compile, bool):
+            raise GenerationError(f"compile={compile!r} must be true or false")
+        if compile and not use_cache:
+            raise GenerationError("compile=true compiles the cached decoding step: it needs use_cache=true")
         self.model, self.sampling, self.max_new_tokens = model, sampling, max_new_tokens
         self.stop, self.tokenizer, self.eos_id = list(stop or []), tokenizer, eos_id
         self.use_cache, self.prefill_chunk = use_cache, prefill_chunk
@@ -111,6 +115,8 @@ class Generation:
         self.generator = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
         self.stats: dict = {"prompt_tokens": sum(map(len, self.prompts)), "new_tokens": 0, "cache_bytes": 0}
         self.cache: GenerationCache | None = None
+        self.compiled = compile
+        self.prefill_fn, self.step_fn = compiled_functions(model) if compile else (model, model.decode_step)
 
     def _fit_context(self, prompts: list[list[int]], truncate: str | None) -> list[list[int]]:
         """Full-attention models cannot look past max_seq_len: refuse, or drop the oldest tokens."""
@@ -171,12 +177,25 @@ class Generation:
         for row, p in enumerate(self.prompts):
             batch[row, width - len(p):] = torch.tensor(p, device=self.device)
         self.cache = GenerationCache(self.model, pad=width - lengths, max_len=width + self.max_new_tokens)
+        self.slots = torch.arange(width + self.max_new_tokens, device=self.device)  # a step's slot, never synced
+        no_step = sorted({type(c).__name__ for c in self.cache.layers if not hasattr(c, "decode")})
+        if no_step and self.compiled:
+            raise GenerationError(f"compile=true needs every layer's cache to have decode(q, k, v, pos); {no_step} "
+                                  "have only attend")
         for start in range(0, width, self.prefill_chunk):
-            logits = self.model(batch[:, start:start + self.prefill_chunk], cache=self.cache)
+            logits = self.prefill_fn(batch[:, start:start + self.prefill_chunk], cache=self.cache)
         return logits[:, -1]  # (B, V)
 
     def _decode(self, next_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(next_ids[:, None], cache=self.cache)[:, -1]  # (B, V)
+        """One token per row through the fixed-shape step (lm.cache), compiled or not."""
+        pos = self.slots[self.cache.seen].clone()  # a 0-dim tensor of its own: the compiled step's input
+        first = "first_step_s" not in self.stats
+        started = time.perf_counter()
+        logits = self.step_fn(next_ids[:, None], self.cache, pos)  # (B, V)
+        if first:  # with compile=true, mostly compilation
+            self.stats["first_step_s"] = time.perf_counter() - started
+        self.cache.advance(1)
+        return logits
 
     def _recompute(self, done: list[bool]) -> torch.Tensor:
         """The reference path: each row's whole sequence through the plain forward, every step."""
@@ -198,28 +217,44 @@ class Generation:
         return any(s in tail for s in self.stop)
 
 
+def compiled_functions(model: Transformer):
+    """(prefill, step) compiled: the one-token step as one graph with no breaks (fullgraph), and on
+    CUDA captured as a CUDA graph ("reduce-overhead"); the prefill separately, with static shapes:
+    each prompt width compiles once (symbolic chunk counts break inductor's views in the chunkwise
+    kinds), and past torch's recompile limit a width simply runs eagerly. torch.compile keeps its
+    graphs with the code, so later generations of the same shapes reuse them."""
+    on_cuda = next(model.parameters()).is_cuda
+    step = torch.compile(model.decode_step, fullgraph=True, mode="reduce-overhead" if on_cuda else None)
+    prefill = torch.compile(model, dynamic=False)
+    return prefill, step
+
+
 def stream(model: Transformer, idx, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
            top_p: float | None = None, min_p: float | None = None, repetition_penalty: float | None = None,
            stop: Sequence[str] | None = None, use_cache: bool = True, seed: int | None = None,
-           tokenizer=None, eos_id: int | None = None, truncate: str | None = None) -> Generation:
+           tokenizer=None, eos_id: int | None = None, truncate: str | None = None,
+           compile: bool = False) -> Generation:
     """A Generation to iterate: each step yields every row's new token (None once it has finished)."""
     sampling = Sampling(temperature, top_k, top_p, min_p, repetition_penalty)
     return Generation(model, idx, max_new_tokens, sampling, stop=stop, tokenizer=tokenizer, eos_id=eos_id,
-                      use_cache=use_cache, seed=seed, truncate=truncate)
+                      use_cache=use_cache, seed=seed, truncate=truncate, compile=compile)
 
 
 def generate(model: Transformer, idx, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, min_p: float | None = None, repetition_penalty: float | None = None,
              stop: Sequence[str] | None = None, use_cache: bool = True, seed: int | None = None,
-             tokenizer=None, eos_id: int | None = None, truncate: str | None = None) -> list[list[int]]:
+             tokenizer=None, eos_id: int | None = None, truncate: str | None = None,
+             compile: bool = False) -> list[list[int]]:
     """Token ids of each row, prompt followed by up to max_new_tokens new tokens.
 
     idx is a (B, T) tensor or a list of token-id lists of different lengths. A row ends early
     at `eos_id` (not included) or once its text contains a `stop` string (needs `tokenizer`).
     `use_cache=False` recomputes each row's whole sequence every step (the reference path).
+    `compile=True` runs the prefill and the one-token step through torch.compile (the first call
+    compiles: seconds to minutes; `stream(...).stats["first_step_s"]` says how long).
     """
     run = stream(model, idx, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, stop,
-                 use_cache, seed, tokenizer, eos_id, truncate)
+                 use_cache, seed, tokenizer, eos_id, truncate, compile)
     for _ in run:
         pass
     return run.tokens

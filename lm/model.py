@@ -25,8 +25,9 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = SwiGLU(config.d_model, config.d_ff)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, cache)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None,
+                pos: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache, pos)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -79,6 +80,18 @@ class Transformer(nn.Module):
         if cache is not None:
             cache.advance(T)
         return self.head(self.norm(x))
+
+    def decode_step(self, idx: torch.Tensor, cache: GenerationCache, pos: torch.Tensor) -> torch.Tensor:
+        """Logits (B, V) of one new token per row, idx (B, 1), at slot `pos` (a 0-dim long tensor).
+
+        Every shape is fixed and nothing syncs with the host, so this is the function
+        `torch.compile(fullgraph=True)` takes (lm.generation). It neither checks the context limit
+        nor advances the cache: the caller does both on the host, outside the compiled graph."""
+        cos, sin = self.rope(cache.decode_positions(pos))  # (B, 1, hs/2) each
+        x = self.embed(idx)  # (B, 1, C)
+        for block, layer_cache in zip(self.blocks, cache.layers, strict=True):
+            x = block(x, cos, sin, layer_cache, pos)
+        return self.head(self.norm(x[:, -1]))  # (B, V)
 
     def num_params(self) -> int:
         """Distinct parameters (a tied head counts once)."""

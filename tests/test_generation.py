@@ -165,3 +165,45 @@ def test_stop_string_and_eos_end_a_row():
     eos = free[4]
     ended = generate(model, [[0, 1]], 20, eos_id=eos)[0][2:]
     assert ended == free[:free.index(eos)]
+
+
+# ---------------------------------------------------------------- the fixed-shape decoding step
+
+
+class NoHostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Fails on any read of a tensor's value by Python (.item(), bool(), .tolist() all end in
+    aten._local_scalar_dense): inside a decoding step, each would be a device sync."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            raise AssertionError("the decoding step read a tensor value on the host")
+        return func(*args, **(kwargs or {}))
+
+
+def prefill_ragged(model, prompts, max_len):
+    """Left-pad `prompts` into a batch and prefill a cache: (cache, logits of the last position)."""
+    width = max(map(len, prompts))
+    pad = torch.tensor([width - len(p) for p in prompts])
+    batch = torch.stack([torch.tensor([0] * (width - len(p)) + p) for p in prompts])
+    cache = GenerationCache(model, pad=pad, max_len=max_len)
+    return cache, model(batch, cache=cache)[:, -1]
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+def test_the_decoding_step_matches_each_row_alone_and_never_syncs(name):
+    """decode_step on a ragged batch: each row's logits equal that row's full forward, at every
+    step, and no step reads a tensor value on the host."""
+    model = make_model(name)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3, 11, 7)]
+    extra = torch.randint(0, VOCAB, (3, 14), generator=g)  # the tokens fed step by step
+    with torch.no_grad():
+        cache, _ = prefill_ragged(model, prompts, max_len=11 + 14)
+        steps = []
+        for t in range(extra.shape[1]):
+            with NoHostReads():
+                steps.append(model.decode_step(extra[:, t:t + 1], cache, torch.tensor(cache.seen)))
+            cache.advance(1)
+        for row, p in enumerate(prompts):
+            full = model(torch.tensor([p + extra[row].tolist()]))[0, len(p):]  # (14, V)
+            torch.testing.assert_close(torch.stack([s[row] for s in steps]), full, atol=1e-4, rtol=1e-4)

@@ -118,3 +118,8 @@ class AdditiveCache(KVCache):
         mask = self.causal_mask(q.shape[2])
         keys, values = self.store(k, v)
         return additive_attention(q, keys, values, self.layer.score, self.layer.score_bias, self.layer.block, mask)
+
+    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        self.store_at(k, v, pos)
+        mask = self.context.decode_mask(pos)  # (B, 1, 1, L): the slots after pos are hidden
+        return additive_attention(q, self.k, self.v, self.layer.score, self.layer.score_bias, self.layer.block, mask)

@@ -6,7 +6,8 @@
 - its **layer** (`AttentionLayer`): x (B, T, C) -> (B, T, C) for training and scoring, and with a
   cache for generation; it declares what it keeps while decoding and whether it is context-limited.
 - its **cache** (`LayerCache`): `attend(q, k, v)` of the next positions over what it holds,
-  updating it. The cached path is always here, never in the layer.
+  updating it, and `decode(q, k, v, pos)`, the same for one position on fixed shapes (what a
+  compiled decoding step runs). The cached path is always here, never in the layer.
 
 A model's attention is a list of specs, one per layer (lm.config.ModelConfig.attention).
 Shapes: B batch, T new positions, C d_model, nh query heads, nkv K/V heads, hs head size.
@@ -46,6 +47,12 @@ class LayerCache(Protocol):
         attending over everything held so far plus these; the new positions are then held."""
         ...
 
+    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The same for one new position at slot `pos`, a 0-dim long tensor: q (B, nh, 1, hs),
+        k and v (B, nkv, 1, hs) -> (B, nh, 1, hs). Fixed shapes, in-place writes, no host sync
+        (no .item(), no Python branch on tensor values), so a compiled step can run it."""
+        ...
+
     def nbytes(self) -> int:
         """Bytes of tensors held."""
         ...
@@ -58,9 +65,10 @@ class AttentionLayer(Protocol):
     context_limited: bool  # True: positions past max_seq_len are out of reach (full attention)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 cache: LayerCache | None = None) -> torch.Tensor:
+                 cache: LayerCache | None = None, pos: torch.Tensor | None = None) -> torch.Tensor:
         """x (B, T, C) -> (B, T, C); cos, sin are the RoPE angles of the T positions. With a cache,
-        x holds the next T positions after those the cache has seen."""
+        x holds the next T positions after those the cache has seen; with `pos` too (a 0-dim long
+        tensor), x is the one position at slot pos, decoded through `cache.decode`."""
         ...
 
     def generation_state(self) -> CacheSpec:

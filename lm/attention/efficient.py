@@ -128,20 +128,15 @@ def chunked_efficient_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return out, (N, D, m)
 
 
-def efficient_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: State,
-                   real: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
-    """One new position: q (B, nh, 1, hs), k and v (B, nkv, 1, hs); `real` (B,) bool."""
+def efficient_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
+    """One new position: q (B, nh, 1, hs), k and v (B, nkv, 1, hs)."""
     N, D, m = state
     B, nh, _, hs = q.shape
     nkv = k.shape[1]
     k, v = k[:, :, 0].to(N.dtype), v[:, :, 0].to(N.dtype)  # (B, nkv, hs)
     s = torch.maximum(m, k.detach())
     e, rescale = torch.exp(k - s), torch.exp(m - s)  # (B, nkv, hs) each
-    new = (N * rescale[..., None] + e[..., None] * v[:, :, None, :], D * rescale + e, s)
-    if real is not None:  # a padding position leaves the state as it was
-        keep = real[:, None, None]
-        new = (torch.where(keep[..., None], new[0], N), torch.where(keep, new[1], D), torch.where(keep, new[2], m))
-    N, D, m = new
+    N, D, m = N * rescale[..., None] + e[..., None] * v[:, :, None, :], D * rescale + e, s
     a = q[:, :, 0].to(N.dtype).softmax(-1).view(B, nkv, nh // nkv, hs)  # (B, nkv, g, hs)
     b = a / D[:, :, None].clamp_min(torch.finfo(N.dtype).tiny)
     out = torch.einsum("bhgf,bhfe->bhge", b, N).reshape(B, nh, 1, hs)  # (B, nh, 1, hs)
@@ -160,11 +155,19 @@ class EfficientState:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         context, T = self.context, q.shape[2]
         real = context.real(context.seen, T) if context.has_padding else None  # (B, T)
-        if T == 1:
-            out, self.state = efficient_step(q, k, v, self.state, None if real is None else real[:, 0])
-        else:
-            out, self.state = chunked_efficient_attention(q, k, v, self.state, self.chunk_size, real)
+        out, state = chunked_efficient_attention(q, k, v, self.state, self.chunk_size, real)
+        self._keep(state)
         return out.to(q.dtype)
+
+    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        out, state = efficient_step(q, k, v, self.state)  # a decoded position is always real
+        self._keep(state)
+        return out.to(q.dtype)
+
+    def _keep(self, state: State) -> None:
+        """Into the fixed buffers, in place: a compiled step keeps reading the same tensors."""
+        for held, new in zip(self.state, state, strict=True):
+            held.copy_(new)
 
     def nbytes(self) -> int:
         return tensor_bytes(*self.state)

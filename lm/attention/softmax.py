@@ -90,5 +90,19 @@ class KVCache:
             return F.scaled_dot_product_attention(q, keys, values, is_causal=T > 1, enable_gqa=gqa)
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.causal_mask(T), enable_gqa=gqa)
 
+    def store_at(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        """Write k, v (B, nkv, 1, hs) into slot `pos` (0-dim tensor) in place."""
+        self.k.index_copy_(2, pos.view(1), k)
+        self.v.index_copy_(2, pos.view(1), v)
+
+    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """One query (B, nh, 1, hs) at slot `pos` over the whole buffer, slots after it masked."""
+        self.store_at(k, v, pos)
+        mask = self.context.decode_mask(pos)  # (B, 1, 1, L)
+        if self.sink_logit is not None:
+            return masked_with_learned_sink(q, self.k, self.v, mask, self.sink_logit)
+        return F.scaled_dot_product_attention(q, self.k, self.v, attn_mask=mask,
+                                              enable_gqa=self.k.shape[1] != q.shape[1])
+
     def nbytes(self) -> int:
         return tensor_bytes(self.k, self.v)
