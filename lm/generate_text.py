@@ -14,6 +14,7 @@ from lm.checkpoint import load
 from lm.errors import GenerationError
 from lm.generation import Generation, Sampling
 from lm.paths import resolve_path
+from lm.quantize import quantize_int8, weight_bytes
 from lm.tokenizer import EOT
 
 
@@ -59,6 +60,10 @@ def check_run_settings(cfg: DictConfig) -> None:
         raise GenerationError(f"device={device!r}: this torch has no CUDA device; use device=cpu")
     if device.split(":")[0] not in ("cpu", "cuda", "mps"):
         raise GenerationError(f"device={device!r} is not cpu, cuda or mps")
+    if cfg.quantize not in (None, "int8"):
+        raise GenerationError(f"quantize={cfg.quantize!r} must be null or int8")
+    if not isinstance(cfg.compile, bool):
+        raise GenerationError(f"compile={cfg.compile!r} must be true or false")
 
 
 def cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
@@ -76,9 +81,12 @@ def generate_text(cfg: DictConfig, out: TextIO | None = None, err: TextIO | None
     stop = read_stop_strings(cfg.stop)
     check_run_settings(cfg)
     model, tokenizer = load(resolve_path(cfg.ckpt), device=cfg.device)
+    if cfg.quantize is not None:
+        model = quantize_int8(model)
     ids = [tokenizer.encode(p).ids for p in prompts]
     run = Generation(model, ids, cfg.max_new_tokens, sampling, stop=stop, tokenizer=tokenizer,
-                     eos_id=tokenizer.token_to_id(EOT), use_cache=cfg.use_cache, seed=cfg.seed, truncate=cfg.truncate)
+                     eos_id=tokenizer.token_to_id(EOT), use_cache=cfg.use_cache, seed=cfg.seed, truncate=cfg.truncate,
+                     compile=cfg.compile)
     if len(prompts) == 1:
         texts = [_stream_one(run, prompts[0], len(ids[0]), tokenizer, stop, out)]
     else:
@@ -120,7 +128,11 @@ def _print_stats(run: Generation, err: TextIO) -> None:
     tokens = s["prompt_tokens"] + s["new_tokens"]
     per_token = s["cache_bytes"] / tokens if tokens else 0.0
     err.write(f"prompt tokens {s['prompt_tokens']}, new tokens {s['new_tokens']}, prefill {s['prefill_s']:.3f} s, "
-              f"decode {decode_rate:.1f} tokens/s, cache {s['cache_bytes']:,} bytes ({per_token:,.0f} per token)\n")
+              f"decode {decode_rate:.1f} tokens/s, cache {s['cache_bytes']:,} bytes ({per_token:,.0f} per token), "
+              f"weights {weight_bytes(run.model):,} bytes\n")
+    if run.compiled and "first_step_s" in s:
+        err.write(f"compiling: prefill {s['prefill_s']:.1f} s, first step {s['first_step_s']:.1f} s "
+                  "(later runs of the same shapes in this process reuse the graphs)\n")
 
 
 __all__ = ["generate_text"]

@@ -129,11 +129,12 @@ def lowrank_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, E: torc
     gqa = k.shape[1] != nh
     outputs = []
     for start in range(0, T, QUERY_GROUP):
-        pos = q_offset + torch.arange(start, min(T, start + QUERY_GROUP), device=q.device)  # (t,)
+        first_pos, last_pos = q_offset + start, q_offset + min(T, start + QUERY_GROUP) - 1  # Python ints: no sync
+        pos = torch.arange(first_pos, last_pos + 1, device=q.device)  # (t,)
         own = pos // block  # (t,)
-        first = int(own[0]) * block  # raw keys in view: from the first query's block to the last query
-        raw = torch.arange(first, int(pos[-1]) + 1, device=q.device)  # (s,)
-        n_slots = n_prior + int(own[-1]) * r  # compressed slots any query of the group may see
+        # Raw keys in view: from the first query's block to the last query.
+        raw = torch.arange(first_pos // block * block, last_pos + 1, device=q.device)  # (s,)
+        n_slots = n_prior + last_pos // block * r  # compressed slots any query of the group may see
         keys = torch.cat((kc[:, :, :n_slots], k[:, :, raw]), dim=2)  # (B, nkv, n_slots + s, hs)
         values = torch.cat((vc[:, :, :n_slots], v[:, :, raw]), dim=2)
         sees_slot = slot_block[None, :n_slots] < own[:, None]  # (t, n_slots)

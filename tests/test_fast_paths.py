@@ -1,0 +1,125 @@
+"""The speed paths against the plain ones: compiled decoding, weight-only int8, compiled training.
+
+Compiling takes 10-90 s per model on a 2-core CPU, so one kind runs in `make test` and every kind
+under the `slow` marker. The fixed-shape step itself is held for every kind, eagerly, by
+tests/test_generation.py (each row as alone; no host read inside the step).
+"""
+
+import pytest
+import torch
+
+from lm import ModelConfig, Transformer, generate, quantize_int8, stream
+from lm.checkpoint import read_checkpoint
+from lm.quantize import Int8Linear, quantize_per_channel, weight_bytes
+from conftest import train_small_run
+from test_generation import KINDS, VOCAB, make_model
+
+
+def ragged_prompts():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3, 17, 9)]
+
+
+def test_compiled_decoding_gives_the_eager_tokens_on_a_ragged_batch():
+    torch._dynamo.reset()
+    model = make_model("gqa")
+    prompts = ragged_prompts()
+    run = stream(model, prompts, 20, compile=True)
+    list(run)
+    assert run.tokens == generate(model, prompts, 20)
+    assert run.stats["first_step_s"] > 0  # compile time is reported
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(KINDS))
+def test_every_kind_compiled_gives_the_eager_tokens(name):
+    torch._dynamo.reset()  # each kind is a new graph; torch's recompile limit would count them all
+    model = make_model(name)
+    prompts = ragged_prompts()
+    assert generate(model, prompts, 20, compile=True) == generate(model, prompts, 20)
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+def test_the_training_forward_of_every_kind_is_one_graph(name):
+    """No graph breaks: compile=true training compiles the whole forward of every kind."""
+    torch._dynamo.reset()
+    model = make_model(name).train()
+    explanation = torch._dynamo.explain(model)(torch.randint(0, VOCAB, (2, 40)))
+    assert explanation.graph_break_count == 0, [str(b.reason)[:200] for b in explanation.break_reasons]
+
+
+# ---------------------------------------------------------------- int8
+
+
+def test_per_channel_int8_reconstructs_each_row_within_half_a_step():
+    weight = torch.randn(37, 29) * torch.logspace(-3, 1, 37)[:, None]  # rows of very different scales
+    weight[5] = 0
+    q, scales = quantize_per_channel(weight)
+    assert q.dtype == torch.int8 and scales.shape == (37,)
+    assert q.abs().amax(1)[torch.arange(37) != 5].eq(127).all()  # each row's largest entry uses the range
+    error = (q.float() * scales[:, None] - weight).abs()
+    assert (error <= scales[:, None] / 2 + 1e-7).all()
+    assert error[5].eq(0).all()
+
+
+@pytest.mark.skipif(not hasattr(torch.ops.aten, "_weight_int8pack_mm"), reason="no int8pack kernel in this torch")
+def test_the_two_int8_kernels_compute_the_same_product():
+    linear = torch.nn.Linear(48, 72, bias=False)
+    x = torch.randn(3, 5, 48)
+    dequant, packed = Int8Linear(linear, "dequant"), Int8Linear(linear, "int8pack")
+    torch.testing.assert_close(packed(x), dequant(x), atol=1e-4, rtol=1e-4)
+    # and both are the float product with the rounded weights
+    q, scales = quantize_per_channel(linear.weight)
+    torch.testing.assert_close(dequant(x), x @ (q.float() * scales[:, None]).T, atol=1e-5, rtol=1e-5)
+
+
+def test_int8_model_keeps_logits_close_and_holds_int8_matmul_weights():
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=300, n_layer=2, d_model=64, n_head=4, n_kv_head=2, d_ff=128,
+                                    max_seq_len=64)).eval()
+    quantized = quantize_int8(model)
+    assert all(not isinstance(m, torch.nn.Linear) for m in quantized.modules())
+    assert isinstance(model.head, torch.nn.Linear)  # the original is untouched
+    idx = torch.randint(0, 300, (2, 30))
+    with torch.no_grad():
+        full, approx = model(idx), quantized(idx)
+    # The tolerance lm.quantize documents: within 5% of the logits' spread.
+    assert (approx - full).abs().max() <= 0.05 * full.std()
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    int8_bytes = sum(m.weight.numel() + 4 * m.out_features for m in linears)  # int8 weights + a scale per row
+    # Untied matmul weights leave as float and come back as int8; the tied head is new bytes,
+    # since the embedding it shared stays float.
+    untied_float_bytes = sum(4 * m.weight.numel() for m in linears if m is not model.head)
+    assert weight_bytes(quantized) == weight_bytes(model) - untied_float_bytes + int8_bytes
+
+
+def test_int8_decoding_agrees_with_fp32_on_a_trained_model(tmp_path, small_corpus):
+    """A model trained on real text: the int8 model's next-token argmax equals fp32's at most
+    positions of held-out text (the agreement rate is what the README reports at full size)."""
+    from lm import load
+
+    path = train_small_run(tmp_path, small_corpus, "trainer.max_steps=30")
+    model, tokenizer = load(path)
+    text = (small_corpus / sorted(p.name for p in small_corpus.iterdir())[-1]).read_text()[:4000]
+    idx = torch.tensor([tokenizer.encode(text).ids[:32]])
+    with torch.no_grad():
+        agree = (model(idx).argmax(-1) == quantize_int8(model)(idx).argmax(-1)).float().mean().item()
+    assert agree >= 0.9
+    prompt = idx[:, :8]
+    assert len(generate(quantize_int8(model), prompt, 8)[0]) == 16  # and it decodes through every cache
+
+
+# ---------------------------------------------------------------- compiled training
+
+
+@pytest.mark.slow
+def test_compiled_training_on_cpu_saves_the_plain_names_and_resumes(tmp_path, small_corpus):
+    plain = train_small_run(tmp_path / "plain", small_corpus)
+    compiled = train_small_run(tmp_path / "compiled", small_corpus, "compile=true")
+    plain_state, compiled_state = (read_checkpoint(p)["state_dict"] for p in (plain, compiled))
+    assert list(compiled_state) == list(plain_state)
+    for name in plain_state:  # same data, same seed: the same weights up to kernel rounding
+        torch.testing.assert_close(compiled_state[name], plain_state[name], atol=2e-3, rtol=2e-3)
+    resumed = train_small_run(tmp_path / "compiled", small_corpus, "compile=true", "resume=true",
+                              "trainer.max_steps=5")
+    assert read_checkpoint(resumed)["global_step"] == 5
