@@ -93,9 +93,10 @@ class LitLM(L.LightningModule):
         self.val_history: list[tuple[int, float, float, float]] = []
         self.train_seconds = 0.0  # time in training steps, validation excluded (this process, not resumed ones)
         self.train_tokens = 0
-        # The compiled callable is kept out of the module tree so checkpoints hold the
-        # plain model's parameter names, loadable with or without compile.
-        self._forward = torch.compile(model) if compile else model
+        # The callable the steps run, kept out of the module tree (object.__setattr__ bypasses
+        # nn.Module's registration), so checkpoints hold the plain model's parameter names once,
+        # loadable with or without compile.
+        object.__setattr__(self, "_forward", torch.compile(model) if compile else model)
         self._batch_start = 0.0
         self._val_sums: list[torch.Tensor] = []
         self.last_val_step = -1
@@ -187,6 +188,13 @@ class LitLM(L.LightningModule):
             group["initial_lr"] = o.lr
             group["lr"] = o.lr * multiplier(step)
         scheduler.base_lrs = [o.lr] * len(optimizer.param_groups)
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        # Checkpoints written before the callable left the module tree hold every weight a second
+        # time under "_forward." (or "_forward._orig_mod." when compiled); the "model." copy is the one.
+        state = checkpoint["state_dict"]
+        for key in [k for k in state if k.startswith("_forward.")]:
+            del state[key]
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if not all(torch.isfinite(p).all() for p in self.model.parameters()):

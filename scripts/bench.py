@@ -3,6 +3,7 @@
     python scripts/bench.py train       # training tokens/s vs transformers' LlamaForCausalLM, and MFU
     python scripts/bench.py attention   # time and peak memory of each attention kind vs sequence length
     python scripts/bench.py generate    # decode tokens/s, per-token latency and cache bytes per kind vs transformers
+    python scripts/bench.py decode      # eager, compiled and int8 decoding vs transformers (eager; static cache + compile)
 
 The machine may be shared and noisy, so the contenders run in alternating rounds and each
 reports its median step time; compare the ratio, not a single absolute figure.
@@ -76,8 +77,15 @@ def bench_train(args) -> None:
         "lm": train_step_fn(ours, lambda m, x: m(x)),
         "transformers": train_step_fn(hf_llama(cfg), lambda m, x: m(input_ids=x).logits),
     }
+    if args.compile:  # a second copy of our model, compiled as `compile=true` training compiles it
+        twin = Transformer(cfg)
+        twin.load_state_dict(ours.state_dict())
+        compiled = torch.compile(twin)
+        contenders["lm compiled"] = train_step_fn(twin, lambda m, x: compiled(x))
     batch = torch.randint(0, cfg.vocab_size, (args.batch, cfg.max_seq_len + 1))
-    for step in contenders.values():
+    first_step = {}
+    for name, step in contenders.items():
+        first_step[name] = _timed(lambda step=step: step(batch))  # compiles, for the compiled contender
         for _ in range(args.warmup):
             step(batch)
     times: dict[str, list[float]] = {name: [] for name in contenders}
@@ -94,11 +102,14 @@ def bench_train(args) -> None:
           f"d_model {cfg.d_model}, {cfg.n_head} heads / {cfg.n_kv_head} KV, SwiGLU {cfg.d_ff}, "
           f"seq {cfg.max_seq_len}, batch {args.batch}, tied embeddings; {args.steps} steps each")
     print(f"measured fp32 matmul peak: {peak / 1e9:.0f} GFLOP/s")
-    print(f"{'':14}{'median step s':>14}{'tokens/s':>10}{'MFU':>7}")
+    print(f"{'':14}{'median step s':>14}{'tokens/s':>10}{'MFU':>7}{'first step s':>14}")
     medians = {name: statistics.median(t) for name, t in times.items()}
     for name, seconds in medians.items():
-        print(f"{name:14}{seconds:14.3f}{tokens / seconds:10.0f}{flops_per_step / seconds / peak:7.1%}")
-    print(f"lm / transformers tokens/s: {medians['transformers'] / medians['lm']:.2f}x")
+        print(f"{name:14}{seconds:14.3f}{tokens / seconds:10.0f}{flops_per_step / seconds / peak:7.1%}"
+              f"{first_step[name]:14.1f}")
+    for name in medians:
+        if name != "transformers":
+            print(f"{name} / transformers tokens/s: {medians['transformers'] / medians[name]:.2f}x")
 
 
 # ---------------------------------------------------------------------------- attention
@@ -387,6 +398,90 @@ def bench_generate(args) -> None:
                 print(f"lm gqa / transformers decode tokens/s at {n} new tokens: {rates['gqa'][n] / hf_rates[n]:.2f}x")
 
 
+# ---------------------------------------------------------------------------- decode: eager, compiled, int8
+
+
+def hf_static_compiled(hf: torch.nn.Module) -> torch.nn.Module:
+    """What a transformers user tries first for speed: a static KV cache and a compiled forward."""
+    import copy
+
+    hf = copy.deepcopy(hf)
+    hf.generation_config.cache_implementation = "static"
+    hf.forward = torch.compile(hf.forward, fullgraph=True)
+    return hf
+
+
+def bench_decode(args) -> None:
+    from lm.generation import stream
+    from lm.quantize import quantize_int8, weight_bytes
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(**{**REFERENCE, "max_seq_len": args.prompt + args.new_tokens})
+    model = Transformer(cfg).eval()
+    int8 = quantize_int8(model, args.int8_kernel)
+    hf = hf_llama(cfg).eval()
+    hf.load_state_dict(_as_hf_state(model), strict=False)  # rotary inv_freq buffers are not weights
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    hf_static = hf_static_compiled(hf)
+    prompt = torch.randint(0, cfg.vocab_size, (1, args.prompt))
+    n = args.new_tokens
+
+    def ours(m, compile: bool = False):
+        def run() -> list[int]:
+            return stream_tokens(stream(m, prompt, n, compile=compile))
+        return run
+
+    def theirs(m):
+        def run() -> list[int]:
+            with torch.no_grad():
+                out = m.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            return out[0].tolist()
+        return run
+
+    contenders = {
+        "transformers eager": theirs(hf),
+        "transformers static+compile": theirs(hf_static),
+        "lm eager": ours(model),
+        "lm compiled": ours(model, compile=True),
+        "lm int8": ours(int8),
+        "lm int8 compiled": ours(int8, compile=True),
+    }
+    first_call, tokens = {}, {}
+    for name, run in contenders.items():  # the first call compiles where there is anything to compile
+        start = time.perf_counter()
+        tokens[name] = run()
+        first_call[name] = time.perf_counter() - start
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(args.rounds):  # alternate, so background load hits every contender alike
+        for name, run in contenders.items():
+            times[name].append(_timed(run))
+    print(f"greedy decoding, batch 1, {args.prompt}-token prompt, {n} new tokens, fp32, {torch.get_num_threads()} "
+          f"threads; reference shape (vocab 8192, 6 layers, d_model 384, 6 heads / 2 KV heads, SwiGLU 1024); "
+          f"median of {args.rounds} alternating rounds; int8 kernel {args.int8_kernel}")
+    print(f"{'':30}{'tokens/s':>10}{'vs transformers':>17}{'first call s':>14}{'weight MB':>11}{'same tokens':>13}")
+    base = statistics.median(times["transformers eager"])
+    for name in contenders:
+        seconds = statistics.median(times[name])
+        weights = weight_bytes(int8 if "int8" in name else model) / 2**20
+        same = tokens[name] == tokens["lm eager"]
+        print(f"{name:30}{n / seconds:10.1f}{base / seconds:16.2f}x{first_call[name]:14.1f}{weights:11.1f}"
+              f"{str(same):>13}")
+
+
+def stream_tokens(run) -> list[int]:
+    for _ in run:
+        pass
+    return run.tokens[0]
+
+
+def _as_hf_state(model: Transformer) -> dict:
+    """Our weights under transformers' Llama names, so both contenders decode the same function."""
+    from lm.weights import to_hf_state_dict
+
+    return to_hf_state_dict(model.state_dict(), model.config)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
@@ -394,6 +489,7 @@ def main() -> None:
     train.add_argument("--steps", type=int, default=10, help="measured steps per contender")
     train.add_argument("--warmup", type=int, default=2, help="unmeasured steps per contender first")
     train.add_argument("--batch", type=int, default=8)
+    train.add_argument("--no-compile", dest="compile", action="store_false", help="skip the compiled contender")
     train.set_defaults(run=bench_train)
     attention = sub.add_parser("attention", help="time and peak memory of each attention kind against N")
     attention.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
@@ -415,6 +511,12 @@ def main() -> None:
     gen.add_argument("--kinds", nargs="+", choices=list(GENERATE_KINDS), default=list(GENERATE_KINDS),
                      help="rows to time (default: all)")
     gen.set_defaults(run=bench_generate)
+    dec = sub.add_parser("decode", help="eager, compiled and int8 decoding side by side with transformers")
+    dec.add_argument("--prompt", type=int, default=32, help="prompt tokens")
+    dec.add_argument("--new-tokens", type=int, default=128)
+    dec.add_argument("--rounds", type=int, default=5, help="alternating measured rounds; the median is kept")
+    dec.add_argument("--int8-kernel", choices=["dequant", "int8pack"], default="dequant")
+    dec.set_defaults(run=bench_decode)
     args = parser.parse_args()
     args.run(args)
 

@@ -14,12 +14,19 @@ V1 = Path(__file__).parent / "fixtures" / "v1"
 NAMES = ["gqa", "sliding-per-layer", "sliding-global-every", "hybrid"]
 
 
+def assert_same_function(logits: torch.Tensor, stored: torch.Tensor) -> None:
+    """The logits the old code computed, to float rounding: a kernel may be rewritten (linear
+    attention's chunkwise op was, after these fixtures were written) and round differently, but a
+    changed meaning (a default, a layout, a missing option) moves logits by far more than 1e-5."""
+    torch.testing.assert_close(logits, stored, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_format_1_checkpoint_loads_with_identical_logits(name):
     model, tokenizer = lm.load(V1 / f"{name}.ckpt")
     with torch.no_grad():
         logits = model(torch.load(V1 / "input.pt", weights_only=True))
-    assert torch.equal(logits, torch.load(V1 / f"{name}.logits.pt", weights_only=True))
+    assert_same_function(logits, torch.load(V1 / f"{name}.logits.pt", weights_only=True))
     assert tokenizer.get_vocab_size() == 300
 
 
@@ -27,7 +34,7 @@ def test_format_1_export_folder_loads_with_identical_logits():
     model, _ = lm.load(V1 / "sliding-per-layer-export")
     with torch.no_grad():
         logits = model(torch.load(V1 / "input.pt", weights_only=True))
-    assert torch.equal(logits, torch.load(V1 / "sliding-per-layer.logits.pt", weights_only=True))
+    assert_same_function(logits, torch.load(V1 / "sliding-per-layer.logits.pt", weights_only=True))
 
 
 def test_checkpoints_are_written_in_format_2_and_a_newer_format_is_refused(tmp_path):
@@ -43,7 +50,7 @@ def test_checkpoints_are_written_in_format_2_and_a_newer_format_is_refused(tmp_p
     again, _ = lm.load(path)
     with torch.no_grad():
         logits = again(torch.load(V1 / "input.pt", weights_only=True))
-    assert torch.equal(logits, torch.load(V1 / "hybrid.logits.pt", weights_only=True))
+    assert_same_function(logits, torch.load(V1 / "hybrid.logits.pt", weights_only=True))
 
     ckpt = torch.load(path, weights_only=True)
     ckpt["lm"]["format_version"] = 3
