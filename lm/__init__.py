@@ -9,4 +9,6 @@ from lm.generation import GenerationError, generate, stream
 from lm.model import Transformer
 from lm.quantize import quantize_int8
 
-__all__ = ["ConfigError", "GenerationError", "ModelConfig", "Transformer", "generate", "load", "quantize_int8", "stream"]
+__all__ = [
+    "ConfigError", "GenerationError", "ModelConfig", "Transformer", "generate", "load", "quantize_int8", "stream",
+]

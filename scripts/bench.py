@@ -3,7 +3,7 @@
     python scripts/bench.py train       # training tokens/s vs transformers' LlamaForCausalLM, and MFU
     python scripts/bench.py attention   # time and peak memory of each attention kind vs sequence length
     python scripts/bench.py generate    # decode tokens/s, per-token latency and cache bytes per kind vs transformers
-    python scripts/bench.py decode      # eager, compiled and int8 decoding vs transformers (eager; static cache + compile)
+    python scripts/bench.py decode      # eager, compiled and int8 decoding vs transformers, eager and compiled
 
 The machine may be shared and noisy, so the contenders run in alternating rounds and each
 reports its median step time; compare the ratio, not a single absolute figure.
@@ -25,6 +25,7 @@ from lm import ModelConfig, Transformer
 from lm.attention import AttentionSpec, LayerShape, LinearSpec, SlidingSpec, SoftmaxSpec
 from lm.attention.additive import AdditiveSpec
 from lm.attention.efficient import EfficientSpec
+from lm.attention.feature_maps import feature_dim
 from lm.attention.lowrank import LowRankSpec
 
 # The reference shape named in the README and the issues.
@@ -198,33 +199,66 @@ def time_attention(module, shape: LayerShape, seq_len: int, backward: bool, repe
     return min(r[0] for r in results), max(r[1] for r in results)
 
 
+def attention_flops(spec: AttentionSpec, n_head: int, n_kv_head: int, hs: int, T: int) -> float:
+    """Forward FLOPs of one attention op as its own algorithm does it (a multiply-add is 2), the
+    work the GFLOP/s column divides by. Causal kinds count the keys each query needs, not the
+    masked-out half a kernel may still touch."""
+    pairs_causal = T * (T + 1) / 2  # (query, key) pairs of full causal attention
+    if isinstance(spec, SoftmaxSpec):
+        return 4 * n_head * hs * pairs_causal  # q.k and the weighted sum of v
+    if isinstance(spec, SlidingSpec):
+        span = spec.window + spec.sink_tokens
+        return 4 * n_head * hs * sum(min(i + 1, span) for i in range(T))
+    if isinstance(spec, (LinearSpec, EfficientSpec)):
+        C = spec.chunk_size
+        F = hs if isinstance(spec, EfficientSpec) else feature_dim(spec.feature_map, hs)
+        inside = 2 * n_head * T * C * F + 2 * n_head * T * C * (hs + 1)  # chunk scores, their weighted sum
+        across = 2 * n_kv_head * T * F * (hs + 1) + 2 * n_head * T * F * (hs + 1)  # state update, state read
+        return inside + across
+    if isinstance(spec, LowRankSpec):
+        L, r = spec.block, spec.rank
+        keys = sum(i % L + 1 + r * (i // L) for i in range(T))  # own block raw + compressed slots
+        return 4 * n_head * hs * keys
+    if isinstance(spec, AdditiveSpec):
+        return 6 * n_head * hs * pairs_causal  # q + k, tanh, w . hidden (counted as 1 each), then v
+    raise ValueError(f"no FLOP count for {type(spec).__name__}")
+
+
 def bench_attention(args) -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    exact_resident_memory()
     rows = []
     kinds = {name: ATTENTION_KINDS[name] for name in args.kinds}
     cases = [(name, spec, n_kv_head, args.heads, longest) for name, (spec, n_kv_head, longest) in kinds.items()]
     if args.single_head:  # the footing of the published GPU figures: one head of size d_model
         cases += [("mha-1head", SoftmaxSpec(), None, 1, None),
                   ("linear-1head", LinearSpec(feature_map="elu"), None, 1, None)]
+    longest_n = max(args.lengths)
+    cases = [(name, spec, n_kv_head, heads, n) for name, spec, n_kv_head, heads, longest in cases for n in args.lengths
+             if not ((heads == 1 and n != longest_n) or (longest is not None and n > longest))]
+    peak = matmul_peak_flops()
     print(f"attention op (q, k, v -> out; projections excluded), fp32, {torch.get_num_threads()} threads, "
-          f"batch 1, d_model {args.d_model}; peak = resident memory above the inputs")
-    print(f"{'kind':18}{'N':>7}{'fwd s':>9}{'fwd+bwd s':>11}{'fwd MB':>9}{'fwd+bwd MB':>12}")
-    for name, spec, n_kv_head, heads, longest in cases:
-        for n in args.lengths:
-            if (heads == 1 and n != max(args.lengths)) or (longest is not None and n > longest):
-                continue
-            torch.manual_seed(0)
-            module, shape = attention_layer(spec, n_kv_head, args.d_model, heads)
-            fwd_s, fwd_mem = time_attention(module, shape, n, backward=False, repeats=args.repeats)
-            bwd_s, bwd_mem = time_attention(module, shape, n, backward=True, repeats=args.repeats)
-            row = {"kind": name, "n_head": heads, "n_kv_head": shape.n_kv_head, "seq_len": n, "forward_s": fwd_s,
-                   "forward_backward_s": bwd_s, "forward_peak_mb": fwd_mem / 2**20,
-                   "forward_backward_peak_mb": bwd_mem / 2**20}
-            rows.append(row)
-            print(f"{name:18}{n:7}{fwd_s:9.4f}{bwd_s:11.4f}{row['forward_peak_mb']:9.1f}"
-                  f"{row['forward_backward_peak_mb']:12.1f}", flush=True)
+          f"batch 1, d_model {args.d_model}; measured fp32 matmul peak {peak / 1e9:.0f} GFLOP/s")
+    # Times first, with the allocator as every program has it; then the memory peaks, with the
+    # allocator made to map and unmap every block (exact_resident_memory), which costs page faults.
+    print(f"{'kind':18}{'N':>7}{'fwd s':>9}{'fwd+bwd s':>11}{'fwd GFLOP/s':>13}{'of peak':>9}")
+    for name, spec, n_kv_head, heads, n in cases:
+        torch.manual_seed(0)
+        module, shape = attention_layer(spec, n_kv_head, args.d_model, heads)
+        fwd_s = time_attention(module, shape, n, backward=False, repeats=args.repeats)[0]
+        bwd_s = time_attention(module, shape, n, backward=True, repeats=args.repeats)[0]
+        gflops = attention_flops(spec, heads, shape.n_kv_head, shape.head_dim, n) / fwd_s / 1e9
+        rows.append({"kind": name, "n_head": heads, "n_kv_head": shape.n_kv_head, "seq_len": n, "forward_s": fwd_s,
+                     "forward_backward_s": bwd_s, "forward_gflops": gflops, "forward_of_peak": gflops * 1e9 / peak})
+        print(f"{name:18}{n:7}{fwd_s:9.4f}{bwd_s:11.4f}{gflops:13.1f}{gflops * 1e9 / peak:9.1%}", flush=True)
+    exact_resident_memory()
+    print(f"{'kind':18}{'N':>7}{'fwd MB':>9}{'fwd+bwd MB':>12}   (peak resident memory above the inputs)")
+    for row, (name, spec, n_kv_head, heads, n) in zip(rows, cases, strict=True):
+        torch.manual_seed(0)
+        module, shape = attention_layer(spec, n_kv_head, args.d_model, heads)
+        row["forward_peak_mb"] = time_attention(module, shape, n, backward=False, repeats=1)[1] / 2**20
+        row["forward_backward_peak_mb"] = time_attention(module, shape, n, backward=True, repeats=1)[1] / 2**20
+        print(f"{name:18}{n:7}{row['forward_peak_mb']:9.1f}{row['forward_backward_peak_mb']:12.1f}", flush=True)
     csv_path = out_dir / "attention.csv"
     with open(csv_path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -7,12 +7,12 @@ tests/test_generation.py (each row as alone; no host read inside the step).
 
 import pytest
 import torch
+from conftest import train_small_run
+from test_generation import KINDS, VOCAB, make_model
 
 from lm import ModelConfig, Transformer, generate, quantize_int8, stream
 from lm.checkpoint import read_checkpoint
 from lm.quantize import Int8Linear, quantize_per_channel, weight_bytes
-from conftest import train_small_run
-from test_generation import KINDS, VOCAB, make_model
 
 
 def ragged_prompts():
