@@ -7,6 +7,7 @@ validates once more at the end and prints a short sample from the trained model.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import warnings
 from pathlib import Path
@@ -35,6 +36,16 @@ warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*
 warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
 # Resuming mid-epoch is exact here: the data module restarts its shuffle at the checkpoint's batch.
 warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before the epoch ended")
+
+
+class DropAdverts(logging.Filter):
+    """Lightning logs an advert for its cloud logger at every run ("💡 Tip: ..."): not about this run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("💡 Tip")
+
+
+logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(DropAdverts())
 
 
 def model_config_from(cfg: DictConfig, vocab_size: int) -> ModelConfig:

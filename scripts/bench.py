@@ -516,6 +516,48 @@ def _as_hf_state(model: Transformer) -> dict:
     return to_hf_state_dict(model.state_dict(), model.config)
 
 
+# ---------------------------------------------------------------------------- int8 accuracy
+
+
+def bench_int8(args) -> None:
+    """A trained checkpoint against its int8 copy on the built-in corpus's validation split."""
+    import torch.nn.functional as F
+    from omegaconf import OmegaConf
+
+    from lm import load
+    from lm.data import build_corpus
+    from lm.evaluate import split_documents, token_stream
+    from lm.quantize import quantize_int8, weight_bytes
+
+    model, tokenizer = load(args.ckpt)
+    int8 = quantize_int8(model, args.int8_kernel)
+    data_cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "data" / "pystdlib.yaml")
+    ids, _, _, _ = token_stream(split_documents(build_corpus(data_cfg), "val", float(data_cfg.val_fraction)),
+                                tokenizer)
+    T = model.config.max_seq_len
+    windows = ids[: (min(len(ids), args.tokens) - 1) // T * T + 1]
+    inputs = windows[:-1].view(-1, T)  # (windows, T)
+    targets = windows[1:].view(-1, T)
+    agree = total = 0
+    worst = spread = 0.0
+    nll = {"fp32": 0.0, "int8": 0.0}
+    with torch.no_grad():
+        for x, y in zip(inputs.split(8), targets.split(8), strict=True):
+            full, approx = model(x), int8(x)  # (b, T, V)
+            agree += int((full.argmax(-1) == approx.argmax(-1)).sum())
+            total += y.numel()
+            worst = max(worst, float((approx - full).abs().max()))
+            spread = max(spread, float(full.std()))
+            nll["fp32"] += float(F.cross_entropy(full.flatten(0, 1), y.flatten(), reduction="sum"))
+            nll["int8"] += float(F.cross_entropy(approx.flatten(0, 1), y.flatten(), reduction="sum"))
+    print(f"{args.ckpt}: {total:,} validation tokens of the built-in corpus, int8 kernel {args.int8_kernel}")
+    print(f"next-token argmax agreement int8 vs fp32: {agree / total:.2%}")
+    print(f"largest logit difference {worst:.4f} (logits' standard deviation {spread:.3f})")
+    print(f"loss fp32 {nll['fp32'] / total:.4f}, int8 {nll['int8'] / total:.4f}")
+    print(f"weights: fp32 {weight_bytes(model):,} bytes, int8 {weight_bytes(int8):,} bytes "
+          f"(the embedding stays float: {model.embed.weight.numel() * 4:,} bytes)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
@@ -551,6 +593,11 @@ def main() -> None:
     dec.add_argument("--rounds", type=int, default=5, help="alternating measured rounds; the median is kept")
     dec.add_argument("--int8-kernel", choices=["dequant", "int8pack"], default="dequant")
     dec.set_defaults(run=bench_decode)
+    q8 = sub.add_parser("int8", help="a trained checkpoint against its int8 copy on the built-in corpus")
+    q8.add_argument("--ckpt", required=True, help="a training checkpoint or export folder")
+    q8.add_argument("--tokens", type=int, default=50_000, help="validation tokens scored")
+    q8.add_argument("--int8-kernel", choices=["dequant", "int8pack"], default="dequant")
+    q8.set_defaults(run=bench_int8)
     args = parser.parse_args()
     args.run(args)
 

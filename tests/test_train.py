@@ -89,3 +89,23 @@ def test_hybrid_sliding_and_linear_models_train_end_to_end(train_config):
         assert result["steps"] == 4 and result["val_loss"] < 6.3  # ln 512 = 6.24 at initialisation
         model, _ = lm.load(result["last"])
         assert model.config.attention == layers
+
+
+def test_lightning_adverts_are_dropped_and_its_other_lines_kept():
+    import logging
+
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+    import lm.training  # noqa: F401  (installs the filter)
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    logger.addHandler(handler)
+    try:
+        rank_zero_info("💡 Tip: For seamless cloud logging, try installing something")
+        rank_zero_info("GPU available: False, used: False")
+    finally:
+        logger.removeHandler(handler)
+    assert [r.getMessage() for r in records] == ["GPU available: False, used: False"]
