@@ -33,6 +33,19 @@ def test_script_streams_a_continuation_and_prints_stats(checkpoint, tmp_path):
     assert list(tmp_path.iterdir()) == []  # generation writes nothing
 
 
+def test_int8_script_run_reports_a_quarter_of_the_matmul_bytes(checkpoint, capsys):
+    texts = generate_text(compose_generate(f"ckpt={checkpoint}", "prompt=import os", "max_new_tokens=6",
+                                           "temperature=0", "quantize=int8", "stats=true"))
+    assert texts[0].startswith("import os")
+    err = capsys.readouterr().err
+    fp32 = generate_text(compose_generate(f"ckpt={checkpoint}", "prompt=import os", "max_new_tokens=6",
+                                          "temperature=0", "stats=true"))
+    fp32_err = capsys.readouterr().err
+    assert fp32[0].startswith("import os")
+    weights = [int(e.split("weights ")[1].split(" bytes")[0].replace(",", "")) for e in (err, fp32_err)]
+    assert weights[0] < weights[1]  # the float embedding stays; every matmul weight shrinks to a quarter
+
+
 def test_script_rejects_bad_input_in_one_line(checkpoint, tmp_path):
     result = run_script(f"ckpt={tmp_path / 'missing.ckpt'}", "prompt=hello", cwd=tmp_path)
     assert result.returncode == 2
@@ -79,6 +92,8 @@ def incompatible_copy(checkpoint: Path, folder: Path) -> Path:
     ("top_p=0", "top_p=0 must be in (0, 1]"),
     ("temperature=-1", "temperature=-1 must be a finite number >= 0"),
     ("max_new_tokens=-1", "max_new_tokens=-1 must be an integer >= 0"),
+    ("quantize=int4", "quantize='int4' must be null or int8"),
+    ("compile=sometimes", "compile='sometimes' must be true or false"),
     ("CORRUPT", "is not a readable torch file"),
     ("INCOMPATIBLE", "has format_version=99; this lm reads versions 1, 2; a newer lm wrote it: upgrade lm"),
 ])
