@@ -15,7 +15,7 @@ a query attends
 So query i sees i mod L + 1 raw keys and r * floor(i / L) compressed ones: O(N (L + r N / L))
 time and memory instead of O(N^2), and at r / L = 1/8 an eighth of full attention's scores.
 Decoding keeps the compressed slots of the completed blocks plus the raw K/V of the current
-block, so it is exact against the full forward; the cache grows by r slots per L tokens.
+block, so it is exact against the full forward; it holds r slots per L tokens (preallocated for max_len).
 """
 
 from __future__ import annotations
