@@ -89,7 +89,9 @@ def text_corpus(paths: list[str]) -> Corpus:
             raise DataError(f"data.paths entry {str(pattern)!r} matches no file")
         for m in matched:
             files.update(p for p in m.rglob("*") if p.is_file()) if m.is_dir() else files.add(m)
-    files = sorted(f.resolve() for f in files)
+    # Resolved and deduplicated: a symlink back up the tree makes a recursive glob reach one file
+    # by many paths, which would otherwise train on it many times.
+    files = sorted({f.resolve() for f in files})
     # Ids relative to the files' common folder, so the split does not depend on where the corpus lives.
     root = Path(os.path.commonpath(files)) if len(files) > 1 else files[0].parent
     return files_corpus("text", files, root)
@@ -119,7 +121,10 @@ def hf_corpus(name: str, config_name: str | None, split: str, text_field: str,
                 break
             if text_field not in row:
                 raise DataError(f"data.text_field={text_field!r} is not a column of {name!r}; columns: {sorted(row)}")
-            yield f"{i}", row[text_field]
+            text = row[text_field]
+            if not isinstance(text, str):
+                raise DataError(f"row {i} of {name!r} has {text_field}={text!r} ({type(text).__name__}), not text")
+            yield f"{i}", text
 
     return Corpus(f"hf:{name}", fingerprint, documents)
 

@@ -102,6 +102,25 @@ def test_hf_source_reads_a_local_dataset_folder_through_load_dataset(tmp_path):
         next(wrong_field.documents())
 
 
+@pytest.mark.parametrize("value", [12, None])
+def test_a_dataset_row_whose_text_is_not_a_string_is_one_line(tmp_path, value):
+    folder = tmp_path / "rows"
+    folder.mkdir()
+    rows = [{"text": "def f(x):\n    return x\n"}, {"text": value}]
+    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    corpus = hf_corpus(str(folder), None, "train", "text", streaming=False, data_files=None, max_docs=None)
+    with pytest.raises(DataError, match=rf"row 1 of .* has text={value!r} \(\w+\), not text"):
+        list(corpus.documents())
+
+
+def test_a_symlink_loop_under_a_recursive_glob_reads_each_file_once(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "x.txt").write_text("hello")
+    (tmp_path / "a" / "up").symlink_to("..")  # a/up/a/up/... reaches x.txt by ever longer paths
+    corpus = text_corpus([f"{tmp_path}/**/*.txt"])
+    assert [text for _, text in corpus.documents()] == ["hello"]
+
+
 def test_datamodule_batches_are_shifted_windows(tmp_path, small_corpus):
     dm = TokenDataModule(text_corpus([str(small_corpus)]), tmp_path, seq_len=16, batch_size=4, vocab_size=300)
     dm.setup()
