@@ -92,6 +92,12 @@ class GenerationCache:
         return sum(layer.nbytes() for layer in self.layers)
 
 
+def keep_in_place(held: tuple[torch.Tensor, ...], new: tuple[torch.Tensor, ...]) -> None:
+    """Copy a recurrent state into its fixed buffers, so a compiled step keeps reading the same tensors."""
+    for buffer, value in zip(held, new, strict=True):
+        buffer.copy_(value)
+
+
 def tensor_bytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 

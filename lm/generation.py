@@ -177,7 +177,6 @@ class Generation:
         for row, p in enumerate(self.prompts):
             batch[row, width - len(p):] = torch.tensor(p, device=self.device)
         self.cache = GenerationCache(self.model, pad=width - lengths, max_len=width + self.max_new_tokens)
-        self.slots = torch.arange(width + self.max_new_tokens, device=self.device)  # a step's slot, never synced
         no_step = sorted({type(c).__name__ for c in self.cache.layers if not hasattr(c, "decode")})
         if no_step and self.compiled:
             raise GenerationError(f"compile=true needs every layer's cache to have decode(q, k, v, pos); {no_step} "
@@ -188,7 +187,7 @@ class Generation:
 
     def _decode(self, next_ids: torch.Tensor) -> torch.Tensor:
         """One token per row through the fixed-shape step (lm.cache), compiled or not."""
-        pos = self.slots[self.cache.seen].clone()  # a 0-dim tensor of its own: the compiled step's input
+        pos = self.cache.slots[self.cache.seen].clone()  # a 0-dim tensor of its own, never synced: the step's input
         first = "first_step_s" not in self.stats
         started = time.perf_counter()
         logits = self.step_fn(next_ids[:, None], self.cache, pos)  # (B, V)

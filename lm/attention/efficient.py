@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from lm.attention.base import AttentionSpec, LayerShape, register
 from lm.attention.linear import accumulation_dtype
 from lm.attention.projections import GroupedQKV
-from lm.cache import CacheSpec, GenerationCache, tensor_bytes
+from lm.cache import CacheSpec, GenerationCache, keep_in_place, tensor_bytes
 from lm.checks import require_int
 
 # N (B, nkv, f, hs) and D (B, nkv, f), both scaled by exp(-m); m (B, nkv, f) the running key maximum.
@@ -156,18 +156,13 @@ class EfficientState:
         context, T = self.context, q.shape[2]
         real = context.real(context.seen, T) if context.has_padding else None  # (B, T)
         out, state = chunked_efficient_attention(q, k, v, self.state, self.chunk_size, real)
-        self._keep(state)
+        keep_in_place(self.state, state)
         return out.to(q.dtype)
 
     def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         out, state = efficient_step(q, k, v, self.state)  # a decoded position is always real
-        self._keep(state)
+        keep_in_place(self.state, state)
         return out.to(q.dtype)
-
-    def _keep(self, state: State) -> None:
-        """Into the fixed buffers, in place: a compiled step keeps reading the same tensors."""
-        for held, new in zip(self.state, state, strict=True):
-            held.copy_(new)
 
     def nbytes(self) -> int:
         return tensor_bytes(*self.state)

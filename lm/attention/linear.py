@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from lm.attention.base import AttentionSpec, LayerShape, register
 from lm.attention.feature_maps import FEATURE_MAPS, feature_dim, feature_map
 from lm.attention.projections import GroupedQKV
-from lm.cache import CacheSpec, GenerationCache, tensor_bytes
+from lm.cache import CacheSpec, GenerationCache, keep_in_place, tensor_bytes
 from lm.checks import require_choice, require_int, require_positive
 
 State = tuple[torch.Tensor, torch.Tensor]  # S (B, nkv, F, hs), z (B, nkv, F), at least float32
@@ -186,18 +186,14 @@ class LinearState:
             real = context.real(context.seen, T)  # (B, T)
             fk = fk * real[:, None, :, None]
         out, state = chunked_linear_attention(fq, fk, v, self.spec.eps, self.state, self.spec.chunk_size)
-        self._keep(state)
+        keep_in_place(self.state, state)
         return out.to(q.dtype)
 
     def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         # A decoded position is always a real token (padding only ever precedes the prompt).
         out, state = recurrent_step(self.phi(q), self.phi(k), v, self.spec.eps, self.state)
-        self._keep(state)
+        keep_in_place(self.state, state)
         return out.to(q.dtype)
-
-    def _keep(self, state: State) -> None:
-        for held, new in zip(self.state, state, strict=True):
-            held.copy_(new)
 
     def nbytes(self) -> int:
         return tensor_bytes(*self.state)

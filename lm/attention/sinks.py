@@ -61,3 +61,12 @@ def masked_with_learned_sink(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     mask = torch.cat((mask.new_ones(*mask.shape[:-1], 1), mask), dim=-1)  # (..., T, S + 1): the sink is seen
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
     return out[..., :hs]
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     sink_logit: torch.Tensor | None) -> torch.Tensor:
+    """Attention of q (B, nh, T, hs) over k, v (B, nkv, S, hs) under a boolean mask (..., T, S),
+    with the learned sink when the layer has one: what every cache's masked path calls."""
+    if sink_logit is not None:
+        return masked_with_learned_sink(q, k, v, mask, sink_logit)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from lm.attention.base import AttentionSpec, LayerShape, register
 from lm.attention.projections import GroupedQKV
-from lm.attention.sinks import SINK_DIMS, masked_with_learned_sink, widen_for_sink
+from lm.attention.sinks import SINK_DIMS, masked_attention, widen_for_sink
 from lm.cache import CacheSpec, GenerationCache, tensor_bytes, visibility_mask
 from lm.checks import require_bool, require_int
 
@@ -218,7 +218,7 @@ class RingKVCache:
             self._keep_sinks(k, v, q_slots)
             keys, values = torch.cat((self.sink_k, keys), dim=2), torch.cat((self.sink_v, values), dim=2)
             mask = torch.cat((self._sink_mask(q_slots), mask.expand(q.shape[0], 1, *visible.shape)), dim=-1)
-        out = self._attention(q, keys, values, mask)
+        out = masked_attention(q, keys, values, mask, self.sink_logit)
         keep = min(T, self.k.shape[2])
         index = q_slots[-keep:] % self.k.shape[2]
         self.k[:, :, index] = k[:, :, -keep:]
@@ -241,12 +241,7 @@ class RingKVCache:
             self._keep_sinks(k, v, pos.view(1))
             keys, values = torch.cat((self.sink_k, keys), dim=2), torch.cat((self.sink_v, values), dim=2)
             mask = torch.cat((self._sink_mask(pos.view(1)), mask), dim=-1)  # (B, 1, 1, S + W*d)
-        return self._attention(q, keys, values, mask)
-
-    def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        if self.sink_logit is not None:
-            return masked_with_learned_sink(q, keys, values, mask, self.sink_logit)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=keys.shape[1] != q.shape[1])
+        return masked_attention(q, keys, values, mask, self.sink_logit)
 
     def _keep_sinks(self, k: torch.Tensor, v: torch.Tensor, q_slots: torch.Tensor) -> None:
         """Copy the sink tokens among the new slots q_slots (T,) into the sink buffer, in place and

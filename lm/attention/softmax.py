@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from lm.attention.base import AttentionSpec, LayerShape, register
 from lm.attention.projections import GroupedQKV
-from lm.attention.sinks import causal_with_learned_sink, masked_with_learned_sink
+from lm.attention.sinks import causal_with_learned_sink, masked_attention
 from lm.cache import CacheSpec, GenerationCache, tensor_bytes, visibility_mask
 from lm.checks import require_bool
 
@@ -83,12 +83,10 @@ class KVCache:
         start, T = self.context.seen, q.shape[2]
         keys, values = self.store(k, v)  # (B, nkv, end, hs)
         gqa = keys.shape[1] != q.shape[1]
-        if self.sink_logit is not None:
-            return masked_with_learned_sink(q, keys, values, self.causal_mask(T), self.sink_logit)
-        if not self.context.has_padding and (T == 1 or start == 0):
+        if self.sink_logit is None and not self.context.has_padding and (T == 1 or start == 0):
             # One new token sees every cached one; a first chunk is plain causal attention.
             return F.scaled_dot_product_attention(q, keys, values, is_causal=T > 1, enable_gqa=gqa)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.causal_mask(T), enable_gqa=gqa)
+        return masked_attention(q, keys, values, self.causal_mask(T), self.sink_logit)
 
     def store_at(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
         """Write k, v (B, nkv, 1, hs) into slot `pos` (0-dim tensor) in place."""
@@ -98,11 +96,7 @@ class KVCache:
     def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """One query (B, nh, 1, hs) at slot `pos` over the whole buffer, slots after it masked."""
         self.store_at(k, v, pos)
-        mask = self.context.decode_mask(pos)  # (B, 1, 1, L)
-        if self.sink_logit is not None:
-            return masked_with_learned_sink(q, self.k, self.v, mask, self.sink_logit)
-        return F.scaled_dot_product_attention(q, self.k, self.v, attn_mask=mask,
-                                              enable_gqa=self.k.shape[1] != q.shape[1])
+        return masked_attention(q, self.k, self.v, self.context.decode_mask(pos), self.sink_logit)  # mask (B, 1, 1, L)
 
     def nbytes(self) -> int:
         return tensor_bytes(self.k, self.v)
