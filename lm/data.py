@@ -27,6 +27,7 @@ from tokenizers import Tokenizer
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
+from lm.distributed import is_main_process, say
 from lm.errors import DataError
 from lm.files import remove_stale_temporaries
 from lm.paths import resolve_path
@@ -218,7 +219,7 @@ def build_token_cache(corpus: Corpus, cache_dir: Path, vocab_size: int, val_frac
         damage = TokenCache(final).damage()
         if damage is None:
             return TokenCache(final)
-        print(f"note: token cache {final} is damaged ({damage}); rebuilding it")
+        say(f"note: token cache {final} is damaged ({damage}); rebuilding it")
     tmp = final.with_name(final.name + f".tmp-{os.getpid()}")
     try:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -279,7 +280,8 @@ def _tokenize_splits(corpus: Corpus, tokenizer: Tokenizer, out: Path, dtype, val
         pending[split].clear()
 
     try:
-        for doc_id, text in tqdm(corpus.documents(), desc=f"tokenizing {corpus.name}", unit="doc"):
+        for doc_id, text in tqdm(corpus.documents(), desc=f"tokenizing {corpus.name}", unit="doc",
+                                 disable=not is_main_process()):
             if not text:
                 continue  # an empty file adds nothing, not even a separator
             split = "val" if is_validation(doc_id, val_fraction) else "train"

@@ -95,7 +95,6 @@ def run_study(cfg: DictConfig) -> list[dict]:
                 run.checkpoint_dir = str(out / "runs")
                 run.uptrain = {"init": "scratch", "steps": steps}
             result = train(run, tokenizer_json=tokenizer_json, validate_first=True)
-            result["val_loss_before"] = result["val_history"][0][1]
             records.append(_record(name, kv_heads, "scratch", fraction, result, prompt, cfg))
             print(_summary(records[-1]))
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
+import time
 import warnings
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from lm.checkpoint import model_state_dict, read_checkpoint, stored_model_config
 from lm.checks import require_choice, require_int, require_positive
 from lm.config import ConfigError, ModelConfig
 from lm.data import make_data_module
+from lm.distributed import quiet_other_ranks, say
 from lm.files import RunLock, remove_stale_temporaries, run_folder
 from lm.generation import generate
 from lm.interrupt import StopOnSignal
@@ -85,9 +88,13 @@ def make_logger(cfg: DictConfig, run_dir: Path, wandb_run_id: str | None = None)
         if "WANDB_MODE" not in os.environ and "WANDB_API_KEY" not in os.environ:
             os.environ["WANDB_MODE"] = "offline"
         # A resumed run continues its wandb run (same id) instead of starting a second one.
-        return WandbLogger(project=cfg.logger.project, name=cfg.run_name, save_dir=str(run_dir),
-                           config=OmegaConf.to_container(cfg, resolve=True), id=wandb_run_id,
-                           resume="allow" if wandb_run_id else None)
+        logger = WandbLogger(project=cfg.logger.project, name=cfg.run_name, save_dir=str(run_dir),
+                             config=OmegaConf.to_container(cfg, resolve=True), id=wandb_run_id,
+                             resume="allow" if wandb_run_id else None)
+        # Lightning always hands wandb.init an `anonymous` argument (None when unused), which wandb
+        # has deprecated and warns about at every run; leaving it out means the same to wandb.
+        logger._wandb_init.pop("anonymous", None)
+        return logger
     raise ConfigError(f"logger.kind={kind!r} is not one of 'wandb', 'csv', 'none'")
 
 
@@ -190,8 +197,11 @@ def train(cfg: DictConfig, model_config: ModelConfig | None = None, init_state: 
     """Fit the configured model; returns the final val loss and where the checkpoints are.
 
     Uptraining passes the converted `model_config` and its weights (`init_state`), the source
-    run's tokenizer and the conversion's `provenance`; `validate_first` measures step 0.
+    run's tokenizer and the conversion's `provenance`; `validate_first` measures the starting
+    weights (`val_loss_before`).
     """
+    started = time.perf_counter()
+    quiet_other_ranks()
     check_run_settings(cfg)
     if cfg.get("init_from") and model_config is None:
         model_config, init_state, tokenizer_json = weights_from(cfg.init_from)
@@ -205,11 +215,13 @@ def train(cfg: DictConfig, model_config: ModelConfig | None = None, init_state: 
     lock = RunLock(run_dir, cfg.run_name) if int(os.environ.get("LOCAL_RANK", 0)) == 0 else contextlib.nullcontext()
     with lock:
         remove_stale_temporaries(run_dir)
-        return _train_locked(cfg, run_dir, model_config, init_state, tokenizer_json, provenance, validate_first)
+        return _train_locked(cfg, run_dir, model_config, init_state, tokenizer_json, provenance, validate_first,
+                             started)
 
 
 def _train_locked(cfg: DictConfig, run_dir: Path, model_config: ModelConfig | None, init_state: dict | None,
-                  tokenizer_json: str | None, provenance: dict | None, validate_first: bool) -> dict:
+                  tokenizer_json: str | None, provenance: dict | None, validate_first: bool,
+                  started: float) -> dict:
     ckpt_path, resumed = resume_path(cfg, run_dir)
     if resumed and tokenizer_json is None:
         # A resumed run keeps the ids its weights were trained with, whatever the corpus is now.
@@ -220,14 +232,14 @@ def _train_locked(cfg: DictConfig, run_dir: Path, model_config: ModelConfig | No
     data.setup("fit")
     corpus_fingerprint = getattr(getattr(data, "corpus", None), "fingerprint", None)
     if resumed.get("corpus_fingerprint") not in (None, corpus_fingerprint):
-        print("note: the corpus has changed since the checkpoint; the run continues on the new text "
+        say("note: the corpus has changed since the checkpoint; the run continues on the new text "
               "with the tokenizer it was trained with")
     model = Transformer(model_config or model_config_from(cfg, data.tokenizer.get_vocab_size()))
     if init_state is not None:
         model.load_state_dict(init_state)
 
     if ckpt_path is None and (run_dir / "last.ckpt").exists():
-        print(f"note: starting run {cfg.run_name!r} afresh; its checkpoints will be replaced "
+        say(f"note: starting run {cfg.run_name!r} afresh; its checkpoints will be replaced "
               "(resume=true continues it)")
     run_dir.mkdir(parents=True, exist_ok=True)
     data.tokenizer.save(str(run_dir / "tokenizer.json"))
@@ -238,10 +250,10 @@ def _train_locked(cfg: DictConfig, run_dir: Path, model_config: ModelConfig | No
                 corpus_fingerprint=corpus_fingerprint)
 
     precision = pick_precision(cfg.trainer)
-    print(f"run {cfg.run_name}: {model.num_params() / 1e6:.2f}M parameters, n_head={model.config.n_head} "
+    say(f"run {cfg.run_name}: {model.num_params() / 1e6:.2f}M parameters, n_head={model.config.n_head} "
           f"n_kv_head={model.config.n_kv_head}, precision={precision}, checkpoints in {run_dir}"
           + (f", resuming {ckpt_path}" if ckpt_path else ""))
-    print(f"attention: {model.config.describe_attention()}")
+    say(f"attention: {model.config.describe_attention()}")
     # Two callbacks: Lightning's `save_last` only refreshes last.ckpt when the best one changes.
     best = L.pytorch.callbacks.ModelCheckpoint(
         dirpath=run_dir, filename="best", monitor="val/loss", mode="min", save_top_k=1, enable_version_counter=False
@@ -288,18 +300,60 @@ def _train_locked(cfg: DictConfig, run_dir: Path, model_config: ModelConfig | No
     val_accuracy = float(trainer.callback_metrics["val/accuracy"])
     result = {"val_loss": val_loss, "val_accuracy": val_accuracy, "run_dir": str(run_dir),
               "last": str(run_dir / "last.ckpt"), "best": best.best_model_path, "steps": trainer.global_step,
+              "best_val_loss": float(best.best_model_score) if best.best_model_score is not None else None,
               "val_history": lit.val_history, "train_seconds": lit.train_seconds,
               "train_tokens_per_s": lit.train_tokens / lit.train_seconds if lit.train_seconds else None}
-    if trainer.is_global_zero:
-        ppl = torch.tensor(val_loss).exp()
-        print(f"final val loss {val_loss:.4f} (ppl {ppl:.1f}), accuracy {val_accuracy:.4f}, "
-              f"after {trainer.global_step} steps")
-        if cfg.sample.max_new_tokens > 0 and data.is_text:
-            result["sample"] = sample_text(model, data.tokenizer, cfg.sample)
-            print(f"sample:\n{result['sample']}")
+    if trainer.is_global_zero and cfg.sample.max_new_tokens > 0 and data.is_text:
+        result["sample"] = sample_text(model, data.tokenizer, cfg.sample)
+    # wandb prints its own run summary when it finishes: before ours, so ours ends the output.
     if isinstance(trainer.logger, L.pytorch.loggers.WandbLogger):
         trainer.logger.experiment.finish()
+    result["wall_seconds"] = time.perf_counter() - started
+    if validate_first:
+        result["val_loss_before"] = lit.val_history[0][1]
+    if trainer.is_global_zero:
+        print("\n".join(summary_lines(cfg.run_name, result)))
     return result
+
+
+def summary_lines(run_name: str, result: dict) -> list[str]:
+    """The block that ends a run: what it reached, where it is, how fast it went, what it writes."""
+    ppl = math.exp(min(result["val_loss"], 700.0))  # exp(710) overflows a float
+    lines = [f"== run {run_name} finished ==",
+             f"final val loss   {result['val_loss']:.4f} (ppl {ppl:,.1f}), accuracy {result['val_accuracy']:.4f}, "
+             f"after {result['steps']} steps"]
+    if "val_loss_before" in result:
+        lines.append(f"val loss before  {result['val_loss_before']:.4f} (the starting weights)")
+    if result["best"]:
+        lines.append(f"best checkpoint  {shown_path(result['best'])} (val loss {result['best_val_loss']:.4f})")
+    lines.append(f"last checkpoint  {shown_path(result['last'])}")
+    if result["train_tokens_per_s"]:
+        lines.append(f"throughput       {result['train_tokens_per_s']:,.0f} tokens/s in training steps "
+                     f"({format_seconds(result['train_seconds'])} of them)")
+    lines.append(f"wall time        {format_seconds(result['wall_seconds'])}")
+    if "sample" in result:
+        lines.append(f"sample:\n{result['sample']}")
+    return lines
+
+
+def shown_path(path: str) -> str:
+    """A path relative to the working folder when it lies inside it, as the user typed it."""
+    path = Path(path)
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def format_seconds(seconds: float) -> str:
+    """`38.2 s`, `14 min 52 s`, `3 h 07 min`."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(round(seconds), 60)
+    if minutes < 60:
+        return f"{minutes} min {secs:02d} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min"
 
 
 def sample_text(model: Transformer, tokenizer, sample_cfg: DictConfig) -> str:

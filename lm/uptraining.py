@@ -94,6 +94,5 @@ def uptrain(cfg: DictConfig) -> dict:
           f"({steps / max(1, source_steps):.1%} of the source run's {source_steps})")
     result = train(run, model_config=config, init_state=state, tokenizer_json=tokenizer_json,
                    provenance=provenance, validate_first=True)
-    result["val_loss_before"] = result["val_history"][0][1]
     result["provenance"] = provenance
     return result

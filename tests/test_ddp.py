@@ -21,8 +21,12 @@ def run_ddp(cfg, tmp_path, *overrides):
          *TINY_MODEL, "trainer.max_steps=6", "trainer.val_every_n_steps=3", "trainer.limit_val_batches=2",
          "optim.warmup_steps=2", "logger=none", "trainer.progress_bar=false", "sample.max_new_tokens=0", "run_name=ddp",
          f"hydra.run.dir={tmp_path / 'hydra'}", *overrides],
-        capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-2000:]
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:]
+    # Rank 0 alone speaks: its lines once, Lightning's per-process line only for rank 0.
+    lines = result.stdout.splitlines()
+    for start in ("run ddp:", "attention:", "GPU available", "Initializing distributed", "== run ddp finished =="):
+        assert sum(line.startswith(start) for line in lines) == 1, start
     return Path(cfg.checkpoint_dir) / "ddp" / "last.ckpt"
 
 
@@ -47,3 +51,23 @@ def test_two_process_ddp_matches_one_process_with_the_same_global_batch_and_resu
     ddp_ckpt = run_ddp(cfg, tmp_path, "resume=true")
     assert read_checkpoint(ddp_ckpt)["global_step"] == 6
     assert_same_weights(Path(single["last"]), ddp_ckpt)
+
+
+@pytest.mark.parametrize("env, main", [
+    ({}, True),                                                   # a single process
+    ({"LOCAL_RANK": "1"}, False),                                 # Lightning's launcher, second process
+    ({"LOCAL_RANK": "0", "NODE_RANK": "1"}, False),               # first process of the second machine
+    ({"NODE_RANK": "1"}, False),                                  # ... before it starts the others
+    ({"RANK": "0", "LOCAL_RANK": "0", "NODE_RANK": "1"}, True),   # torchrun's global rank decides
+    ({"RANK": "3", "LOCAL_RANK": "0"}, False),
+    ({"SLURM_PROCID": "2"}, False),                               # srun
+    ({"SLURM_PROCID": "0", "LOCAL_RANK": "1"}, False),            # an allocation where Lightning launches
+])
+def test_rank_zero_is_read_from_what_each_launcher_sets(env, main, monkeypatch):
+    from lm.distributed import is_main_process
+
+    for key in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert is_main_process() is main

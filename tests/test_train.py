@@ -1,7 +1,11 @@
 """End-to-end runs through the same config composition and `train` the script uses."""
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import lm
@@ -9,7 +13,7 @@ from lm.attention import LinearSpec, SlidingSpec, SoftmaxSpec
 from lm.checkpoint import read_checkpoint
 from lm.data import TokenDataModule, text_corpus
 from lm.lit import warmup_cosine
-from lm.training import train
+from lm.training import format_seconds, train
 
 
 def test_gqa_run_leaves_checkpoint_tokenizer_and_offline_wandb_run(train_config, monkeypatch):
@@ -109,3 +113,38 @@ def test_lightning_adverts_are_dropped_and_its_other_lines_kept():
     finally:
         logger.removeHandler(handler)
     assert [r.getMessage() for r in records] == ["GPU available: False, used: False"]
+
+
+def test_a_run_says_each_line_once_and_ends_with_its_summary(train_config, tmp_path):
+    """The script's whole output (stdout and stderr as a terminal shows them), wandb logging offline:
+    no deprecation warning, no advert, Lightning's lines once, and the summary block last."""
+    cfg = train_config()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    args = ["data=text", f"data.paths=[{cfg.data.paths[0]}]", "data.vocab_size=512", "data.batch_size=4",
+            f"data.cache_dir={cfg.data.cache_dir}", f"checkpoint_dir={cfg.checkpoint_dir}",
+            "model.n_layer=2", "model.d_model=64", "model.n_head=4", "model.d_ff=128", "model.max_seq_len=32",
+            "trainer.max_steps=4", "trainer.val_every_n_steps=3", "trainer.limit_val_batches=1",
+            "trainer.progress_bar=false", "logger=wandb", "sample.max_new_tokens=6", "run_name=talk",
+            f"hydra.run.dir={tmp_path / 'hydra'}"]
+    result = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "scripts" / "train.py"), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:]
+    lines = result.stdout.splitlines()
+    assert sum("GPU available" in line for line in lines) == 1
+    assert sum(line.startswith("run talk:") for line in lines) == 1
+    assert not [line for line in lines if "anonymous" in line or "Tip" in line or "deprecat" in line.lower()]
+    assert any(line.startswith("wandb:") for line in lines)  # wandb did log, offline
+    block = lines[lines.index("== run talk finished =="):]
+    assert [line.split()[0] for line in block[:6]] == ["==", "final", "best", "last", "throughput", "wall"]
+    assert block[1].startswith("final val loss ") and "(ppl " in block[1] and block[1].endswith("after 4 steps")
+    run_dir = Path(cfg.checkpoint_dir) / "talk"
+    assert block[2].startswith(f"best checkpoint  {run_dir / 'best.ckpt'} (val loss ")
+    assert block[3] == f"last checkpoint  {run_dir / 'last.ckpt'}"
+    assert block[6] == "sample:" and len(block) >= 8  # the sample ends the output
+    assert not any(line.startswith("wandb:") for line in block)
+
+
+@pytest.mark.parametrize("seconds, shown", [(3.44, "3.4 s"), (59.94, "59.9 s"), (892.4, "14 min 52 s"),
+                                            (3599.6, "1 h 00 min"), (11220, "3 h 07 min")])
+def test_wall_times_read_as_people_say_them(seconds, shown):
+    assert format_seconds(seconds) == shown
