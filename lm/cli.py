@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 import re
 import sys
@@ -20,7 +21,10 @@ FAILED_ARMS: list[str] = []  # arms of a -m sweep that ended in a user error, in
 
 @contextmanager
 def exit_on_user_error():
-    """Bad input ends the program with `error: <what is wrong>` instead of a traceback."""
+    """Bad input ends the program with `error: <what is wrong>` instead of a traceback. Entered
+    first thing in every script's main, after Hydra has set up logging, so it also keeps Hydra's
+    console from repeating what a library already printed."""
+    show_each_log_record_once()
     try:
         yield
     except USER_ERRORS as e:
@@ -39,6 +43,30 @@ def exit_on_user_error():
         message = str(e).strip().splitlines()[0]
         sys.stderr.write(f"error: {key + ': ' if key else ''}{message}\n")
         raise SystemExit(2) from None
+
+
+class AlreadyShown(logging.Filter):
+    """Drops a record that a logger below the root has already printed with its own handler
+    (Lightning, huggingface_hub, ... each install one): Hydra's console handler on the root
+    would show it a second time."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        logger = logging.getLogger(record.name)
+        while logger is not logging.root:
+            if logger.handlers:
+                return False
+            if not logger.propagate:
+                break
+            logger = logger.parent
+        return True
+
+
+def show_each_log_record_once() -> None:
+    """Filter the root's console handlers (Hydra's); its log file keeps every record."""
+    for handler in logging.root.handlers:
+        is_console = isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
+        if is_console and not any(isinstance(f, AlreadyShown) for f in handler.filters):
+            handler.addFilter(AlreadyShown())
 
 
 def sweep_arm() -> str | None:

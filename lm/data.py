@@ -115,8 +115,15 @@ def hf_corpus(name: str, config_name: str | None, split: str, text_field: str,
     def documents() -> Iterator[tuple[str, str]]:
         import datasets
 
-        ds = datasets.load_dataset(str(local) if local.exists() else name, config_name, split=split,
-                                   streaming=streaming, data_files=data_files)
+        try:
+            ds = datasets.load_dataset(str(local) if local.exists() else name, config_name, split=split,
+                                       streaming=streaming, data_files=data_files)
+        except ConnectionError as e:  # before the OSError below: it is one
+            raise DataError(f"data.name={name!r} is not a local folder and the Hugging Face Hub cannot be reached "
+                            f"({first_line(e)}); offline, only datasets already in the datasets cache load") from None
+        except (OSError, ValueError) as e:  # no such dataset, data_files, config_name or split
+            raise DataError(f"data.name={name!r} (config_name={config_name!r}, split={split!r}) could not be "
+                            f"loaded: {first_line(e)}") from None
         for i, row in enumerate(ds):
             if max_docs is not None and i >= max_docs:
                 break
@@ -128,6 +135,12 @@ def hf_corpus(name: str, config_name: str | None, split: str, text_field: str,
             yield f"{i}", text
 
     return Corpus(f"hf:{name}", fingerprint, documents)
+
+
+def first_line(error: BaseException) -> str:
+    """A library's message cut to its first line: `datasets` appends hints and tracebacks of its own."""
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
 
 
 def build_corpus(data_cfg) -> Corpus:

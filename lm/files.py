@@ -114,28 +114,45 @@ class RunLock:
         self._file = None
 
     def __enter__(self) -> RunLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a+")
-        try:
-            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._file.seek(0)
-            holder = self._file.read().strip() or "another process"
-            self._file.close()
-            self._file = None
-            raise ConfigError(f"run {self.run_name!r} is being trained by {holder} right now; "
-                              "wait for it or choose another run_name") from None
+        while True:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a+")
+            try:
+                fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self._file.seek(0)
+                holder = self._file.read().strip() or "another process"
+                self._file.close()
+                self._file = None
+                raise ConfigError(f"run {self.run_name!r} is being trained by {holder} right now; "
+                                  "wait for it or choose another run_name") from None
+            if self._holds_the_file_at_path():
+                break
+            self._file.close()  # its holder removed it on the way out: lock the one at the path now
         self._file.seek(0)
         self._file.truncate()
         self._file.write(f"process {os.getpid()}")
         self._file.flush()
         return self
 
+    def _holds_the_file_at_path(self) -> bool:
+        try:
+            return os.stat(self.path).st_ino == os.fstat(self._file.fileno()).st_ino
+        except FileNotFoundError:
+            return False
+
     def __exit__(self, *exc) -> None:
-        if self._file is not None:
-            fcntl.flock(self._file, fcntl.LOCK_UN)
-            self._file.close()
-            self._file = None
+        if self._file is None:
+            return
+        # A run that wrote nothing (it stopped at bad input) leaves no empty run folder behind;
+        # removed while still locked, so no other process can have started in it.
+        folder = self.path.parent
+        if [p.name for p in folder.iterdir()] == [self.path.name]:
+            self.path.unlink()
+            folder.rmdir()
+        fcntl.flock(self._file, fcntl.LOCK_UN)
+        self._file.close()
+        self._file = None
 
 
 def run_folder(checkpoint_dir: Path, run_name) -> Path:

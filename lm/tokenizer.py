@@ -5,10 +5,12 @@ Kept apart from lm.data so that loading and generating never import Lightning.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from lm.distributed import is_main_process
 from lm.errors import DataError
 
 EOT = "<|endoftext|>"
@@ -26,7 +28,8 @@ def train_tokenizer(texts: Iterator[str], vocab_size: int) -> Tokenizer:
         min_frequency=2,
         special_tokens=[EOT],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=True,
+        # Its bars draw on a terminal only; in a log file they leave blank lines behind.
+        show_progress=sys.stderr.isatty() and is_main_process(),
     )
     tokenizer.train_from_iterator(texts, trainer)
     return tokenizer

@@ -1,6 +1,7 @@
 """Mistakes at the command line: Hydra's own (unknown setting, unknown group option) and ours, each
 one line and exit code 2 before any work; a -m sweep runs every arm and lists the failed ones."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +46,55 @@ def test_a_sweep_runs_every_arm_and_lists_the_failed_ones(tmp_path):
         "error: 2 arm(s) of the sweep failed: ckpt=none.ckpt prompt='x' temperature=-1; "
         "ckpt=none.ckpt prompt='x' temperature=nan",
     ]
+
+
+def test_a_sweep_arm_that_cannot_be_composed_refuses_the_sweep_before_any_arm_runs(tmp_path):
+    # Hydra composes every arm before launching the first: a typo in the list costs no training.
+    done = run("train.py", "-m", "attn=mha,gqaa", "logger=none", cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "error: attn=gqaa is not an option of attn; did you mean gqa? (options: additive, efficient, gqa, hybrid, "
+        "linear, lowrank, mha, mqa, sliding)"]
+    written = [p.name for p in tmp_path.rglob("*") if p.is_file()]
+    assert written == ["multirun.yaml"]  # Hydra's record of the sweep; no arm started, no checkpoint
+
+
+def test_a_hub_dataset_unreachable_offline_is_one_line(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}  # what a machine without network sees, at once
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), "data=hf",
+                           "data.name=someone/no-such-dataset", "logger=none", f"data.cache_dir={tmp_path / 'c'}",
+                           f"checkpoint_dir={tmp_path / 'ck'}", f"hydra.run.dir={tmp_path / 'h'}"],
+                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "error: data.name='someone/no-such-dataset' is not a local folder and the Hugging Face Hub cannot be "
+        "reached (Couldn't reach 'someone/no-such-dataset' on the Hub (OfflineModeIsEnabled)); offline, only "
+        "datasets already in the datasets cache load"], done.stderr
+    assert not (tmp_path / "ck" / "mha-tiny").exists()  # no run folder left behind
+
+
+def test_hydras_console_does_not_repeat_what_a_library_printed_itself(capsys):
+    """Hydra puts a console handler on the root logger; libraries such as huggingface_hub print
+    their records with their own handler as well, so without the filter each shows twice."""
+    import logging
+
+    from lm.cli import show_each_log_record_once
+
+    hydra_console = logging.StreamHandler(sys.stderr)
+    library = logging.getLogger("some_library")
+    library_console = logging.StreamHandler(sys.stderr)
+    library.addHandler(library_console)
+    logging.root.addHandler(hydra_console)
+    try:
+        show_each_log_record_once()
+        show_each_log_record_once()  # a second script main in one process adds nothing
+        library.warning("retrying in 1s")
+        logging.getLogger("plain_library").warning("no handler of its own")
+    finally:
+        logging.root.removeHandler(hydra_console)
+        library.removeHandler(library_console)
+    assert capsys.readouterr().err.splitlines() == ["retrying in 1s", "no handler of its own"]
+    assert len(hydra_console.filters) == 1
 
 
 def test_stop_strings_typed_as_in_the_readme_mean_newlines():

@@ -113,6 +113,20 @@ def test_a_dataset_row_whose_text_is_not_a_string_is_one_line(tmp_path, value):
         list(corpus.documents())
 
 
+@pytest.mark.parametrize("name, config_name, split, message", [
+    ("rows", None, "validation", r"split='validation'\) could not be loaded: Unknown split \"validation\""),
+    ("rows", "nope", "train", r"config_name='nope', .* BuilderConfig 'nope' not found"),
+])
+def test_a_dataset_that_cannot_be_loaded_is_one_line(tmp_path, name, config_name, split, message):
+    (tmp_path / "rows").mkdir()
+    (tmp_path / "rows" / "train.jsonl").write_text(json.dumps({"text": "x = 1"}) + "\n")
+    corpus = hf_corpus(str(tmp_path / name), config_name, split, "text", streaming=False, data_files=None,
+                       max_docs=None)
+    with pytest.raises(DataError, match=message) as error:
+        list(corpus.documents())
+    assert "\n" not in str(error.value)
+
+
 def test_a_symlink_loop_under_a_recursive_glob_reads_each_file_once(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "x.txt").write_text("hello")

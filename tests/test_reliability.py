@@ -15,7 +15,7 @@ from conftest import TINY_MODEL
 
 import lm
 from lm.checkpoint import read_checkpoint
-from lm.errors import CheckpointError, ConfigError
+from lm.errors import CheckpointError, ConfigError, DataError
 from lm.files import RunLock, write_atomically
 from lm.lit import AtomicCheckpointIO, warmup_cosine
 from lm.training import train
@@ -228,6 +228,40 @@ def test_a_second_run_of_the_same_name_is_refused_and_a_killed_one_leaves_no_loc
     holder.kill()
     holder.wait()
     assert train(cfg)["steps"] == 2
+
+
+def test_a_run_stopped_by_bad_input_leaves_no_run_folder(train_config):
+    cfg = train_config("data.batch_size=100000")  # refused once the data is read, inside the lock
+    with pytest.raises(DataError, match="larger than the"):
+        train(cfg)
+    assert not (Path(cfg.checkpoint_dir) / cfg.run_name).exists()
+
+
+def test_the_lock_is_taken_on_the_file_at_its_path_when_the_holder_removed_it_meanwhile(tmp_path, monkeypatch):
+    """The race the folder clean-up opens: we open `.lock`, its holder finishes and removes it,
+    then our flock succeeds on a file no one else can see. The lock must be on the new file."""
+    import fcntl
+
+    import lm.files
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / ".lock").write_text("process 1")
+    real_flock, calls = fcntl.flock, []
+
+    def flock_after_the_holder_left(file, operation):
+        if not calls:  # the first attempt: the file we opened is replaced before we lock it
+            (run_dir / ".lock").unlink()
+            (run_dir / ".lock").write_text("")
+        calls.append(file.fileno())
+        return real_flock(file, operation)
+
+    monkeypatch.setattr(lm.files.fcntl, "flock", flock_after_the_holder_left)
+    with RunLock(run_dir, "x") as lock:
+        assert len(calls) == 2
+        assert os.fstat(lock._file.fileno()).st_ino == os.stat(run_dir / ".lock").st_ino
+        (run_dir / "last.ckpt").write_bytes(b"kept")
+    assert (run_dir / ".lock").exists()  # a folder with a checkpoint keeps its lock file
 
 
 def test_a_damaged_token_cache_is_rebuilt_with_a_note(train_config, capsys):
