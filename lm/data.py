@@ -10,7 +10,6 @@ those are memory-mapped on later runs: the cache key covers the corpus and token
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
@@ -30,7 +29,7 @@ from tqdm.auto import tqdm
 from lm.distributed import is_main_process, say
 from lm.errors import DataError
 from lm.files import remove_stale_temporaries
-from lm.paths import resolve_path
+from lm.paths import expand_pattern, resolve_path
 from lm.tokenizer import EOT, train_tokenizer
 
 CACHE_FORMAT = 1  # bump when the cache layout or the tokenizer recipe changes
@@ -85,7 +84,7 @@ def text_corpus(paths: list[str]) -> Corpus:
         raise DataError("data.paths is empty: give files, directories or globs, e.g. data.paths=[notes/*.txt]")
     files: set[Path] = set()
     for pattern in paths:
-        matched = [Path(m) for m in glob.glob(os.path.expanduser(str(pattern)), recursive=True)]
+        matched = expand_pattern(str(pattern))
         if not matched:
             raise DataError(f"data.paths entry {str(pattern)!r} matches no file")
         for m in matched:

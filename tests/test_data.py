@@ -1,5 +1,7 @@
+import glob
 import json
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +17,7 @@ from lm.data import (
     pystdlib_corpus,
     text_corpus,
 )
+from lm.paths import expand_pattern
 
 
 def test_split_is_deterministic_and_holds_out_about_the_asked_share():
@@ -127,12 +130,31 @@ def test_a_dataset_that_cannot_be_loaded_is_one_line(tmp_path, name, config_name
     assert "\n" not in str(error.value)
 
 
-def test_a_symlink_loop_under_a_recursive_glob_reads_each_file_once(tmp_path):
-    (tmp_path / "a").mkdir()
+def test_symlink_loops_under_a_recursive_glob_neither_hang_nor_repeat_a_file(tmp_path):
+    (tmp_path / "a" / "b").mkdir(parents=True)
     (tmp_path / "a" / "x.txt").write_text("hello")
     (tmp_path / "a" / "up").symlink_to("..")  # a/up/a/up/... reaches x.txt by ever longer paths
-    corpus = text_corpus([f"{tmp_path}/**/*.txt"])
-    assert [text for _, text in corpus.documents()] == ["hello"]
+    # Two more loops: Python's recursive glob follows every one of them and explores a number
+    # of paths exponential in the link depth (more than a minute here); the walk does not.
+    (tmp_path / "a" / "b" / "up").symlink_to("../..")
+    (tmp_path / "a" / "b" / "back").symlink_to("..")
+    (tmp_path / "elsewhere.txt").write_text("linked")
+    (tmp_path / "a" / "b" / "link.txt").symlink_to(tmp_path / "elsewhere.txt")  # a linked file counts
+    corpus = text_corpus([f"{tmp_path}/a/**/*.txt"])
+    assert sorted(text for _, text in corpus.documents()) == ["hello", "linked"]
+
+
+@pytest.mark.parametrize("pattern", ["c/**/*.txt", "c/**", "c/**/b", "c/**/.hidden/*", "**/*.py", "c/*/**/*.txt",
+                                     "c/a/**/x.txt", "c/*.txt", "c/**/nothing"])
+def test_recursive_patterns_match_what_glob_matches_on_a_tree_without_links(tmp_path, monkeypatch, pattern):
+    for name in ["c/a/b/x.txt", "c/x.txt", "c/.hidden/h.txt", "c/.dot.txt", "c/d/z.py", "c/a/b/deep/y.txt"]:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(name)
+    monkeypatch.chdir(tmp_path)
+    expected = set()
+    for match in map(Path, glob.glob(pattern, recursive=True)):  # the reference: glob, folders expanded
+        expected.update(f for f in (match.rglob("*") if match.is_dir() else [match]) if f.is_file())
+    assert sorted(expand_pattern(pattern)) == sorted(expected)
 
 
 def test_datamodule_batches_are_shifted_windows(tmp_path, small_corpus):
