@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 from lm.checks import is_count
 from lm.config import ModelConfig
 from lm.errors import CheckpointError, one_line
-from lm.files import write_atomically
+from lm.files import make_folder, write_atomically
 from lm.model import Transformer
 
 FORMAT_VERSION = 2
@@ -209,7 +209,7 @@ def export_safetensors(model: Transformer, tokenizer: Tokenizer, out: str | Path
     from safetensors.torch import save_file
 
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    make_folder(out)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_embeddings:
         del state["head.weight"]  # the same tensor as embed.weight; safetensors stores it once

@@ -37,7 +37,7 @@ from lm.checkpoint import load
 from lm.config import ConfigError
 from lm.data import build_corpus
 from lm.evaluate import score, split_documents, token_stream
-from lm.files import write_atomically
+from lm.files import make_folder, write_atomically
 from lm.generation import stream
 from lm.model import Transformer
 from lm.mqar import RecallTask
@@ -191,7 +191,7 @@ def run_study(cfg: DictConfig) -> dict:
     started = time.perf_counter()
     arms = plan(cfg)
     out = resolve_path(cfg.out)
-    (out / "records").mkdir(parents=True, exist_ok=True)
+    make_folder(out / "records")
     records = []
     quiet_lightning()
     for i, arm in enumerate(arms, 1):

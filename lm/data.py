@@ -27,8 +27,8 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
 from lm.distributed import is_main_process, say
-from lm.errors import DataError
-from lm.files import remove_stale_temporaries
+from lm.errors import DataError, one_line
+from lm.files import remove_stale_temporaries, write_failure_reason
 from lm.paths import expand_pattern, resolve_path
 from lm.tokenizer import EOT, train_tokenizer
 
@@ -118,11 +118,12 @@ def hf_corpus(name: str, config_name: str | None, split: str, text_field: str,
             ds = datasets.load_dataset(str(local) if local.exists() else name, config_name, split=split,
                                        streaming=streaming, data_files=data_files)
         except ConnectionError as e:  # before the OSError below: it is one
-            raise DataError(f"data.name={name!r} is not a local folder and the Hugging Face Hub cannot be reached "
-                            f"({first_line(e)}); offline, only datasets already in the datasets cache load") from None
+            raise DataError(f"data.name={name!r} is not a local folder and the Hugging Face Hub cannot be "
+                            f"reached ({one_line(e, 300)}); offline, only datasets already in the datasets cache "
+                            "load") from None
         except (OSError, ValueError) as e:  # no such dataset, data_files, config_name or split
             raise DataError(f"data.name={name!r} (config_name={config_name!r}, split={split!r}) could not be "
-                            f"loaded: {first_line(e)}") from None
+                            f"loaded: {one_line(e, 300)}") from None
         for i, row in enumerate(ds):
             if max_docs is not None and i >= max_docs:
                 break
@@ -134,12 +135,6 @@ def hf_corpus(name: str, config_name: str | None, split: str, text_field: str,
             yield f"{i}", text
 
     return Corpus(f"hf:{name}", fingerprint, documents)
-
-
-def first_line(error: BaseException) -> str:
-    """A library's message cut to its first line: `datasets` appends hints and tracebacks of its own."""
-    lines = str(error).strip().splitlines()
-    return lines[0] if lines else type(error).__name__
 
 
 def build_corpus(data_cfg) -> Corpus:
@@ -272,7 +267,8 @@ def build_token_cache(corpus: Corpus, cache_dir: Path, vocab_size: int, val_frac
             shutil.rmtree(final)
         os.replace(tmp, final)
     except OSError as e:
-        raise DataError(f"could not write the token cache in {str(cache_dir)!r}: {e.strerror or e}") from None
+        raise DataError(f"could not write the token cache in {str(cache_dir)!r}: "
+                        f"{write_failure_reason(e, cache_dir)}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return TokenCache(final)

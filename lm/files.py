@@ -45,6 +45,10 @@ def is_write_failure(error: BaseException) -> bool:
 
 
 def write_failure_reason(error: BaseException, folder: Path) -> str:
+    if isinstance(error, (FileExistsError, NotADirectoryError)):
+        in_the_way = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
+        if in_the_way is not None:
+            return f"{str(in_the_way)!r} is a file, not a folder"
     if isinstance(error, OSError):
         return error.strerror or str(error)
     try:
@@ -55,6 +59,15 @@ def write_failure_reason(error: BaseException, folder: Path) -> str:
     return f"the write failed ({one_line(error, 160)})"
 
 
+def make_folder(folder: Path) -> Path:
+    """`mkdir -p` for an output folder, one line when it cannot be made."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"cannot create the folder {str(folder)!r}: {write_failure_reason(e, folder)}") from None
+    return folder
+
+
 def write_atomically(path: str | Path, write) -> Path:
     """Call write(tmp) beside `path`, then rename tmp into place: a crash or a full disk during
     the write leaves the previous file whole. A write failure becomes one CheckpointError line, and
@@ -62,7 +75,7 @@ def write_atomically(path: str | Path, write) -> Path:
     path = Path(path)
     tmp = tmp_name(path)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_folder(path.parent)
         write(tmp)
         os.chmod(tmp, FILE_MODE)
         os.replace(tmp, path)
@@ -115,7 +128,7 @@ class RunLock:
 
     def __enter__(self) -> RunLock:
         while True:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            make_folder(self.path.parent)
             self._file = open(self.path, "a+")
             try:
                 fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -22,6 +22,7 @@ from lm.attention import SlidingSpec, SoftmaxSpec
 from lm.checks import is_count
 from lm.config import ModelConfig
 from lm.errors import CheckpointError, ConfigError, one_line
+from lm.files import make_folder
 from lm.model import Transformer
 from lm.tokenizer import EOT
 from lm.weights import from_hf_state_dict, to_hf_state_dict
@@ -75,7 +76,7 @@ def export_hf(model: Transformer, tokenizer: Tokenizer, out: str | Path) -> Path
     eot = tokenizer.token_to_id(EOT)
     config = hf_config(c, bos_token_id=eot, eos_token_id=eot, pad_token_id=eot, torch_dtype="float32")
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    make_folder(out)
     config.save_pretrained(out)
     # No max_length: transformers warns when it meets one beside the caller's max_new_tokens, and
     # the context limit already is config.json's max_position_embeddings.

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lm.checkpoint import load, read_checkpoint
 from lm.data import TokenDataModule
+from lm.files import make_folder
 from lm.generation import stream
 from lm.lit import next_token_loss
 from lm.model import Transformer
@@ -57,7 +58,7 @@ def decode_figures(model: Transformer, prompt: list[int], new_tokens: int) -> tu
 def run_study(cfg: DictConfig) -> list[dict]:
     started = time.perf_counter()
     out = resolve_path(cfg.study.out)
-    out.mkdir(parents=True, exist_ok=True)
+    make_folder(out)
     source = read_checkpoint(resolve_path(cfg.ckpt))
     source_run, tokenizer_json = source["lm"]["run_config"], source["lm"]["tokenizer"]
     source_steps = int(source["global_step"])

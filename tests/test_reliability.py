@@ -2,6 +2,7 @@
 
 import csv
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY_MODEL
+from omegaconf import open_dict
 
 import lm
 from lm.checkpoint import read_checkpoint
@@ -235,6 +237,48 @@ def test_a_run_stopped_by_bad_input_leaves_no_run_folder(train_config):
     with pytest.raises(DataError, match="larger than the"):
         train(cfg)
     assert not (Path(cfg.checkpoint_dir) / cfg.run_name).exists()
+
+
+@pytest.mark.parametrize("where, error, message", [
+    ("checkpoint_dir", CheckpointError, "cannot create the folder '{blocked}/checkpoints/mha-tiny': "
+                                        "'{blocked}' is a file, not a folder"),
+    ("cache_dir", DataError, "could not write the token cache in '{blocked}/cache': "
+                             "'{blocked}' is a file, not a folder"),
+])
+def test_a_folder_that_cannot_be_written_is_one_line_before_training(train_config, tmp_path, where, error, message):
+    # Tests run as root, whom permissions do not stop; a file where a folder must be created
+    # stops everyone.
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file, not a folder")
+    cfg = train_config()
+    with open_dict(cfg):
+        if where == "checkpoint_dir":
+            cfg.checkpoint_dir = str(blocked / "checkpoints")
+        else:
+            cfg.data.cache_dir = str(blocked / "cache")
+    with pytest.raises(error, match=re.escape(message.format(blocked=blocked))):
+        train(cfg)
+    assert blocked.read_text() == "a file, not a folder"
+    assert not (Path(train_config().checkpoint_dir) / "mha-tiny").exists()
+
+
+@pytest.mark.parametrize("exporter", ["safetensors", "hf", "gguf"])
+def test_an_export_into_a_file_where_its_folder_should_be_is_one_line(tmp_path, exporter):
+    from lm.checkpoint import export_safetensors
+    from lm.gguf_export import export_gguf
+    from lm.hf import export_hf
+    from lm.model import Transformer
+    from lm.tokenizer import train_tokenizer
+
+    model = Transformer(lm.ModelConfig(vocab_size=300, n_layer=1, d_model=32, n_head=2, d_ff=64, max_seq_len=16))
+    tokenizer = train_tokenizer(iter(["def f(x):\n    return x\n"] * 20), 300)
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file")
+    write = {"safetensors": export_safetensors, "hf": export_hf,
+             "gguf": lambda m, t, out: export_gguf(m, t, out / "model.gguf", "f32")}[exporter]
+    with pytest.raises(CheckpointError, match=re.escape(f"'{blocked}' is a file, not a folder")):
+        write(model, tokenizer, blocked / "out")
+    assert blocked.read_text() == "a file"
 
 
 def test_the_lock_is_taken_on_the_file_at_its_path_when_the_holder_removed_it_meanwhile(tmp_path, monkeypatch):
