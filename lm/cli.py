@@ -45,15 +45,20 @@ def exit_on_user_error():
         raise SystemExit(2) from None
 
 
+def is_console(handler: logging.Handler) -> bool:
+    return isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
+
+
 class AlreadyShown(logging.Filter):
-    """Drops a record that a logger below the root has already printed with its own handler
-    (Lightning, huggingface_hub, ... each install one): Hydra's console handler on the root
-    would show it a second time."""
+    """Drops a record that a logger below the root has already printed with a console handler
+    of its own (Lightning, huggingface_hub, ... each install one): Hydra's console handler on the
+    root would show it a second time. A library's NullHandler or log file prints nothing, so
+    its records still reach the console."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         logger = logging.getLogger(record.name)
         while logger is not logging.root:
-            if logger.handlers:
+            if any(is_console(h) and record.levelno >= h.level for h in logger.handlers):
                 return False
             if not logger.propagate:
                 break
@@ -64,8 +69,7 @@ class AlreadyShown(logging.Filter):
 def show_each_log_record_once() -> None:
     """Filter the root's console handlers (Hydra's); its log file keeps every record."""
     for handler in logging.root.handlers:
-        is_console = isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
-        if is_console and not any(isinstance(f, AlreadyShown) for f in handler.filters):
+        if is_console(handler) and not any(isinstance(f, AlreadyShown) for f in handler.filters):
             handler.addFilter(AlreadyShown())
 
 

@@ -84,16 +84,21 @@ def test_hydras_console_does_not_repeat_what_a_library_printed_itself(capsys):
     library = logging.getLogger("some_library")
     library_console = logging.StreamHandler(sys.stderr)
     library.addHandler(library_console)
+    polite = logging.getLogger("polite_library")  # the logging HOWTO's advice: a NullHandler, printing nothing
+    polite_null = logging.NullHandler()
+    polite.addHandler(polite_null)
     logging.root.addHandler(hydra_console)
     try:
         show_each_log_record_once()
         show_each_log_record_once()  # a second script main in one process adds nothing
-        library.warning("retrying in 1s")
+        logging.getLogger("some_library.http").warning("retrying in 1s")
         logging.getLogger("plain_library").warning("no handler of its own")
+        polite.warning("only a NullHandler")
     finally:
         logging.root.removeHandler(hydra_console)
         library.removeHandler(library_console)
-    assert capsys.readouterr().err.splitlines() == ["retrying in 1s", "no handler of its own"]
+        polite.removeHandler(polite_null)
+    assert capsys.readouterr().err.splitlines() == ["retrying in 1s", "no handler of its own", "only a NullHandler"]
     assert len(hydra_console.filters) == 1
 
 
