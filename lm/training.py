@@ -303,14 +303,14 @@ def _train_locked(cfg: DictConfig, run_dir: Path, model_config: ModelConfig | No
               "best_val_loss": float(best.best_model_score) if best.best_model_score is not None else None,
               "val_history": lit.val_history, "train_seconds": lit.train_seconds,
               "train_tokens_per_s": lit.train_tokens / lit.train_seconds if lit.train_seconds else None}
+    if validate_first:
+        result["val_loss_before"] = lit.val_history[0][1]
     if trainer.is_global_zero and cfg.sample.max_new_tokens > 0 and data.is_text:
         result["sample"] = sample_text(model, data.tokenizer, cfg.sample)
     # wandb prints its own run summary when it finishes: before ours, so ours ends the output.
     if isinstance(trainer.logger, L.pytorch.loggers.WandbLogger):
         trainer.logger.experiment.finish()
     result["wall_seconds"] = time.perf_counter() - started
-    if validate_first:
-        result["val_loss_before"] = lit.val_history[0][1]
     if trainer.is_global_zero:
         print("\n".join(summary_lines(cfg.run_name, result)))
     return result
