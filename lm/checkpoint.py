@@ -99,7 +99,9 @@ def check_size_against_weights(values: dict, weights: dict, what: str, layer_pre
     if not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items()):
         raise CheckpointError(f"{what} holds weights that are not a mapping of names to tensors")
     for name in names:
-        value = values.get(name)
+        if name not in values:
+            raise CheckpointError(f"{what} has no {name} in its config")
+        value = values[name]
         if not is_count(value):
             raise CheckpointError(f"{what} has {name}={value!r} in its config; it must be a positive integer")
     n_layer, vocab_size, d_model = (values[name] for name in names)

@@ -91,6 +91,29 @@ def write_atomically(path: str | Path, write) -> Path:
     return path
 
 
+def write_folder_atomically(out: Path, write_into) -> Path:
+    """Call write_into(tmp) to fill a temporary folder beside `out`, then move its files into
+    `out` one by one: for writers that only write whole folders (transformers' save_pretrained).
+    Each file is complete, with the usual mode, before it takes its name; a failure leaves the
+    previous files whole and no temporary folder behind."""
+    make_folder(out)
+    tmp = tmp_name(out)
+    try:
+        make_folder(tmp)
+        write_into(tmp)
+        for written in sorted(tmp.iterdir()):
+            os.chmod(written, FILE_MODE)
+            os.replace(written, out / written.name)
+    except BaseException as e:
+        if is_write_failure(e):
+            raise CheckpointError(f"could not write into {str(out)!r}: {write_failure_reason(e, out)}; "
+                                  "the previous files are untouched") from None
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -22,7 +22,7 @@ from lm.attention import SlidingSpec, SoftmaxSpec
 from lm.checks import is_count
 from lm.config import ModelConfig
 from lm.errors import CheckpointError, ConfigError, one_line
-from lm.files import make_folder
+from lm.files import write_folder_atomically
 from lm.model import Transformer
 from lm.tokenizer import EOT
 from lm.weights import from_hf_state_dict, to_hf_state_dict
@@ -75,17 +75,19 @@ def export_hf(model: Transformer, tokenizer: Tokenizer, out: str | Path) -> Path
     c = model.config
     eot = tokenizer.token_to_id(EOT)
     config = hf_config(c, bos_token_id=eot, eos_token_id=eot, pad_token_id=eot, torch_dtype="float32")
-    out = Path(out)
-    make_folder(out)
-    config.save_pretrained(out)
-    # No max_length: transformers warns when it meets one beside the caller's max_new_tokens, and
-    # the context limit already is config.json's max_position_embeddings.
-    transformers.GenerationConfig(bos_token_id=eot, eos_token_id=eot, pad_token_id=eot).save_pretrained(out)
-    save_file(to_hf_state_dict(model.state_dict(), c), str(out / "model.safetensors"), metadata={"format": "pt"})
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=EOT, eos_token=EOT,
                                                 pad_token=EOT, model_max_length=c.max_seq_len)
-    fast.save_pretrained(out)
-    return out
+
+    def write_into(folder: Path) -> None:
+        config.save_pretrained(folder)
+        # No max_length: transformers warns when it meets one beside the caller's max_new_tokens, and
+        # the context limit already is config.json's max_position_embeddings.
+        transformers.GenerationConfig(bos_token_id=eot, eos_token_id=eot, pad_token_id=eot).save_pretrained(folder)
+        save_file(to_hf_state_dict(model.state_dict(), c), str(folder / "model.safetensors"),
+                  metadata={"format": "pt"})
+        fast.save_pretrained(folder)
+
+    return write_folder_atomically(Path(out), write_into)
 
 
 def is_hf_folder(path: str | Path) -> bool:

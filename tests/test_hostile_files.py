@@ -172,6 +172,8 @@ EXPORT_CASES = {
     "config.json without model_config": json_edit("config.json", lambda v: {"lm_format_version": 2}),
     "n_layer of 10^9": model_config_edit(n_layer=10**9),
     "d_model as a string": model_config_edit(d_model="64"),
+    "n_layer missing": json_edit("config.json", lambda v: {**v, "model_config": {
+        k: x for k, x in v["model_config"].items() if k != "n_layer"}}),
     "vocab_size of 10^9": model_config_edit(vocab_size=10**9),
     "n_head of 0": model_config_edit(n_head=0),
     "format_version 99": json_edit("config.json", lambda v: {**v, "lm_format_version": 99}),
@@ -216,6 +218,11 @@ def assert_one_line_refusal(path: Path) -> str:
     message = str(err.value)
     assert "\n" not in message and str(path) in message, message
     return message
+
+
+def test_a_missing_setting_is_named_as_missing(originals, tmp_path):
+    message = assert_one_line_refusal(EXPORT_CASES["n_layer missing"](originals["export"], tmp_path))
+    assert message.endswith("has no n_layer in its config"), message
 
 
 @pytest.mark.parametrize("source, make", [(c[0], c[2]) for c in ALL_CASES], ids=[f"{c[0]}: {c[1]}" for c in ALL_CASES])

@@ -355,9 +355,17 @@ def test_exported_files_have_the_usual_mode(tmp_path):
     from lm import ModelConfig, Transformer
     from lm.checkpoint import export_safetensors
     from lm.files import FILE_MODE
+    from lm.hf import export_hf
 
     model = Transformer(ModelConfig(vocab_size=20, n_layer=1, d_model=16, n_head=2, d_ff=32))
     tokenizer = Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>"))
     folder = export_safetensors(model, tokenizer, tmp_path / "export")
     modes = {p.name: p.stat().st_mode & 0o777 for p in folder.iterdir()}
     assert modes == dict.fromkeys(["model.safetensors", "config.json", "tokenizer.json"], FILE_MODE)
+    # The transformers folder: written by save_pretrained and safetensors (0600) into a
+    # temporary folder, each file moved into place with the usual mode.
+    folder = export_hf(model, tokenizer, tmp_path / "hf")
+    modes = {p.name: p.stat().st_mode & 0o777 for p in folder.iterdir()}
+    assert {"model.safetensors", "config.json", "tokenizer.json", "generation_config.json"} <= set(modes)
+    assert set(modes.values()) == {FILE_MODE}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export", "hf"]  # no temporary folder left
