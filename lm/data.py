@@ -11,6 +11,7 @@ those are memory-mapped on later runs: the cache key covers the corpus and token
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -124,9 +125,16 @@ def hf_corpus(name: str, config_name: str | None, split: str, text_field: str,
         except (OSError, ValueError) as e:  # no such dataset, data_files, config_name or split
             raise DataError(f"data.name={name!r} (config_name={config_name!r}, split={split!r}) could not be "
                             f"loaded: {one_line(e, 300)}") from None
-        for i, row in enumerate(ds):
+        rows = iter(ds)
+        for i in itertools.count():
             if max_docs is not None and i >= max_docs:
                 break
+            try:
+                row = next(rows)
+            except StopIteration:
+                break
+            except OSError as e:  # a streamed read that loses the network or a remote file midway
+                raise DataError(f"reading data.name={name!r} failed at row {i}: {one_line(e, 300)}") from None
             if text_field not in row:
                 raise DataError(f"data.text_field={text_field!r} is not a column of {name!r}; columns: {sorted(row)}")
             text = row[text_field]

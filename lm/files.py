@@ -92,22 +92,29 @@ def write_atomically(path: str | Path, write) -> Path:
 
 
 def write_folder_atomically(out: Path, write_into) -> Path:
-    """Call write_into(tmp) to fill a temporary folder beside `out`, then move its files into
+    """Call write_into(tmp) to fill a temporary folder inside `out`, then move its files into
     `out` one by one: for writers that only write whole folders (transformers' save_pretrained).
-    Each file is complete, with the usual mode, before it takes its name; a failure leaves the
-    previous files whole and no temporary folder behind."""
+    Each file is complete, with the usual mode, before it takes its name; a failure while
+    writing leaves the previous files whole and no temporary folder behind. The temporary folder
+    is inside `out`, not beside it, so the moves stay on one filesystem even when `out` is a
+    mount point or a link to another disk."""
     make_folder(out)
-    tmp = tmp_name(out)
+    remove_stale_temporaries(out)  # a killed export's leftovers
+    tmp = out / f".export.tmp-{os.getpid()}"
+    moved = 0
     try:
         make_folder(tmp)
         write_into(tmp)
         for written in sorted(tmp.iterdir()):
             os.chmod(written, FILE_MODE)
             os.replace(written, out / written.name)
+            moved += 1
     except BaseException as e:
         if is_write_failure(e):
+            untouched = "the previous files are untouched" if not moved else \
+                f"{moved} file(s) were already replaced, each whole"
             raise CheckpointError(f"could not write into {str(out)!r}: {write_failure_reason(e, out)}; "
-                                  "the previous files are untouched") from None
+                                  f"{untouched}") from None
         raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -152,7 +159,10 @@ class RunLock:
     def __enter__(self) -> RunLock:
         while True:
             make_folder(self.path.parent)
-            self._file = open(self.path, "a+")
+            try:
+                self._file = open(self.path, "a+")
+            except FileNotFoundError:
+                continue  # its holder removed the empty folder just now: make it again
             try:
                 fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -183,9 +193,12 @@ class RunLock:
         # A run that wrote nothing (it stopped at bad input) leaves no empty run folder behind;
         # removed while still locked, so no other process can have started in it.
         folder = self.path.parent
-        if [p.name for p in folder.iterdir()] == [self.path.name]:
-            self.path.unlink()
-            folder.rmdir()
+        try:
+            if [p.name for p in folder.iterdir()] == [self.path.name]:
+                self.path.unlink()
+                folder.rmdir()
+        except OSError:
+            pass  # something else is in it now, or it is gone already: nothing to tidy
         fcntl.flock(self._file, fcntl.LOCK_UN)
         self._file.close()
         self._file = None

@@ -24,7 +24,7 @@ from lm.checkpoint import model_state_dict, read_checkpoint, stored_model_config
 from lm.checks import require_choice, require_int, require_positive
 from lm.config import ConfigError, ModelConfig
 from lm.data import make_data_module
-from lm.distributed import quiet_other_ranks, say
+from lm.distributed import is_main_process, quiet_other_ranks, say
 from lm.files import RunLock, remove_stale_temporaries, run_folder
 from lm.generation import generate
 from lm.interrupt import StopOnSignal
@@ -211,8 +211,8 @@ def train(cfg: DictConfig, model_config: ModelConfig | None = None, init_state: 
         model_config_from(cfg, cfg.data.vocab_size)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     run_dir = run_folder(resolve_path(cfg.checkpoint_dir), cfg.run_name)
-    # Under DDP every rank runs train(); the first process on each machine holds the run's lock.
-    lock = RunLock(run_dir, cfg.run_name) if int(os.environ.get("LOCAL_RANK", 0)) == 0 else contextlib.nullcontext()
+    # Under DDP every rank runs train(); rank 0, which writes the checkpoints, holds the run's lock.
+    lock = RunLock(run_dir, cfg.run_name) if is_main_process() else contextlib.nullcontext()
     with lock:
         remove_stale_temporaries(run_dir)
         return _train_locked(cfg, run_dir, model_config, init_state, tokenizer_json, provenance, validate_first,
@@ -318,13 +318,13 @@ def _train_locked(cfg: DictConfig, run_dir: Path, model_config: ModelConfig | No
 
 def summary_lines(run_name: str, result: dict) -> list[str]:
     """The block that ends a run: what it reached, where it is, how fast it went, what it writes."""
-    ppl = math.exp(min(result["val_loss"], 700.0))  # exp(710) overflows a float
+    ppl = math.exp(result["val_loss"]) if result["val_loss"] < 709 else math.inf  # exp(710) overflows a float
     lines = [f"== run {run_name} finished ==",
              f"final val loss   {result['val_loss']:.4f} (ppl {ppl:,.1f}), accuracy {result['val_accuracy']:.4f}, "
              f"after {result['steps']} steps"]
     if "val_loss_before" in result:
         lines.append(f"val loss before  {result['val_loss_before']:.4f} (the starting weights)")
-    if result["best"]:
+    if result["best"] and result["best_val_loss"] is not None:
         lines.append(f"best checkpoint  {shown_path(result['best'])} (val loss {result['best_val_loss']:.4f})")
     lines.append(f"last checkpoint  {shown_path(result['last'])}")
     if result["train_tokens_per_s"]:
@@ -347,7 +347,7 @@ def shown_path(path: str) -> str:
 
 def format_seconds(seconds: float) -> str:
     """`38.2 s`, `14 min 52 s`, `3 h 07 min`."""
-    if seconds < 60:
+    if seconds < 59.95:  # what rounds to 60.0 reads as a minute
         return f"{seconds:.1f} s"
     minutes, secs = divmod(round(seconds), 60)
     if minutes < 60:

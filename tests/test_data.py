@@ -130,6 +130,21 @@ def test_a_dataset_that_cannot_be_loaded_is_one_line(tmp_path, name, config_name
     assert "\n" not in str(error.value)
 
 
+def test_a_streamed_dataset_that_loses_its_connection_midway_is_one_line(tmp_path, monkeypatch):
+    import datasets
+
+    def rows_then_a_dropped_connection():
+        yield {"text": "x = 1"}
+        raise ConnectionError("Connection reset by peer")
+
+    monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: rows_then_a_dropped_connection())
+    corpus = hf_corpus("someone/big", None, "train", "text", streaming=True, data_files=None, max_docs=None)
+    documents = corpus.documents()
+    assert next(documents) == ("0", "x = 1")
+    with pytest.raises(DataError, match=r"^reading data.name='someone/big' failed at row 1: Connection reset by peer$"):
+        next(documents)
+
+
 def test_symlink_loops_under_a_recursive_glob_neither_hang_nor_repeat_a_file(tmp_path):
     (tmp_path / "a" / "b").mkdir(parents=True)
     (tmp_path / "a" / "x.txt").write_text("hello")
@@ -138,23 +153,31 @@ def test_symlink_loops_under_a_recursive_glob_neither_hang_nor_repeat_a_file(tmp
     # of paths exponential in the link depth (more than a minute here); the walk does not.
     (tmp_path / "a" / "b" / "up").symlink_to("../..")
     (tmp_path / "a" / "b" / "back").symlink_to("..")
-    (tmp_path / "elsewhere.txt").write_text("linked")
-    (tmp_path / "a" / "b" / "link.txt").symlink_to(tmp_path / "elsewhere.txt")  # a linked file counts
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "e.txt").write_text("linked folder")
+    (tmp_path / "a" / "b" / "data").symlink_to(tmp_path / "elsewhere")  # a linked folder is read
+    (tmp_path / "f.txt").write_text("linked file")
+    (tmp_path / "a" / "b" / "link.txt").symlink_to(tmp_path / "f.txt")  # a linked file counts
     corpus = text_corpus([f"{tmp_path}/a/**/*.txt"])
-    assert sorted(text for _, text in corpus.documents()) == ["hello", "linked"]
+    assert sorted(text for _, text in corpus.documents()) == ["hello", "linked file", "linked folder"]
 
 
-@pytest.mark.parametrize("pattern", ["c/**/*.txt", "c/**", "c/**/b", "c/**/.hidden/*", "**/*.py", "c/*/**/*.txt",
-                                     "c/a/**/x.txt", "c/*.txt", "c/**/nothing"])
-def test_recursive_patterns_match_what_glob_matches_on_a_tree_without_links(tmp_path, monkeypatch, pattern):
-    for name in ["c/a/b/x.txt", "c/x.txt", "c/.hidden/h.txt", "c/.dot.txt", "c/d/z.py", "c/a/b/deep/y.txt"]:
+PATTERNS = ["c/**/*.txt", "c/**", "c/**/b", "c/**/.hidden/*", "**/*.py", "c/*/**/*.txt", "c/a/**/x.txt", "c/*.txt",
+            "c/**/nothing", "c/*/**", "*/**", "**", "**/", "c/**/data/*", "c/**/e.txt"]
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_recursive_patterns_match_what_glob_matches_on_a_tree_without_loops(tmp_path, monkeypatch, pattern):
+    for name in ["c/a/b/x.txt", "c/x.txt", "c/.hidden/h.txt", "c/.dot.txt", "c/d/z.py", "c/a/b/deep/y.txt",
+                 "top.txt", ".top.txt", "outside/e.txt", "outside/.e.txt"]:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(name)
+    (tmp_path / "c" / "d" / "data").symlink_to(tmp_path / "outside")  # a linked folder, no loop
     monkeypatch.chdir(tmp_path)
     expected = set()
     for match in map(Path, glob.glob(pattern, recursive=True)):  # the reference: glob, folders expanded
-        expected.update(f for f in (match.rglob("*") if match.is_dir() else [match]) if f.is_file())
-    assert sorted(expand_pattern(pattern)) == sorted(expected)
+        expected.update(f.resolve() for f in (match.rglob("*") if match.is_dir() else [match]) if f.is_file())
+    assert {f.resolve() for f in expand_pattern(pattern)} == expected
 
 
 def test_datamodule_batches_are_shifted_windows(tmp_path, small_corpus):

@@ -281,6 +281,36 @@ def test_an_export_into_a_file_where_its_folder_should_be_is_one_line(tmp_path, 
     assert blocked.read_text() == "a file"
 
 
+def test_a_folder_export_into_a_link_to_another_disk_moves_nothing_across_disks(tmp_path):
+    """`out` a link to (or a mount of) another filesystem: a rename across filesystems fails, so
+    the temporary folder lives inside `out`."""
+    from lm.files import write_folder_atomically
+
+    other_disk = Path("/dev/shm")
+    if not other_disk.is_dir() or other_disk.stat().st_dev == tmp_path.stat().st_dev:
+        pytest.skip("needs a second filesystem at /dev/shm")
+    target = other_disk / f"lm-test-{os.getpid()}"
+    target.mkdir()
+    (tmp_path / "out").symlink_to(target, target_is_directory=True)
+    try:
+        write_folder_atomically(tmp_path / "out", lambda folder: (folder / "a.json").write_text("{}"))
+        assert [p.name for p in target.iterdir()] == ["a.json"]  # and no temporary folder left
+    finally:
+        shutil.rmtree(target, ignore_errors=True)
+
+
+def test_the_summary_survives_a_diverged_run_and_a_missing_best_score():
+    from lm.training import summary_lines
+
+    result = {"val_loss": float("inf"), "val_accuracy": 0.0, "steps": 3, "best": "/x/best.ckpt",
+              "best_val_loss": None, "last": "/x/last.ckpt", "train_tokens_per_s": None, "train_seconds": 0.0,
+              "wall_seconds": 59.96}
+    lines = summary_lines("r", result)
+    assert lines[1].startswith("final val loss   inf (ppl inf)")
+    assert not any(line.startswith("best checkpoint") for line in lines)
+    assert lines[-1] == "wall time        1 min 00 s"
+
+
 def test_the_lock_is_taken_on_the_file_at_its_path_when_the_holder_removed_it_meanwhile(tmp_path, monkeypatch):
     """The race the folder clean-up opens: we open `.lock`, its holder finishes and removes it,
     then our flock succeeds on a file no one else can see. The lock must be on the new file."""
