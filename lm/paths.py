@@ -33,20 +33,29 @@ def expand_pattern(pattern: str) -> list[Path]:
     parts = Path(pattern).parts
     first = next(i for i, part in enumerate(parts) if GLOB_MAGIC.search(part))
     root, wanted = Path(*parts[:first]) if first else Path("."), parts[first:]
-    names_hidden = any(part.startswith(".") for part in wanted)
     folders_only = pattern.endswith("/")  # as in glob: `c/**/` names folders (and so the files below them)
+    done = len(wanted)  # the position after the last part: the path so far matches the whole pattern
     seen: set[tuple[int, int]] = set()
     first_visit(root, seen)
+    root_states = reachable(wanted, {0})
+    # A folder's positions in the pattern, and whether it or a folder above it matched. As in
+    # glob, a pattern that starts with `**` matches below the folder it starts in, not that folder.
+    walk_state = {str(root): (root_states, first != 0 and done in root_states)}
     found = []
     for folder, subfolders, files in os.walk(root, followlinks=True):
-        folder = Path(folder)
-        relative = folder.relative_to(root).parts
-        # As in glob, a pattern that starts with `**` matches below the folder it starts in, not that folder.
-        below_a_match = any(matches(wanted, relative[:i]) for i in range(1 if first == 0 else 0, len(relative) + 1))
-        subfolders[:] = [s for s in sorted(subfolders) if first_visit(folder / s, seen)
-                         and (below_a_match or names_hidden or not s.startswith("."))]
-        found += [folder / f for f in sorted(files)
-                  if below_a_match or (not folders_only and file_matches(wanted, (*relative, f)))]
+        states, below_a_match = walk_state.pop(folder)
+        kept = []
+        for name in sorted(subfolders):
+            child_states = step(wanted, states, name)
+            child_below = below_a_match or done in child_states
+            # A folder no part of the pattern can reach holds nothing to match: not entered.
+            if (child_states or child_below) and first_visit(Path(folder, name), seen):
+                walk_state[os.path.join(folder, name)] = (child_states, child_below)
+                kept.append(name)
+        subfolders[:] = kept
+        for name in sorted(files):
+            if below_a_match or (not folders_only and file_matches(wanted, states, name)):
+                found.append(Path(folder, name))
     return found
 
 
@@ -63,27 +72,39 @@ def first_visit(folder: Path, seen: set[tuple[int, int]]) -> bool:
     return True
 
 
-def file_matches(wanted: tuple[str, ...], path_parts: tuple[str, ...]) -> bool:
-    """Whether a file's path matches. In glob every part but the last names a folder, so a
-    trailing `**` must take the file's own name: `c/*/**` does not match the file c/x.txt."""
-    if wanted[-1] != "**":
-        return matches(wanted, path_parts)
-    return any(matches(wanted[:-1], path_parts[:k]) and not any(p.startswith(".") for p in path_parts[k:])
-               for k in range(len(path_parts)))
+def reachable(wanted: tuple[str, ...], states: set[int]) -> frozenset[int]:
+    """`states` (positions in the pattern) and every position after a `**` in them: `**` may
+    take no name at all."""
+    out = set(states)
+    for position in sorted(out):
+        while position < len(wanted) and wanted[position] == "**":
+            position += 1
+            out.add(position)
+    return frozenset(out)
 
 
-def matches(pattern_parts: tuple[str, ...], path_parts: tuple[str, ...]) -> bool:
-    """Glob matching by path components: `**` spans any number of names, other components
-    match one name each by fnmatch; as in glob, a name starting with a dot is matched only by
-    a component starting with one (never by `*` or `**`)."""
-    if not pattern_parts:
-        return not path_parts
-    head, rest = pattern_parts[0], pattern_parts[1:]
-    if head == "**":
-        spans = 0  # how many names `**` may take: up to the first hidden one
-        while spans < len(path_parts) and not path_parts[spans].startswith("."):
-            spans += 1
-        return any(matches(rest, path_parts[i:]) for i in range(spans + 1))
-    if not path_parts or (path_parts[0].startswith(".") and not head.startswith(".")):
-        return False
-    return fnmatch.fnmatchcase(path_parts[0], head) and matches(rest, path_parts[1:])
+def step(wanted: tuple[str, ...], states: frozenset[int], name: str) -> frozenset[int]:
+    """The positions after one more name. `**` takes any number of names and stays; another part
+    takes one name by fnmatch. As in glob, a name starting with a dot is taken only by a part
+    starting with one (never by `*` or `**`)."""
+    hidden = name.startswith(".")
+    nxt = set()
+    for position in states:
+        if position == len(wanted):
+            continue
+        part = wanted[position]
+        if part == "**":
+            if not hidden:
+                nxt.add(position)
+        elif (not hidden or part.startswith(".")) and fnmatch.fnmatchcase(name, part):
+            nxt.add(position + 1)
+    return reachable(wanted, nxt)
+
+
+def file_matches(wanted: tuple[str, ...], folder_states: frozenset[int], name: str) -> bool:
+    """Whether a file named `name`, in a folder at `folder_states`, matches. In glob every part but
+    the last names a folder, so a trailing `**` must take the file's own name: `c/*/**` does not
+    match the file c/x.txt."""
+    if wanted[-1] == "**":
+        return len(wanted) - 1 in folder_states and not name.startswith(".")
+    return len(wanted) in step(wanted, folder_states, name)

@@ -163,7 +163,8 @@ def test_symlink_loops_under_a_recursive_glob_neither_hang_nor_repeat_a_file(tmp
 
 
 PATTERNS = ["c/**/*.txt", "c/**", "c/**/b", "c/**/.hidden/*", "**/*.py", "c/*/**/*.txt", "c/a/**/x.txt", "c/*.txt",
-            "c/**/nothing", "c/*/**", "*/**", "**", "**/", "c/**/data/*", "c/**/e.txt"]
+            "c/**/nothing", "c/*/**", "*/**", "**", "**/", "c/**/data/*", "c/**/e.txt", "c/**/[xy].txt",
+            "c/?/**", "c/**/[!x]*.txt", "**/.hidden/**", ".*"]
 
 
 @pytest.mark.parametrize("pattern", PATTERNS)
