@@ -229,7 +229,7 @@ def reuse(path: Path, arm: Arm) -> dict | None:
 def run_arm(arm: Arm, cfg: DictConfig) -> dict:
     started = time.perf_counter()
     run_dir = resolve_path(arm.cfg.checkpoint_dir) / arm.name
-    run_dir.mkdir(parents=True, exist_ok=True)
+    make_folder(run_dir)
     with open(run_dir / "train.log", "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
         result = train(arm.cfg)
     record = {"arm": arm.name, "task": arm.task, "kind": arm.entry.name, "width": arm.width, "pairs": arm.pairs,

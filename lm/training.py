@@ -25,7 +25,7 @@ from lm.checks import require_choice, require_int, require_positive
 from lm.config import ConfigError, ModelConfig
 from lm.data import make_data_module
 from lm.distributed import is_main_process, quiet_other_ranks, say
-from lm.files import RunLock, remove_stale_temporaries, run_folder
+from lm.files import RunLock, remove_stale_temporaries, run_folder, write_atomically
 from lm.generation import generate
 from lm.interrupt import StopOnSignal
 from lm.lit import AtomicCheckpointIO, LitLM, OptimConfig
@@ -233,16 +233,16 @@ def _train_locked(cfg: DictConfig, run_dir: Path, model_config: ModelConfig | No
     corpus_fingerprint = getattr(getattr(data, "corpus", None), "fingerprint", None)
     if resumed.get("corpus_fingerprint") not in (None, corpus_fingerprint):
         say("note: the corpus has changed since the checkpoint; the run continues on the new text "
-              "with the tokenizer it was trained with")
+            "with the tokenizer it was trained with")
     model = Transformer(model_config or model_config_from(cfg, data.tokenizer.get_vocab_size()))
     if init_state is not None:
         model.load_state_dict(init_state)
 
     if ckpt_path is None and (run_dir / "last.ckpt").exists():
         say(f"note: starting run {cfg.run_name!r} afresh; its checkpoints will be replaced "
-              "(resume=true continues it)")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    data.tokenizer.save(str(run_dir / "tokenizer.json"))
+            "(resume=true continues it)")
+    if is_main_process():  # one writer under DDP, and never a half-written file
+        write_atomically(run_dir / "tokenizer.json", lambda tmp: data.tokenizer.save(str(tmp)))
     run_config = OmegaConf.to_container(cfg, resolve=True)
     lit = LitLM(model, OptimConfig(**cfg.optim), total_steps=cfg.trainer.max_steps,
                 tokenizer_json=data.tokenizer.to_str(), run_config=run_config, compile=cfg.compile,
@@ -251,8 +251,8 @@ def _train_locked(cfg: DictConfig, run_dir: Path, model_config: ModelConfig | No
 
     precision = pick_precision(cfg.trainer)
     say(f"run {cfg.run_name}: {model.num_params() / 1e6:.2f}M parameters, n_head={model.config.n_head} "
-          f"n_kv_head={model.config.n_kv_head}, precision={precision}, checkpoints in {run_dir}"
-          + (f", resuming {ckpt_path}" if ckpt_path else ""))
+        f"n_kv_head={model.config.n_kv_head}, precision={precision}, checkpoints in {run_dir}"
+        + (f", resuming {ckpt_path}" if ckpt_path else ""))
     say(f"attention: {model.config.describe_attention()}")
     # Two callbacks: Lightning's `save_last` only refreshes last.ckpt when the best one changes.
     best = L.pytorch.callbacks.ModelCheckpoint(
