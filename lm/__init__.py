@@ -1,13 +1,16 @@
 """lm: small decoder-only transformers with pluggable attention.
 
     from lm import ModelConfig, Transformer, load, generate, stream, quantize_int8
+
+The package is layered; each folder imports only from the ones before it:
+util -> attention -> model -> data -> formats -> generation -> training -> studies.
 """
 
-from lm.checkpoint import load
-from lm.config import ConfigError, ModelConfig
-from lm.generation import GenerationError, generate, stream
-from lm.model import Transformer
-from lm.quantize import quantize_int8
+from lm.formats.checkpoint import load
+from lm.generation.decode import generate, stream
+from lm.generation.quantize import quantize_int8
+from lm.model import ModelConfig, Transformer
+from lm.util.errors import ConfigError, GenerationError
 
 __all__ = [
     "ConfigError", "GenerationError", "ModelConfig", "Transformer", "generate", "load", "quantize_int8", "stream",

@@ -6,13 +6,13 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from lm.cli import exit_on_user_error, run_script
+from lm.util.cli import exit_on_user_error, run_script
 
 
 @hydra.main(config_path="../conf", config_name="compare", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     with exit_on_user_error():
-        from lm.compare import run_study
+        from lm.studies.compare import run_study
 
         run_study(cfg)
 

@@ -5,13 +5,13 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from lm.cli import exit_on_user_error, run_script
+from lm.util.cli import exit_on_user_error, run_script
 
 
 @hydra.main(config_path="../conf", config_name="eval", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     with exit_on_user_error():
-        from lm.evaluate import evaluate
+        from lm.studies.evaluate import evaluate
 
         evaluate(cfg)
 

@@ -5,16 +5,16 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from lm.cli import exit_on_user_error, run_script
+from lm.util.cli import exit_on_user_error, run_script
 
 
 @hydra.main(config_path="../conf", config_name="export", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from lm.checkpoint import export_safetensors, load
-    from lm.errors import ConfigError
-    from lm.gguf_export import export_gguf
-    from lm.hf import export_hf
-    from lm.paths import resolve_path
+    from lm.formats.checkpoint import export_safetensors, load
+    from lm.formats.gguf import export_gguf
+    from lm.formats.hf import export_hf
+    from lm.util.errors import ConfigError
+    from lm.util.paths import resolve_path
 
     with exit_on_user_error():
         exporters = {"hf": export_hf, "safetensors": export_safetensors,

@@ -5,12 +5,12 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from lm.cli import exit_on_user_error, quote_text_overrides, run_script
+from lm.util.cli import exit_on_user_error, quote_text_overrides, run_script
 
 
 @hydra.main(config_path="../conf", config_name="generate", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from lm.generate_text import generate_text
+    from lm.generation.text import generate_text
 
     with exit_on_user_error():
         generate_text(cfg)

@@ -5,15 +5,15 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from lm.cli import exit_on_user_error, run_script
+from lm.util.cli import exit_on_user_error, run_script
 
 
 @hydra.main(config_path="../conf", config_name="import_hf", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from lm.checkpoint import save_checkpoint
-    from lm.errors import CheckpointError
-    from lm.hf import is_hf_folder, load_hf
-    from lm.paths import resolve_path
+    from lm.formats.checkpoint import save_checkpoint
+    from lm.formats.hf import is_hf_folder, load_hf
+    from lm.util.errors import CheckpointError
+    from lm.util.paths import resolve_path
 
     with exit_on_user_error():
         src = resolve_path(cfg.src)

@@ -5,12 +5,12 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from lm.cli import exit_on_user_error, run_script
+from lm.util.cli import exit_on_user_error, run_script
 
 
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from lm.training import train
+    from lm.training.run import train
 
     with exit_on_user_error():
         train(cfg)

@@ -7,18 +7,18 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from lm.cli import exit_on_user_error, run_script
+from lm.util.cli import exit_on_user_error, run_script
 
 
 @hydra.main(config_path="../conf", config_name="uptrain", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     with exit_on_user_error():
         if cfg.get("study"):
-            from lm.study import run_study
+            from lm.studies.uptrain_ablation import run_study
 
             run_study(cfg)
         else:
-            from lm.uptraining import uptrain
+            from lm.training.uptraining import uptrain
 
             uptrain(cfg)
 

@@ -31,7 +31,7 @@ def small_corpus(tmp_path_factory) -> Path:
 
 def train_small_run(folder: Path, corpus: Path, *overrides: str) -> Path:
     """Train a few steps on the small corpus under `folder`; the path of its last.ckpt."""
-    from lm.training import train
+    from lm.training.run import train
 
     cfg = compose_config("train", [
         "data=text", f"data.paths=[{corpus}]", "data.vocab_size=512", "data.batch_size=4", *TINY_MODEL,

@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lm.cli import exit_on_user_error
-from lm.errors import TrainingError
-from lm.training import train
+from lm.training.run import train
+from lm.util.cli import exit_on_user_error
+from lm.util.errors import TrainingError
 
 
 def corpus_file(tmp: Path, content: bytes, name: str = "text.txt") -> str:
@@ -98,7 +98,7 @@ def test_non_finite_loss_keeps_the_last_good_checkpoint_or_skips(train_config, t
 
 
 def test_skip_nonfinite_skips_those_steps_and_trains_on(train_config, monkeypatch):
-    from lm.lit import LitLM
+    from lm.training.module import LitLM
 
     real_loss, calls = LitLM.loss, {"n": 0}
 

@@ -5,13 +5,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-import pytest  # noqa: E402
-from bench import ATTENTION_KINDS, GENERATE_KINDS, attention_flops  # noqa: E402
+import pytest
 
-from lm.attention import SlidingSpec, SoftmaxSpec  # noqa: E402
-from lm.attention.lowrank import LowRankSpec  # noqa: E402
+from lm.attention import SlidingSpec, SoftmaxSpec
+from lm.attention.lowrank import LowRankSpec
+from lm.studies.bench import ATTENTION_KINDS, GENERATE_KINDS, attention_flops
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_bench_attention_writes_table_csv_and_plot(tmp_path):

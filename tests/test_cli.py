@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from conftest import compose_config
 
-from lm.cli import quote_text_overrides
-from lm.errors import GenerationError
-from lm.generate_text import generate_text, read_stop_strings
+from lm.generation.text import generate_text, read_stop_strings
+from lm.util.cli import quote_text_overrides
+from lm.util.errors import GenerationError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,7 +78,7 @@ def test_hydras_console_does_not_repeat_what_a_library_printed_itself(capsys):
     their records with their own handler as well, so without the filter each shows twice."""
     import logging
 
-    from lm.cli import show_each_log_record_once
+    from lm.util.cli import show_each_log_record_once
 
     hydra_console = logging.StreamHandler(sys.stderr)
     library = logging.getLogger("some_library")

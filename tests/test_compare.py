@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 
 from lm.attention import available_kinds
 from lm.attention.base import spec_class
-from lm.config import ConfigError
+from lm.model.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,7 +22,7 @@ def run_compare(*overrides: str) -> subprocess.CompletedProcess:
 
 
 def planned(*overrides: str):
-    from lm.compare import plan
+    from lm.studies.compare import plan
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return plan(compose(config_name="compare", overrides=list(overrides)))

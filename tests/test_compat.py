@@ -38,7 +38,7 @@ def test_format_1_export_folder_loads_with_identical_logits():
 
 
 def test_checkpoints_are_written_in_format_2_and_a_newer_format_is_refused(tmp_path):
-    from lm.checkpoint import FORMAT_VERSION, read_checkpoint, save_checkpoint
+    from lm.formats.checkpoint import FORMAT_VERSION, read_checkpoint, save_checkpoint
 
     model, tokenizer = lm.load(V1 / "hybrid.ckpt")
     path = save_checkpoint(tmp_path / "again.ckpt", model.state_dict(), model.config, tokenizer.to_str())
@@ -55,7 +55,7 @@ def test_checkpoints_are_written_in_format_2_and_a_newer_format_is_refused(tmp_p
     ckpt = torch.load(path, weights_only=True)
     ckpt["lm"]["format_version"] = 3
     torch.save(ckpt, tmp_path / "future.ckpt")
-    with pytest.raises(lm.errors.CheckpointError) as err:
+    with pytest.raises(lm.util.errors.CheckpointError) as err:
         lm.load(tmp_path / "future.ckpt")
     assert str(err.value).endswith("has format_version=3; this lm reads versions 1, 2; a newer lm wrote it: "
                                    "upgrade lm to read it")

@@ -8,9 +8,9 @@ from lm.attention import LinearSpec, SlidingSpec, SoftmaxSpec
 from lm.attention.additive import AdditiveSpec
 from lm.attention.efficient import EfficientSpec
 from lm.attention.lowrank import LowRankSpec
-from lm.checkpoint import load, read_checkpoint, save_checkpoint
-from lm.convert import to_grouped
-from lm.weights import split_qkv
+from lm.formats.checkpoint import load, read_checkpoint, save_checkpoint
+from lm.formats.convert import to_grouped
+from lm.formats.weights import split_qkv
 
 BASE = dict(vocab_size=61, n_layer=2, d_model=48, n_head=6, d_ff=64, max_seq_len=32)
 

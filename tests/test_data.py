@@ -6,18 +6,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import lm.data
-from lm.data import (
-    DataError,
-    TokenDataModule,
-    build_token_cache,
-    files_corpus,
-    hf_corpus,
-    is_validation,
-    pystdlib_corpus,
-    text_corpus,
-)
-from lm.paths import expand_pattern
+import lm.data.token_cache
+from lm.data.corpora import DataError, files_corpus, hf_corpus, is_validation, pystdlib_corpus, text_corpus
+from lm.data.modules import TokenDataModule
+from lm.data.token_cache import build_token_cache
+from lm.util.paths import expand_pattern
 
 
 def test_split_is_deterministic_and_holds_out_about_the_asked_share():
@@ -43,8 +36,8 @@ def test_token_cache_is_built_once_and_reused(tmp_path, small_corpus, monkeypatc
     def no_second_build(*args, **kwargs):
         raise AssertionError("the cache was rebuilt")
 
-    monkeypatch.setattr(lm.data, "train_tokenizer", no_second_build)
-    monkeypatch.setattr(lm.data, "_tokenize_splits", no_second_build)
+    monkeypatch.setattr(lm.data.token_cache, "train_tokenizer", no_second_build)
+    monkeypatch.setattr(lm.data.token_cache, "_tokenize_splits", no_second_build)
     second = build_token_cache(text_corpus([str(small_corpus)]), tmp_path, 300, 0.1, 33)
     assert second.path == first.path
     assert (second.path / "meta.json").stat().st_mtime_ns == built_at
@@ -206,7 +199,7 @@ def test_a_lone_document_that_hashes_into_val_still_trains(tmp_path):
 def test_paths_without_data_text_is_refused():
     from omegaconf import OmegaConf
 
-    from lm.data import build_corpus
+    from lm.data.corpora import build_corpus
 
     with pytest.raises(DataError, match="data.paths is set but data=pystdlib"):
         build_corpus(OmegaConf.create({"source": "pystdlib", "paths": ["notes.txt"]}))

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import TINY_MODEL
 
-from lm.checkpoint import model_state_dict, read_checkpoint
+from lm.formats.checkpoint import model_state_dict, read_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,7 +38,7 @@ def assert_same_weights(a: Path, b: Path) -> None:
 
 @pytest.mark.slow
 def test_two_process_ddp_matches_one_process_with_the_same_global_batch_and_resumes(train_config, tmp_path):
-    from lm.training import train
+    from lm.training.run import train
 
     # One process, batch 8: 4 steps, then resumed to 6. Two processes, batch 4 each: the same.
     single = ("data.batch_size=8", "trainer.val_every_n_steps=3", "run_name=single")
@@ -64,7 +64,7 @@ def test_two_process_ddp_matches_one_process_with_the_same_global_batch_and_resu
     ({"SLURM_PROCID": "0", "LOCAL_RANK": "1"}, False),            # an allocation where Lightning launches
 ])
 def test_rank_zero_is_read_from_what_each_launcher_sets(env, main, monkeypatch):
-    from lm.distributed import is_main_process
+    from lm.util.distributed import is_main_process
 
     for key in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"):
         monkeypatch.delenv(key, raising=False)

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 import lm
-from lm.evaluate import score, token_stream
-from lm.tokenizer import EOT
+from lm.data.tokenizer import EOT
+from lm.studies.evaluate import score, token_stream
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "v1" / "hybrid.ckpt"  # max_seq_len 32, vocab 300

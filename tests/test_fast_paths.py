@@ -11,8 +11,8 @@ from conftest import train_small_run
 from test_generation import KINDS, VOCAB, make_model
 
 from lm import ModelConfig, Transformer, generate, quantize_int8, stream
-from lm.checkpoint import read_checkpoint
-from lm.quantize import Int8Linear, quantize_per_channel, weight_bytes
+from lm.formats.checkpoint import read_checkpoint
+from lm.generation.quantize import Int8Linear, quantize_per_channel, weight_bytes
 
 
 def ragged_prompts():
@@ -83,7 +83,7 @@ def test_int8_model_keeps_logits_close_and_holds_int8_matmul_weights():
     idx = torch.randint(0, 300, (2, 30))
     with torch.no_grad():
         full, approx = model(idx), quantized(idx)
-    # The tolerance lm.quantize documents: within 5% of the logits' spread.
+    # The tolerance lm.generation.quantize documents: within 5% of the logits' spread.
     assert (approx - full).abs().max() <= 0.05 * full.std()
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     int8_bytes = sum(m.weight.numel() + 4 * m.out_features for m in linears)  # int8 weights + a scale per row

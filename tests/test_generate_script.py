@@ -8,8 +8,8 @@ import pytest
 import torch
 from conftest import compose_config, train_small_run
 
-from lm.cli import exit_on_user_error, quote_text_overrides
-from lm.generate_text import generate_text
+from lm.generation.text import generate_text
+from lm.util.cli import exit_on_user_error, quote_text_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -6,10 +6,10 @@ import torch
 from lm import GenerationError, ModelConfig, Transformer, generate, stream
 from lm.attention import LinearSpec, SlidingSpec, SoftmaxSpec, layer_specs
 from lm.attention.additive import AdditiveSpec
+from lm.attention.cache import GenerationCache
 from lm.attention.efficient import EfficientSpec
 from lm.attention.lowrank import LowRankSpec
-from lm.cache import GenerationCache
-from lm.generation import Sampling
+from lm.generation.decode import Sampling
 
 KINDS = {  # name -> (the model's attention, n_kv_head); 2 layers
     "mha": (SoftmaxSpec(), 4),

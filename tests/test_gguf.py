@@ -9,8 +9,8 @@ import torch
 
 from lm import ConfigError, ModelConfig, Transformer, generate
 from lm.attention import SlidingSpec
-from lm.gguf_export import export_gguf
-from lm.tokenizer import train_tokenizer
+from lm.data.tokenizer import train_tokenizer
+from lm.formats.gguf import export_gguf
 
 gguf = pytest.importorskip("gguf", reason="the gguf extra (pip install -e .[gguf]) is not installed")
 transformers = pytest.importorskip("transformers", reason="the hf extra is not installed")
@@ -87,7 +87,7 @@ def test_kinds_llama_cpp_cannot_run_are_refused(attention, tokenizer, tmp_path):
 
 
 def test_export_script_writes_gguf(tokenizer, tmp_path):
-    from lm.checkpoint import save_checkpoint
+    from lm.formats.checkpoint import save_checkpoint
 
     model = native("gqa-untied")
     ckpt = save_checkpoint(tmp_path / "run" / "last.ckpt", model.state_dict(), model.config, tokenizer.to_str())

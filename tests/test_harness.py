@@ -11,8 +11,8 @@ import torch
 
 from lm import ModelConfig, Transformer
 from lm.attention import LinearSpec, SlidingSpec, SoftmaxSpec
-from lm.checkpoint import save_checkpoint
-from lm.tokenizer import train_tokenizer
+from lm.data.tokenizer import train_tokenizer
+from lm.formats.checkpoint import save_checkpoint
 
 lm_eval = pytest.importorskip("lm_eval", reason="the eval extra (pip install -e .[eval]) is not installed")
 pytest.importorskip("transformers", reason="the hf extra is not installed")
@@ -53,7 +53,7 @@ def evaluate(task_dir: Path, model: str, model_args: str) -> dict:
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    import lm.harness  # noqa: F401  (registers --model lm)
+    import lm.studies.harness  # noqa: F401  (registers --model lm)
 
     out = simple_evaluate(model=model, model_args=model_args, tasks=TASKS, device="cpu", batch_size=4,
                           task_manager=TaskManager(include_path=str(task_dir)), log_samples=True)
@@ -61,7 +61,7 @@ def evaluate(task_dir: Path, model: str, model_args: str) -> dict:
 
 
 def test_lm_model_agrees_with_the_harness_hf_model_on_the_exported_llama(task_dir, tokenizer, tmp_path):
-    from lm.hf import export_hf
+    from lm.formats.hf import export_hf
 
     ckpt, model = checkpoint(tmp_path, tokenizer, SoftmaxSpec())
     export_hf(model, tokenizer, tmp_path / "hf")
@@ -102,7 +102,7 @@ def test_generate_until_is_lm_greedy_decoding_cut_at_the_stop(tokenizer, tmp_pat
     from types import SimpleNamespace
 
     from lm import generate
-    from lm.harness import HarnessModel
+    from lm.studies.harness import HarnessModel
 
     ckpt, model = checkpoint(tmp_path, tokenizer, [SlidingSpec(window=8), LinearSpec(chunk_size=8)])
     harness = HarnessModel(str(ckpt))

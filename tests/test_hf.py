@@ -10,8 +10,8 @@ import torch
 
 from lm import ConfigError, ModelConfig, Transformer, generate, load
 from lm.attention import SlidingSpec, SoftmaxSpec, layer_specs
-from lm.hf import export_hf
-from lm.tokenizer import train_tokenizer
+from lm.data.tokenizer import train_tokenizer
+from lm.formats.hf import export_hf
 
 transformers = pytest.importorskip("transformers", reason="the hf extra (pip install -e .[hf]) is not installed")
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,7 +103,7 @@ def test_kinds_without_an_equivalent_are_refused(attention, message, tokenizer, 
 
 
 def test_export_and_import_scripts_round_trip(tokenizer, tmp_path):
-    from lm.checkpoint import save_checkpoint
+    from lm.formats.checkpoint import save_checkpoint
 
     model = native_model("gqa-untied")
     ckpt = save_checkpoint(tmp_path / "run" / "last.ckpt", model.state_dict(), model.config, tokenizer.to_str())

@@ -17,8 +17,8 @@ import pytest
 import torch
 from conftest import train_small_run
 
-from lm.checkpoint import export_safetensors, load
-from lm.errors import CheckpointError
+from lm.formats.checkpoint import export_safetensors, load
+from lm.util.errors import CheckpointError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,7 +31,7 @@ def originals(tmp_path_factory, small_corpus) -> dict[str, Path]:
     model, tokenizer = load(ckpt)
     found = {"ckpt": ckpt, "export": export_safetensors(model, tokenizer, folder / "export")}
     try:
-        from lm.hf import export_hf
+        from lm.formats.hf import export_hf
 
         found["hf"] = export_hf(model, tokenizer, folder / "hf")
     except Exception:  # noqa: BLE001 - no transformers: the Llama cases are skipped
@@ -247,8 +247,8 @@ def test_huge_claims_allocate_nothing(originals, tmp_path):
             paths.append(str(make(originals[source], out)))
     script = (
         "import resource, sys\n"
-        "from lm.checkpoint import load\n"
-        "from lm.errors import CheckpointError\n"
+        "from lm.formats.checkpoint import load\n"
+        "from lm.util.errors import CheckpointError\n"
         "load(sys.argv[1])\n"
         "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
         "for path in sys.argv[2:]:\n"

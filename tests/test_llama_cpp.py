@@ -11,7 +11,7 @@ import torch
 from conftest import train_small_run
 
 from lm import generate, load
-from lm.gguf_export import export_gguf
+from lm.formats.gguf import export_gguf
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install -e .[llama])")
 pytestmark = pytest.mark.slow

@@ -8,7 +8,7 @@ from lm import ModelConfig, Transformer
 from lm.attention import LayerShape
 from lm.attention.reference import causal_softmax_attention
 from lm.attention.softmax import SoftmaxAttention
-from lm.weights import split_qkv
+from lm.formats.weights import split_qkv
 
 SMALL = dict(vocab_size=97, n_layer=2, d_model=64, n_head=4, d_ff=96, max_seq_len=32)
 
@@ -141,7 +141,7 @@ def test_model_code_imports_neither_lightning_nor_wandb():
 
 def test_rope_matches_the_complex_rotation_it_stands_for():
     """Pairs (i, i + hs/2) rotate by position * theta^(-2i/hs), as multiplication by e^(i angle)."""
-    from lm.layers import RotaryEmbedding, apply_rope
+    from lm.attention.rope import RotaryEmbedding, apply_rope
 
     hs, T = 8, 5
     x = torch.randn(1, 1, T, hs, dtype=torch.float64)

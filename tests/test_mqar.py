@@ -7,9 +7,9 @@ from conftest import compose_config
 from omegaconf import open_dict
 
 from lm import load
-from lm.errors import DataError
-from lm.lit import next_token_loss, scored_batch
-from lm.mqar import IGNORE, RecallTask, number_tokenizer
+from lm.data.mqar import IGNORE, RecallTask, number_tokenizer
+from lm.training.module import next_token_loss, scored_batch
+from lm.util.errors import DataError
 
 
 def test_every_answer_is_the_value_of_the_queried_key():
@@ -73,7 +73,7 @@ def test_the_number_tokenizer_round_trips():
 
 
 def test_train_on_mqar_logs_accuracy_and_the_checkpoint_loads(tmp_path):
-    from lm.training import train
+    from lm.training.run import train
 
     cfg = compose_config("train", [
         "data=mqar", "data.seq_len=32", "data.pairs=4", "data.examples=64", "data.val_examples=16",
@@ -94,7 +94,7 @@ def test_train_on_mqar_logs_accuracy_and_the_checkpoint_loads(tmp_path):
 
 
 def test_a_sequence_longer_than_the_model_is_refused_before_training(tmp_path):
-    from lm.training import train
+    from lm.training.run import train
 
     cfg = compose_config("train", ["data=mqar", "data.seq_len=64", "model.max_seq_len=32", "logger=none"])
     with open_dict(cfg):

@@ -16,11 +16,11 @@ from conftest import TINY_MODEL
 from omegaconf import open_dict
 
 import lm
-from lm.checkpoint import read_checkpoint
-from lm.errors import CheckpointError, ConfigError, DataError
-from lm.files import RunLock, write_atomically
-from lm.lit import AtomicCheckpointIO, warmup_cosine
-from lm.training import train
+from lm.formats.checkpoint import read_checkpoint
+from lm.training.module import AtomicCheckpointIO, warmup_cosine
+from lm.training.run import train
+from lm.util.errors import CheckpointError, ConfigError, DataError
+from lm.util.files import RunLock, write_atomically
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -156,7 +156,7 @@ def test_safetensors_export_is_plain_data_that_load_reads(tmp_path, tied):
     from tokenizers import Tokenizer, models
 
     from lm import ModelConfig, Transformer
-    from lm.checkpoint import save_checkpoint
+    from lm.formats.checkpoint import save_checkpoint
 
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=50, n_layer=2, d_model=32, n_head=4, n_kv_head=2, d_ff=48,
@@ -221,7 +221,7 @@ def test_a_second_run_of_the_same_name_is_refused_and_a_killed_one_leaves_no_loc
         with pytest.raises(ConfigError, match=f"run 'mha-tiny' is being trained by process {os.getpid()} right now"):
             train(cfg)
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
-                               "from lm.files import RunLock\nwith RunLock(Path(sys.argv[1]), 'x'):\n"
+                               "from lm.util.files import RunLock\nwith RunLock(Path(sys.argv[1]), 'x'):\n"
                                "    print('locked', flush=True); time.sleep(600)", str(run_dir)],
                               stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert holder.stdout.readline().strip() == "locked"
@@ -264,11 +264,11 @@ def test_a_folder_that_cannot_be_written_is_one_line_before_training(train_confi
 
 @pytest.mark.parametrize("exporter", ["safetensors", "hf", "gguf"])
 def test_an_export_into_a_file_where_its_folder_should_be_is_one_line(tmp_path, exporter):
-    from lm.checkpoint import export_safetensors
-    from lm.gguf_export import export_gguf
-    from lm.hf import export_hf
-    from lm.model import Transformer
-    from lm.tokenizer import train_tokenizer
+    from lm.data.tokenizer import train_tokenizer
+    from lm.formats.checkpoint import export_safetensors
+    from lm.formats.gguf import export_gguf
+    from lm.formats.hf import export_hf
+    from lm.model.transformer import Transformer
 
     model = Transformer(lm.ModelConfig(vocab_size=300, n_layer=1, d_model=32, n_head=2, d_ff=64, max_seq_len=16))
     tokenizer = train_tokenizer(iter(["def f(x):\n    return x\n"] * 20), 300)
@@ -284,7 +284,7 @@ def test_an_export_into_a_file_where_its_folder_should_be_is_one_line(tmp_path, 
 def test_a_folder_export_into_a_link_to_another_disk_moves_nothing_across_disks(tmp_path):
     """`out` a link to (or a mount of) another filesystem: a rename across filesystems fails, so
     the temporary folder lives inside `out`."""
-    from lm.files import write_folder_atomically
+    from lm.util.files import write_folder_atomically
 
     other_disk = Path("/dev/shm")
     if not other_disk.is_dir() or other_disk.stat().st_dev == tmp_path.stat().st_dev:
@@ -300,7 +300,7 @@ def test_a_folder_export_into_a_link_to_another_disk_moves_nothing_across_disks(
 
 
 def test_the_summary_survives_a_diverged_run_and_a_missing_best_score():
-    from lm.training import summary_lines
+    from lm.training.run import summary_lines
 
     result = {"val_loss": float("inf"), "val_accuracy": 0.0, "steps": 3, "best": "/x/best.ckpt",
               "best_val_loss": None, "last": "/x/last.ckpt", "train_tokens_per_s": None, "train_seconds": 0.0,
@@ -316,7 +316,6 @@ def test_the_lock_is_taken_on_the_file_at_its_path_when_the_holder_removed_it_me
     then our flock succeeds on a file no one else can see. The lock must be on the new file."""
     import fcntl
 
-    import lm.files
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -330,7 +329,7 @@ def test_the_lock_is_taken_on_the_file_at_its_path_when_the_holder_removed_it_me
         calls.append(file.fileno())
         return real_flock(file, operation)
 
-    monkeypatch.setattr(lm.files.fcntl, "flock", flock_after_the_holder_left)
+    monkeypatch.setattr(fcntl, "flock", flock_after_the_holder_left)
     with RunLock(run_dir, "x") as lock:
         assert len(calls) == 2
         assert os.fstat(lock._file.fileno()).st_ino == os.stat(run_dir / ".lock").st_ino
@@ -383,9 +382,9 @@ def test_exported_files_have_the_usual_mode(tmp_path):
     from tokenizers import Tokenizer, models
 
     from lm import ModelConfig, Transformer
-    from lm.checkpoint import export_safetensors
-    from lm.files import FILE_MODE
-    from lm.hf import export_hf
+    from lm.formats.checkpoint import export_safetensors
+    from lm.formats.hf import export_hf
+    from lm.util.files import FILE_MODE
 
     model = Transformer(ModelConfig(vocab_size=20, n_layer=1, d_model=16, n_head=2, d_ff=32))
     tokenizer = Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>"))

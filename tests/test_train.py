@@ -10,10 +10,11 @@ import torch
 
 import lm
 from lm.attention import LinearSpec, SlidingSpec, SoftmaxSpec
-from lm.checkpoint import read_checkpoint
-from lm.data import TokenDataModule, text_corpus
-from lm.lit import warmup_cosine
-from lm.training import format_seconds, train
+from lm.data.corpora import text_corpus
+from lm.data.modules import TokenDataModule
+from lm.formats.checkpoint import read_checkpoint
+from lm.training.module import warmup_cosine
+from lm.training.run import format_seconds, train
 
 
 def test_gqa_run_leaves_checkpoint_tokenizer_and_offline_wandb_run(train_config, monkeypatch):
@@ -100,7 +101,7 @@ def test_lightning_adverts_are_dropped_and_its_other_lines_kept():
 
     from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-    import lm.training  # noqa: F401  (installs the filter)
+    import lm.training.run  # noqa: F401  (installs the filter)
 
     records = []
     handler = logging.Handler()

@@ -9,9 +9,9 @@ import pytest
 from conftest import compose_config, train_small_run
 
 import lm
-from lm.checkpoint import read_checkpoint
-from lm.study import run_study
-from lm.uptraining import uptrain
+from lm.formats.checkpoint import read_checkpoint
+from lm.studies.uptrain_ablation import run_study
+from lm.training.uptraining import uptrain
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -25,10 +25,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lm.attention.base import AttentionSpec, LayerShape, register
+from lm.attention.cache import CacheSpec, GenerationCache
 from lm.attention.projections import GroupedQKV
 from lm.attention.softmax import KVCache
-from lm.cache import CacheSpec, GenerationCache
-from lm.checks import require_int
+from lm.util.checks import require_int
 
 
 @register("additive")

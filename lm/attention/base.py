@@ -9,7 +9,7 @@
   updating it, and `decode(q, k, v, pos)`, the same for one position on fixed shapes (what a
   compiled decoding step runs). The cached path is always here, never in the layer.
 
-A model's attention is a list of specs, one per layer (lm.config.ModelConfig.attention).
+A model's attention is a list of specs, one per layer (lm.model.config.ModelConfig.attention).
 Shapes: B batch, T new positions, C d_model, nh query heads, nkv K/V heads, hs head size.
 """
 
@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
-from lm.errors import ConfigError
+from lm.util.errors import ConfigError
 
 if TYPE_CHECKING:
-    from lm.cache import CacheSpec, GenerationCache
+    from lm.attention.cache import CacheSpec, GenerationCache
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class LayerShape:
 
 @runtime_checkable
 class LayerCache(Protocol):
-    """What one layer keeps between decoding steps (lm.cache.GenerationCache holds one per layer)."""
+    """What one layer keeps between decoding steps (lm.attention.cache.GenerationCache holds one per layer)."""
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (B, nh, T, hs), k and v (B, nkv, T, hs) of the next T positions -> (B, nh, T, hs),

@@ -32,10 +32,10 @@ import torch
 import torch.nn.functional as F
 
 from lm.attention.base import AttentionSpec, LayerShape, register
+from lm.attention.cache import CacheSpec, GenerationCache, keep_in_place, tensor_bytes
 from lm.attention.linear import accumulation_dtype
 from lm.attention.projections import GroupedQKV
-from lm.cache import CacheSpec, GenerationCache, keep_in_place, tensor_bytes
-from lm.checks import require_int
+from lm.util.checks import require_int
 
 # N (B, nkv, f, hs) and D (B, nkv, f), both scaled by exp(-m); m (B, nkv, f) the running key maximum.
 State = tuple[torch.Tensor, torch.Tensor, torch.Tensor]

@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lm.attention.base import AttentionSpec, option_names, spec_class, spec_from_dict
-from lm.checks import require_int
-from lm.errors import ConfigError
+from lm.util.checks import require_int
+from lm.util.errors import ConfigError
 
 GLOBAL_KIND = "softmax"  # what a `global_every` layer becomes
 

@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from lm.attention.base import AttentionSpec, LayerShape, register
+from lm.attention.cache import CacheSpec, GenerationCache, keep_in_place, tensor_bytes
 from lm.attention.feature_maps import FEATURE_MAPS, feature_dim, feature_map
 from lm.attention.projections import GroupedQKV
-from lm.cache import CacheSpec, GenerationCache, keep_in_place, tensor_bytes
-from lm.checks import require_choice, require_int, require_positive
+from lm.util.checks import require_choice, require_int, require_positive
 
 State = tuple[torch.Tensor, torch.Tensor]  # S (B, nkv, F, hs), z (B, nkv, F), at least float32
 

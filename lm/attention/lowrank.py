@@ -27,10 +27,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from lm.attention.base import AttentionSpec, LayerShape, register
+from lm.attention.cache import CacheSpec, GenerationCache, tensor_bytes
 from lm.attention.projections import GroupedQKV
-from lm.cache import CacheSpec, GenerationCache, tensor_bytes
-from lm.checks import require_int
-from lm.errors import ConfigError
+from lm.util.checks import require_int
+from lm.util.errors import ConfigError
 
 QUERY_GROUP = 256  # queries per SDPA call of the fast path: bounds its mask at 256 x (keys in view)
 

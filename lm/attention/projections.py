@@ -11,8 +11,12 @@ import torch
 from torch import nn
 
 from lm.attention.base import LayerCache, LayerShape
-from lm.layers import apply_rope
-from lm.weights import qkv_rows
+from lm.attention.rope import apply_rope
+
+
+def qkv_rows(n_head: int, n_kv_head: int, head_dim: int) -> tuple[int, int, int]:
+    """Rows of Q, K and V in the fused projection, in that order."""
+    return n_head * head_dim, n_kv_head * head_dim, n_kv_head * head_dim
 
 
 class GroupedQKV(nn.Module):
@@ -34,7 +38,7 @@ class GroupedQKV(nn.Module):
                 cache: LayerCache | None = None, pos: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         nh, nkv = self.n_head, self.n_kv_head
-        # The fused rows are [Q heads | K heads | V heads] (lm.weights.qkv_rows), so one view splits them.
+        # The fused rows are [Q heads | K heads | V heads] (qkv_rows above), so one view splits them.
         heads = self.qkv(x).view(B, T, nh + 2 * nkv, self.head_dim).transpose(1, 2)  # (B, nh+2nkv, T, hs)
         qk, v = heads[:, : nh + nkv], heads[:, nh + nkv :]  # (B, nh+nkv, T, hs), (B, nkv, T, hs)
         if self.uses_rope:

@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from lm.attention.base import AttentionSpec, LayerShape, register
+from lm.attention.cache import CacheSpec, GenerationCache, tensor_bytes, visibility_mask
 from lm.attention.projections import GroupedQKV
 from lm.attention.sinks import SINK_DIMS, masked_attention, widen_for_sink
-from lm.cache import CacheSpec, GenerationCache, tensor_bytes, visibility_mask
-from lm.checks import require_bool, require_int
+from lm.util.checks import require_bool, require_int
 
 
 def band_mask(window: int, device: torch.device) -> torch.Tensor:

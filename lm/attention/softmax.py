@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from lm.attention.base import AttentionSpec, LayerShape, register
+from lm.attention.cache import CacheSpec, GenerationCache, tensor_bytes, visibility_mask
 from lm.attention.projections import GroupedQKV
 from lm.attention.sinks import causal_with_learned_sink, masked_attention
-from lm.cache import CacheSpec, GenerationCache, tensor_bytes, visibility_mask
-from lm.checks import require_bool
+from lm.util.checks import require_bool
 
 
 @register("softmax")

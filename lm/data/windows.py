@@ -1,0 +1,92 @@
+"""Token windows, the epoch shuffle that shards by rank, and the LightningDataModule base they share."""
+
+from __future__ import annotations
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from lm.util.errors import DataError
+
+
+class TokenWindows(Dataset):
+    """Non-overlapping windows of seq_len + 1 tokens: input is [:-1], target is [1:]."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, split: str):
+        self.tokens, self.seq_len = tokens, seq_len
+        self.n = (len(tokens) - 1) // seq_len
+        if self.n < 1:
+            raise DataError(f"the {split} split has {len(tokens)} tokens, fewer than one sequence of "
+                            f"seq_len+1={seq_len + 1}; use more text or a smaller model.max_seq_len")
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        start = i * self.seq_len
+        return torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
+
+
+class EpochShuffle(torch.utils.data.Sampler):
+    """This process' share of a shuffle that is a function of (seed, epoch) alone.
+
+    Global batch g of an epoch is order[g*B*W : (g+1)*B*W] for batch size B and W processes,
+    and process r takes the r-th block of B of it: together the processes see exactly the
+    batches one process with batch B*W would, without overlap. It can start mid-epoch: on
+    resume the data module starts it at the global batch the checkpoint had reached."""
+
+    def __init__(self, n: int, seed: int, batch_size: int, start_batch: int = 0, rank: int = 0, world_size: int = 1):
+        self.n, self.seed, self.batch_size, self.rank, self.world_size = n, seed, batch_size, rank, world_size
+        self.batches_per_epoch = n // (batch_size * world_size)  # the remainder is dropped, as drop_last does
+        self.start_epoch, start_in_epoch = divmod(start_batch, self.batches_per_epoch)
+        self.offset = start_in_epoch * batch_size
+        self.epoch = self.start_epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Lightning calls this before every epoch (through its distributed wrapper too), so the
+        order never depends on how often the sampler was iterated."""
+        self.epoch = epoch
+
+    def _skip(self) -> int:
+        return self.offset if self.epoch == self.start_epoch else 0
+
+    def __iter__(self):
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        B, W = self.batch_size, self.world_size
+        mine = order[: self.batches_per_epoch * B * W].view(-1, W, B)[:, self.rank].flatten()  # (batches*B,)
+        return iter(mine[self._skip():].tolist())
+
+    def __len__(self) -> int:
+        return self.batches_per_epoch * self.batch_size - self._skip()
+
+
+class ShuffledDataModule(L.LightningDataModule):
+    """Loaders over `train_set` and `val_set` (set by a subclass's setup): the training order is
+    EpochShuffle's, so a resumed run continues at the batch it stopped at, and validation is
+    split across ranks without overlap."""
+
+    batch_size: int
+    seed: int
+    num_workers: int
+    is_text = True  # False: examples are not text, and no text sample is printed after training
+
+    def _rank_and_world(self) -> tuple[int, int]:
+        trainer = getattr(self, "trainer", None)
+        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+
+    def train_dataloader(self) -> DataLoader:
+        # Resuming: Lightning restores the step count before asking for the dataloader, so the
+        # shuffle starts at the global batch the checkpointed run had reached.
+        trainer = getattr(self, "trainer", None)
+        start_batch = trainer.global_step * trainer.accumulate_grad_batches if trainer is not None else 0
+        rank, world = self._rank_and_world()
+        sampler = EpochShuffle(len(self.train_set), self.seed, self.batch_size, start_batch, rank, world)
+        return DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler, drop_last=True,
+                          num_workers=self.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        rank, world = self._rank_and_world()
+        shard = list(range(rank, len(self.val_set), world))  # each rank a disjoint share; losses are summed
+        return DataLoader(torch.utils.data.Subset(self.val_set, shard), batch_size=self.batch_size, shuffle=False,
+                          num_workers=self.num_workers)

@@ -1,0 +1,189 @@
+"""Hugging Face `transformers` folders <-> native models.
+
+Softmax MHA/GQA/MQA models are Llama (`LlamaForCausalLM`, `num_key_value_heads`); uniform
+sliding-window models are Mistral (`sliding_window`). The layouts already agree where it
+matters: RoPE uses the rotate-half pairing (i, i + hs/2) in both, and Mistral's window
+(q - W < k <= q) is ours. What differs is only packaging: our fused QKV and gate/up
+projections are split into Llama's separate ones on export and fused again on import
+(lm.formats.weights holds that map).
+
+Shapes: nh query heads, nkv K/V heads, hs head size, C d_model, F d_ff.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from lm.attention import SlidingSpec, SoftmaxSpec
+from lm.data.tokenizer import EOT
+from lm.formats.checked import (
+    build_checked,
+    check_size_against_weights,
+    read_json_object,
+    read_safetensors,
+    read_tokenizer,
+)
+from lm.formats.weights import from_hf_state_dict, to_hf_state_dict
+from lm.model.config import ModelConfig
+from lm.model.transformer import Transformer
+from lm.util.checks import is_count
+from lm.util.errors import CheckpointError, ConfigError, one_line
+from lm.util.files import write_folder_atomically
+
+# Our config field -> transformers' (Llama and Mistral share these names); read both ways.
+CONFIG_KEYS = {
+    "vocab_size": "vocab_size", "d_model": "hidden_size", "d_ff": "intermediate_size",
+    "n_layer": "num_hidden_layers", "n_head": "num_attention_heads", "n_kv_head": "num_key_value_heads",
+    "max_seq_len": "max_position_embeddings", "norm_eps": "rms_norm_eps", "rope_theta": "rope_theta",
+    "tie_embeddings": "tie_word_embeddings",
+}
+
+
+def hf_architecture(config: ModelConfig) -> tuple[str, int | None]:
+    """('llama', None), ('mistral', window), or a ConfigError naming what transformers lacks."""
+    specs = set(config.attention)
+    if specs == {SoftmaxSpec()}:
+        return "llama", None
+    spec = specs.pop() if len(specs) == 1 else None
+    if isinstance(spec, SlidingSpec) and spec == SlidingSpec(window=spec.window):
+        return "mistral", spec.window  # undilated, no sinks: exactly Mistral's window
+    raise ConfigError(f"attention {config.describe_attention()} has no transformers equivalent; export takes "
+                      "softmax (Llama) and one undilated sliding window in every layer (Mistral)")
+
+
+def hf_config(config: ModelConfig, **extra):
+    """The transformers LlamaConfig or MistralConfig of a model of this config."""
+    import transformers
+
+    arch, window = hf_architecture(config)
+    values = {theirs: getattr(config, ours) for ours, theirs in CONFIG_KEYS.items()}
+    values.update(head_dim=config.head_dim, hidden_act="silu", attention_bias=False, **extra)
+    if arch == "llama":
+        hf = transformers.LlamaConfig(mlp_bias=False, **values)
+        hf.architectures = ["LlamaForCausalLM"]
+    else:
+        hf = transformers.MistralConfig(sliding_window=window, **values)
+        hf.architectures = ["MistralForCausalLM"]
+    return hf
+
+
+def export_hf(model: Transformer, tokenizer: Tokenizer, out: str | Path) -> Path:
+    """Write a folder `AutoModelForCausalLM` / `AutoTokenizer.from_pretrained` load offline."""
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError("export to Hugging Face needs transformers: pip install -e .[hf]") from None
+    from safetensors.torch import save_file
+
+    c = model.config
+    eot = tokenizer.token_to_id(EOT)
+    config = hf_config(c, bos_token_id=eot, eos_token_id=eot, pad_token_id=eot, torch_dtype="float32")
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=EOT, eos_token=EOT,
+                                                pad_token=EOT, model_max_length=c.max_seq_len)
+
+    def write_into(folder: Path) -> None:
+        config.save_pretrained(folder)
+        # No max_length: transformers warns when it meets one beside the caller's max_new_tokens, and
+        # the context limit already is config.json's max_position_embeddings.
+        transformers.GenerationConfig(bos_token_id=eot, eos_token_id=eot, pad_token_id=eot).save_pretrained(folder)
+        save_file(to_hf_state_dict(model.state_dict(), c), str(folder / "model.safetensors"),
+                  metadata={"format": "pt"})
+        fast.save_pretrained(folder)
+
+    return write_folder_atomically(Path(out), write_into)
+
+
+def is_hf_folder(path: str | Path) -> bool:
+    return Path(path).is_dir() and (Path(path) / "config.json").is_file()
+
+
+
+
+
+
+def check_model_type(values: dict, folder: Path) -> str:
+    kind = values.get("model_type")
+    if kind not in ("llama", "mistral"):
+        raise CheckpointError(f"{str(folder)!r} holds model_type={kind!r}; import reads llama and mistral")
+    return kind
+
+
+def config_from_hf(values: dict, folder: Path) -> ModelConfig:
+    kind = check_model_type(values, folder)
+    unsupported = [name for name in ("attention_bias", "mlp_bias") if values.get(name)]
+    if values.get("hidden_act", "silu") != "silu":
+        unsupported.append(f"hidden_act={values['hidden_act']}")
+    rope = values.get("rope_scaling") or values.get("rope_parameters") or {}
+    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+        unsupported.append(f"rope_type={rope.get('rope_type', rope.get('type'))}")
+    if unsupported:
+        raise CheckpointError(f"{str(folder)!r} uses {', '.join(unsupported)}, which lm's model does not have")
+    required = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "max_position_embeddings", "rms_norm_eps"]
+    missing = [key for key in required if values.get(key) is None]
+    if missing:
+        raise CheckpointError(f"{str(folder)!r}: config.json lacks {', '.join(missing)}")
+    for key in ("hidden_size", "num_attention_heads"):
+        if not is_count(values[key]):
+            raise CheckpointError(f"{str(folder)!r} has {key}={values[key]!r}; it must be a positive integer")
+    if values.get("head_dim") not in (None, values["hidden_size"] // values["num_attention_heads"]):
+        raise CheckpointError(f"{str(folder)!r} has head_dim={values['head_dim']} != hidden_size / heads")
+    fields = {ours: values[theirs] for ours, theirs in CONFIG_KEYS.items() if values.get(theirs) is not None}
+    fields["rope_theta"] = float(rope.get("rope_theta", values.get("rope_theta", 10000.0)))
+    fields["tie_embeddings"] = bool(values.get("tie_word_embeddings", False))
+    window = values.get("sliding_window") if kind == "mistral" else None
+    try:
+        return ModelConfig(**fields, attention=SlidingSpec(window=window) if window else SoftmaxSpec())
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{str(folder)!r} has an unusable config.json: {e}") from None
+
+
+def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():  # a sharded checkpoint
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(n, str) for n in weight_map.values()):
+            raise CheckpointError(f"{str(index)!r} has no weight_map of names to files")
+        files = sorted(set(weight_map.values()))
+    else:
+        files = ["model.safetensors"]
+    weights = {}
+    for name in files:
+        path = folder / name
+        if not path.resolve().is_relative_to(folder.resolve()):
+            raise CheckpointError(f"{str(index)!r} names {name!r}, a file outside its folder")
+        if not path.is_file():
+            raise CheckpointError(f"{str(folder)!r} has no {name} (only safetensors weights are read)")
+        weights.update(read_safetensors(path))
+    return weights
+
+
+def load_hf(folder: str | Path, device: str | torch.device = "cpu",
+            values: dict | None = None) -> tuple[Transformer, Tokenizer]:
+    """(model in eval mode, tokenizer) from a local Llama or Mistral folder (`values`: its
+    config.json when the caller has read it already). The config is checked against the
+    weights before anything is built from it."""
+
+    folder = Path(folder)
+    values = values or read_json_object(folder / "config.json")
+    check_model_type(values, folder)
+    hf = read_hf_weights(folder)
+    check_size_against_weights(values, hf, f"{str(folder)!r}", layer_prefix="model.layers.",
+                               embedding="model.embed_tokens.weight",
+                               names=("num_hidden_layers", "vocab_size", "hidden_size"))
+    config = config_from_hf(values, folder)
+    try:
+        state = from_hf_state_dict(hf, config)
+    except KeyError as e:
+        raise CheckpointError(f"{str(folder)!r} lacks the weight {e.args[0]}") from None
+    except RuntimeError as e:  # a weight of the wrong size cannot be split or reshaped as the config says
+        raise CheckpointError(f"{str(folder)!r} has weights that disagree with config.json "
+                              f"({one_line(e)})") from None
+    if not (folder / "tokenizer.json").is_file():
+        raise CheckpointError(f"{str(folder)!r} has no tokenizer.json (a fast tokenizer is needed)")
+    tokenizer_text = (folder / "tokenizer.json").read_text(encoding="utf-8", errors="replace")
+    tokenizer = read_tokenizer(tokenizer_text, config.vocab_size, f"{str(folder)!r}")
+    return build_checked(config, state, f"{str(folder)!r}").to(device).eval(), tokenizer

@@ -1,0 +1,7 @@
+"""Generation: prefill and the decoding loop (decode), sampling, weight-only int8 (quantize), and
+the text command that scripts/generate.py runs (text)."""
+
+from lm.generation.decode import generate, stream
+from lm.util.errors import GenerationError
+
+__all__ = ["GenerationError", "generate", "stream"]

@@ -1,0 +1,99 @@
+"""Weight-only int8 quantization for decoding.
+
+Every nn.Linear of the model (Q/K/V, output, gate/up, down and the head) keeps its weight as
+int8 with one float scale per output channel (symmetric, absmax / 127), and its inputs and
+outputs stay float: the matmul reads a quarter of the bytes, which is what bounds a batch-1
+decoding step. The token embedding stays float (it is a lookup, not a matmul), so a tied head
+gets an int8 copy of its own.
+
+Two kernels compute the same product, chosen explicitly (`kernel=`), never by detection:
+- "dequant": w_int8 -> float, one matmul, times the scales: plain PyTorch, any device; under
+  torch.compile the conversion fuses into the step;
+- "int8pack": `torch.ops.aten._weight_int8pack_mm`, PyTorch's CPU/GPU weight-only int8 kernel.
+
+Accuracy: each weight is off by at most half its row's step (scale / 2). The logits stay within
+5% of their own standard deviation (tests/test_fast_paths.py); on trained models the greedy next
+token agrees with fp32's at the rate `scripts/bench.py generate` reports.
+
+Shapes: M rows of input, K input features, N output features.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lm.util.errors import GenerationError
+
+KERNELS = ("dequant", "int8pack")
+
+
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight (N, K) float -> int8 (N, K) and scales (N,) with weight ~= int8 * scales[:, None].
+
+    Each row's largest magnitude maps to 127; an all-zero row gets scale 1 (any scale is exact)."""
+    absmax = weight.detach().abs().amax(dim=1).float()  # (N,)
+    scales = torch.where(absmax > 0, absmax / 127, torch.ones_like(absmax))
+    q = torch.round(weight.detach().float() / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scales
+
+
+@torch.library.custom_op("lm::int8_linear", mutates_args=())
+def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x (..., K) @ (weight (N, K) int8 as float)^T * scales (N,) -> (..., N).
+
+    An opaque op to torch.compile: inductor would otherwise fuse the int8 -> float conversion
+    into a generated matmul loop, which on the CPU runs 2x slower than converting and calling
+    BLAS (measured at the reference shape). The scales apply per output column, so they can
+    wait until after the matmul."""
+    return F.linear(x, weight.to(x.dtype)) * scales
+
+
+@int8_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+class Int8Linear(nn.Module):
+    """y = x W^T with W held as int8 (N, K) and per-output-channel float scales (N,)."""
+
+    def __init__(self, linear: nn.Linear, kernel: str = "dequant"):
+        super().__init__()
+        if linear.bias is not None:
+            raise GenerationError("int8: a Linear with a bias is not supported (lm's layers have none)")
+        if kernel not in KERNELS:
+            raise GenerationError(f"int8 kernel={kernel!r} must be one of {list(KERNELS)}")
+        self.kernel = kernel
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight, scales = quantize_per_channel(linear.weight)
+        self.register_buffer("weight", weight)  # (N, K) int8
+        self.register_buffer("scales", scales.to(linear.weight.dtype))  # (N,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "int8pack":
+            flat = x.reshape(-1, self.in_features)  # (M, K): the kernel takes 2-D inputs
+            out = torch.ops.aten._weight_int8pack_mm(flat, self.weight, self.scales)  # (M, N)
+            return out.view(*x.shape[:-1], self.out_features)
+        return int8_linear(x, self.weight, self.scales)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8, kernel={self.kernel}"
+
+
+def quantize_int8(model: nn.Module, kernel: str = "dequant") -> nn.Module:
+    """A copy of `model` whose every nn.Linear is an Int8Linear; the original is left untouched."""
+    quantized = copy.deepcopy(model)
+    for parent in list(quantized.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, Int8Linear(child, kernel))
+    return quantized.eval()
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and persistent buffer (a tied weight counts once)."""
+    tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())

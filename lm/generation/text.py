@@ -1,0 +1,141 @@
+"""`generate_text(cfg)`: what scripts/generate.py runs. Loads a checkpoint, decodes the prompt(s)
+and streams the text to stdout; settings are checked before anything is loaded."""
+
+from __future__ import annotations
+
+import re
+import sys
+from typing import TextIO
+
+import torch
+from omegaconf import DictConfig
+
+from lm.data.tokenizer import EOT
+from lm.formats.checkpoint import load
+from lm.generation.decode import Generation, Sampling
+from lm.generation.quantize import quantize_int8, weight_bytes
+from lm.util.errors import GenerationError
+from lm.util.paths import resolve_path
+
+
+def read_prompts(cfg: DictConfig) -> list[str]:
+    if (cfg.prompt is None) == (cfg.prompt_file is None):
+        raise GenerationError("give exactly one of prompt=... or prompt_file=...")
+    if cfg.prompt is not None:
+        prompts = [str(cfg.prompt)]
+    else:
+        path = resolve_path(cfg.prompt_file)
+        if not path.is_file():
+            raise GenerationError(f"prompt_file={str(cfg.prompt_file)!r} does not exist")
+        prompts = [line for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+    if not prompts or not all(prompts):
+        raise GenerationError("the prompt is empty: give some text to continue")
+    for prompt in prompts:
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:  # bytes the shell could not decode arrive as lone surrogates
+            raise GenerationError("the prompt is not valid UTF-8 text") from None
+    return prompts
+
+
+ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+def read_stop_strings(stop) -> list[str]:
+    """The stop strings as the user meant them: `stop=["\\n\\n"]` reaches us as backslash, n
+    (Hydra keeps escapes literal), so \\n, \\t, \\r and \\\\ are read as the characters they name."""
+    strings = [re.sub(r"\\([ntr\\])", lambda m: ESCAPES[m.group(1)], str(s)) for s in stop or []]
+    if any(not s for s in strings):
+        raise GenerationError("stop=[...] holds an empty string, which would stop before the first token")
+    return strings
+
+
+def check_run_settings(cfg: DictConfig) -> None:
+    """Seed and device, checked before the model is loaded."""
+    seed = cfg.seed
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+        raise GenerationError(f"seed={seed!r} must be null or an integer from 0 to 2**63-1")
+    device = str(cfg.device)
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise GenerationError(f"device={device!r}: this torch has no CUDA device; use device=cpu")
+    if device.split(":")[0] not in ("cpu", "cuda", "mps"):
+        raise GenerationError(f"device={device!r} is not cpu, cuda or mps")
+    if cfg.quantize not in (None, "int8"):
+        raise GenerationError(f"quantize={cfg.quantize!r} must be null or int8")
+    if not isinstance(cfg.compile, bool):
+        raise GenerationError(f"compile={cfg.compile!r} must be true or false")
+
+
+def cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
+    """text up to the first stop string, and whether one was found."""
+    cuts = [text.find(s) for s in stop if s in text]
+    return (text[: min(cuts)], True) if cuts else (text, False)
+
+
+def generate_text(cfg: DictConfig, out: TextIO | None = None, err: TextIO | None = None) -> list[str]:
+    """Continue each prompt; returns the texts (prompt + continuation). Text goes to `out`
+    (stdout), statistics to `err` (stderr)."""
+    out, err = out or sys.stdout, err or sys.stderr
+    sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p, cfg.repetition_penalty)
+    prompts = read_prompts(cfg)
+    stop = read_stop_strings(cfg.stop)
+    check_run_settings(cfg)
+    model, tokenizer = load(resolve_path(cfg.ckpt), device=cfg.device)
+    if cfg.quantize is not None:
+        model = quantize_int8(model)
+    ids = [tokenizer.encode(p).ids for p in prompts]
+    run = Generation(model, ids, cfg.max_new_tokens, sampling, stop=stop, tokenizer=tokenizer,
+                     eos_id=tokenizer.token_to_id(EOT), use_cache=cfg.use_cache, seed=cfg.seed, truncate=cfg.truncate,
+                     compile=cfg.compile)
+    if len(prompts) == 1:
+        texts = [_stream_one(run, prompts[0], len(ids[0]), tokenizer, stop, out)]
+    else:
+        for _ in run:
+            pass
+        texts = []
+        for i, (prompt, tokens) in enumerate(zip(prompts, run.tokens, strict=True)):
+            continuation, _ = cut_at_stop(tokenizer.decode(tokens[len(ids[i]):]), stop)
+            texts.append(prompt + continuation)
+            out.write(f"=== {i + 1}/{len(prompts)} ===\n{texts[-1]}\n")
+    if cfg.stats:
+        out.flush()  # the text first, then the statistics, also when both go to one terminal or file
+        _print_stats(run, err)
+    return texts
+
+
+def _stream_one(run: Generation, prompt: str, n_prompt: int, tokenizer, stop: list[str], out: TextIO) -> str:
+    """Write the prompt, then the continuation as it decodes. Text that could still turn into a
+    stop string, or that ends in half a UTF-8 character, waits until it is settled."""
+    out.write(prompt)
+    out.flush()
+    shown = 0
+    hold = max(map(len, stop), default=1) - 1
+    for _ in run:
+        text, stopped = cut_at_stop(tokenizer.decode(run.tokens[0][n_prompt:]), stop)
+        settled = len(text) if stopped else max(shown, len(text) - hold)
+        if text[shown:settled] and not text[:settled].endswith("\ufffd"):
+            out.write(text[shown:settled])
+            out.flush()
+            shown = settled
+    text, _ = cut_at_stop(tokenizer.decode(run.tokens[0][n_prompt:]), stop)
+    out.write(text[shown:] + "\n")
+    return prompt + text
+
+
+def _print_stats(run: Generation, err: TextIO) -> None:
+    s = run.stats
+    decode_rate = s["new_tokens"] / s["decode_s"] if s.get("decode_s") else 0.0
+    if run.compiled and s.get("first_step_s") and s["new_tokens"] > 2:
+        # The first step compiles; the rate a user gets from then on leaves it out.
+        decode_rate = (s["new_tokens"] - 2) / (s["decode_s"] - s["first_step_s"])
+    tokens = s["prompt_tokens"] + s["new_tokens"]
+    per_token = s["cache_bytes"] / tokens if tokens else 0.0
+    err.write(f"prompt tokens {s['prompt_tokens']}, new tokens {s['new_tokens']}, prefill {s['prefill_s']:.3f} s, "
+              f"decode {decode_rate:.1f} tokens/s, cache {s['cache_bytes']:,} bytes ({per_token:,.0f} per token), "
+              f"weights {weight_bytes(run.model):,} bytes\n")
+    if run.compiled and "first_step_s" in s:
+        err.write(f"compiling: prefill {s['prefill_s']:.1f} s, first step {s['first_step_s']:.1f} s "
+                  "(later runs of the same shapes in this process reuse the graphs)\n")
+
+
+__all__ = ["generate_text"]

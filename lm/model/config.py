@@ -1,0 +1,123 @@
+"""ModelConfig: every architectural choice of a model, as values that serialise to plain data.
+
+`attention` is one typed spec per layer (lm.attention); `to_dict` writes every option of every
+layer explicitly, so a checkpoint keeps its meaning even if a default in the code changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from lm.attention import AttentionSpec, LayerShape, as_layer_specs, layer_specs
+from lm.util.checks import require_bool, require_int, require_positive
+from lm.util.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    """Shape of a Llama-style decoder-only transformer.
+
+    `n_kv_head` sets the K/V heads of every layer: equal to `n_head` is multi-head (MHA), 1 is
+    multi-query (MQA), anything in between grouped-query (GQA); `None` means `n_head`.
+    `attention` is a kind's name, one spec for every layer, or one spec (or name) per layer;
+    it is stored as n_layer specs.
+    """
+
+    vocab_size: int = 8192
+    n_layer: int = 6
+    d_model: int = 384
+    n_head: int = 6
+    n_kv_head: int | None = None
+    d_ff: int = 1024
+    max_seq_len: int = 256
+    attention: Any = "softmax"
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+    attention_options: dataclasses.InitVar[dict | None] = None  # format 1 only: refused with the new spelling
+
+    def __post_init__(self, attention_options: dict | None) -> None:
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        for name in ("vocab_size", "n_layer", "d_model", "n_head", "n_kv_head", "d_ff", "max_seq_len"):
+            require_int(name, getattr(self, name))
+        for name in ("rope_theta", "norm_eps", "init_std"):
+            require_positive(name, getattr(self, name))
+        require_bool("tie_embeddings", self.tie_embeddings)
+        if self.d_model % self.n_head:
+            raise ConfigError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim={self.head_dim} (d_model/n_head) must be even for RoPE")
+        if self.n_kv_head > self.n_head:
+            raise ConfigError(f"n_kv_head={self.n_kv_head} must not exceed n_head={self.n_head}")
+        if self.n_head % self.n_kv_head:
+            raise ConfigError(f"n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head}")
+        if attention_options is not None:
+            raise ConfigError("attention_options is gone: give the specs, e.g. attention=SlidingSpec(window=64), "
+                              "or lm.attention.layer_specs(kind, n_layer, options)")
+        self.attention = as_layer_specs(self.attention, self.n_layer)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def kv_groups(self) -> int:
+        """Query heads that share one K/V head."""
+        return self.n_head // self.n_kv_head
+
+    def layer_shape(self, layer_idx: int) -> LayerShape:
+        return LayerShape(self.d_model, self.n_head, self.n_kv_head, self.head_dim, layer_idx)
+
+    def kinds(self) -> list[str]:
+        return [spec.kind for spec in self.attention]
+
+    def describe_attention(self) -> str:
+        """'4 x linear(feature_map=elu, chunk_size=64, eps=1e-06)': each run of equal layers, in order."""
+        runs: list[list] = []
+        for spec in self.attention:
+            if runs and runs[-1][1] == spec:
+                runs[-1][0] += 1
+            else:
+                runs.append([1, spec])
+        return ", ".join(f"{n} x {spec.describe()}" for n, spec in runs)
+
+    def to_dict(self) -> dict:
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        values["attention"] = [spec.to_dict() for spec in self.attention]
+        return values
+
+    @classmethod
+    def from_dict(cls, values: dict, format_version: int | None = None) -> ModelConfig:
+        """A config from `to_dict`'s plain data; `format_version` 1 reads what checkpoints of that
+        format stored (a kind's name + `attention_options`), None or 2 today's per-layer list."""
+        if not isinstance(values, dict):
+            raise ConfigError(f"model config {values!r} must be a mapping")
+        if format_version == 1:
+            values = upgrade_from_format_1(values)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"unknown model config field(s): {', '.join(unknown)}")
+        return cls(**values)
+
+
+def upgrade_from_format_1(values: dict) -> dict:
+    """Format 1 named one kind plus its options; a hybrid named kinds in `pattern`, and sliding's
+    `global_every` turned layers into softmax. Options no layer took were ignored then, so they
+    are dropped here rather than refused."""
+    values = dict(values)
+    kind = values.pop("attention", "softmax")
+    options = dict(values.pop("attention_options", None) or {})
+    if kind == "hybrid":
+        kind = options.pop("pattern")
+    every = options.pop("global_every", None)
+    n_layer = values.get("n_layer", ModelConfig.n_layer)
+    values["attention"] = [s.to_dict() for s in layer_specs(kind, n_layer, options, every, strict=False)]
+    return values
+
+
+__all__ = ["AttentionSpec", "ConfigError", "ModelConfig"]

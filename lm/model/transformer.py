@@ -1,0 +1,106 @@
+"""The decoder-only transformer: embed -> Block x n_layer -> RMSNorm -> head.
+
+Llama-style: pre-norm RMSNorm, rotary positions, SwiGLU MLP, no biases. The model knows
+nothing of attention internals: each block builds its layer from its spec (lm.attention.base).
+Shapes: B batch, T sequence length, C d_model, V vocab size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from lm.attention.cache import GenerationCache
+from lm.attention.rope import RotaryEmbedding
+from lm.model.config import ModelConfig
+from lm.model.layers import RMSNorm, SwiGLU
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.attn = config.attention[layer_idx].build(config.layer_shape(layer_idx))
+        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.mlp = SwiGLU(config.d_model, config.d_ff)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None,
+                pos: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, cache, pos)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.head.weight = self.embed.weight
+        self.rope = RotaryEmbedding(config.head_dim, config.rope_theta)
+        # Full-attention layers were trained on at most max_seq_len positions; sliding and
+        # linear layers have no such limit.
+        self.context_limited = any(block.attn.context_limited for block in self.blocks)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std) weights; residual output projections scaled by 1/sqrt(2 n_layer)
+        so the residual stream's variance does not grow with depth (GPT-2, Radford et al. 2019)."""
+        std = self.config.init_std
+        for name, p in self.named_parameters():
+            if p.dim() < 2:
+                continue  # norm gains stay at one
+            residual_out = name.endswith(("attn.out.weight", "mlp.down.weight"))
+            scale = 1 / math.sqrt(2 * self.config.n_layer) if residual_out else 1.0
+            nn.init.normal_(p, mean=0.0, std=std * scale)
+        for block in self.blocks:
+            block.attn.reset_own_parameters()
+
+    def forward(self, idx: torch.Tensor, cache: GenerationCache | None = None) -> torch.Tensor:
+        """Logits (B, T, V) for token ids idx (B, T).
+
+        With a `cache` (see lm.attention.cache), idx holds the next T tokens after those the cache has
+        seen: positions continue from there and each layer attends through its cache.
+        """
+        T = idx.shape[1]
+        seen = cache.seen if cache is not None else 0
+        if self.context_limited and seen + T > self.config.max_seq_len:
+            raise ValueError(f"sequence of {seen + T} tokens exceeds max_seq_len={self.config.max_seq_len}")
+        if cache is None:
+            cos, sin = self.rope(torch.arange(T, device=idx.device))  # (T, hs/2) each
+        else:
+            cos, sin = self.rope(cache.positions(T))  # (B, T, hs/2) each: rows count from their first real token
+        x = self.embed(idx)  # (B, T, C)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, cache.layers[i] if cache is not None else None)
+        if cache is not None:
+            cache.advance(T)
+        return self.head(self.norm(x))
+
+    def decode_step(self, idx: torch.Tensor, cache: GenerationCache, pos: torch.Tensor) -> torch.Tensor:
+        """Logits (B, V) of one new token per row, idx (B, 1), at slot `pos` (a 0-dim long tensor).
+
+        Every shape is fixed and nothing syncs with the host, so this is the function
+        `torch.compile(fullgraph=True)` takes (lm.generation.decode). It neither checks the context limit
+        nor advances the cache: the caller does both on the host, outside the compiled graph."""
+        cos, sin = self.rope(cache.decode_positions(pos))  # (B, 1, hs/2) each
+        x = self.embed(idx)  # (B, 1, C)
+        for block, layer_cache in zip(self.blocks, cache.layers, strict=True):
+            x = block(x, cos, sin, layer_cache, pos)
+        return self.head(self.norm(x[:, -1]))  # (B, V)
+
+    def num_params(self) -> int:
+        """Distinct parameters (a tied head counts once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward) by the PaLM appendix B count:
+        6 per weight of every matmul plus 12 * n_layer * d_model * T for attention scores."""
+        matmul_weights = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+        c = self.config
+        return 6 * matmul_weights + 12 * c.n_layer * c.n_head * c.head_dim * seq_len

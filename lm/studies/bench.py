@@ -1,0 +1,604 @@
+"""Benchmarks, measured side by side in one process and reported as ratios.
+
+    python scripts/bench.py train       # training tokens/s vs transformers' LlamaForCausalLM, and MFU
+    python scripts/bench.py attention   # time and peak memory of each attention kind vs sequence length
+    python scripts/bench.py generate    # decode tokens/s, per-token latency and cache bytes per kind vs transformers
+    python scripts/bench.py decode      # eager, compiled and int8 decoding vs transformers, eager and compiled
+
+The machine may be shared and noisy, so the contenders run in alternating rounds and each
+reports its median step time; compare the ratio, not a single absolute figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from lm import ModelConfig, Transformer
+from lm.attention import AttentionSpec, LayerShape, LinearSpec, SlidingSpec, SoftmaxSpec
+from lm.attention.additive import AdditiveSpec
+from lm.attention.efficient import EfficientSpec
+from lm.attention.feature_maps import feature_dim
+from lm.attention.lowrank import LowRankSpec
+
+# The reference shape named in the README and the issues.
+REFERENCE = dict(vocab_size=8192, n_layer=6, d_model=384, n_head=6, n_kv_head=2, d_ff=1024,
+                 max_seq_len=256, tie_embeddings=True)
+
+
+def matmul_peak_flops(size: int = 2048, repeats: int = 10) -> float:
+    """Best observed fp32 FLOP/s of one square matmul: the ceiling MFU is measured against."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def hf_llama(cfg: ModelConfig) -> torch.nn.Module:
+    """transformers' LlamaForCausalLM of the same shape (the mapping lm's export uses), with SDPA."""
+    from transformers import LlamaForCausalLM
+
+    from lm.formats.hf import hf_config
+
+    hf_cfg = hf_config(cfg)
+    hf_cfg._attn_implementation = "sdpa"
+    return LlamaForCausalLM(hf_cfg)
+
+
+def train_step_fn(model: torch.nn.Module, logits_of):
+    """One fp32 training step: forward, loss, backward, fused AdamW."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+    def step(batch: torch.Tensor) -> None:
+        logits = logits_of(model, batch[:, :-1])  # (B, T, V)
+        loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def bench_train(args) -> None:
+    torch.manual_seed(0)
+    cfg = ModelConfig(**REFERENCE)
+    ours = Transformer(cfg)
+    contenders = {
+        "lm": train_step_fn(ours, lambda m, x: m(x)),
+        "transformers": train_step_fn(hf_llama(cfg), lambda m, x: m(input_ids=x).logits),
+    }
+    if args.compile:  # a second copy of our model, compiled as `compile=true` training compiles it
+        twin = Transformer(cfg)
+        twin.load_state_dict(ours.state_dict())
+        compiled = torch.compile(twin)
+        contenders["lm compiled"] = train_step_fn(twin, lambda m, x: compiled(x))
+    batch = torch.randint(0, cfg.vocab_size, (args.batch, cfg.max_seq_len + 1))
+    first_step = {}
+    for name, step in contenders.items():
+        first_step[name] = _timed(lambda step=step: step(batch))  # compiles, for the compiled contender
+        for _ in range(args.warmup):
+            step(batch)
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(args.steps):  # alternate, so background load hits both alike
+        for name, step in contenders.items():
+            start = time.perf_counter()
+            step(batch)
+            times[name].append(time.perf_counter() - start)
+
+    peak = matmul_peak_flops()
+    tokens = args.batch * cfg.max_seq_len
+    flops_per_step = ours.flops_per_token(cfg.max_seq_len) * tokens
+    print(f"training step, fp32, {torch.get_num_threads()} threads: vocab {cfg.vocab_size}, {cfg.n_layer} layers, "
+          f"d_model {cfg.d_model}, {cfg.n_head} heads / {cfg.n_kv_head} KV, SwiGLU {cfg.d_ff}, "
+          f"seq {cfg.max_seq_len}, batch {args.batch}, tied embeddings; {args.steps} steps each")
+    print(f"measured fp32 matmul peak: {peak / 1e9:.0f} GFLOP/s")
+    print(f"{'':14}{'median step s':>14}{'tokens/s':>10}{'MFU':>7}{'first step s':>14}")
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    for name, seconds in medians.items():
+        print(f"{name:14}{seconds:14.3f}{tokens / seconds:10.0f}{flops_per_step / seconds / peak:7.1%}"
+              f"{first_step[name]:14.1f}")
+    for name in medians:
+        if name != "transformers":
+            print(f"{name} / transformers tokens/s: {medians['transformers'] / medians[name]:.2f}x")
+
+
+# ---------------------------------------------------------------------------- attention
+
+ATTENTION_KINDS = {  # name -> (spec, n_kv_head or None for n_head, longest N it is timed at or None)
+    "mha": (SoftmaxSpec(), None, None),
+    "gqa": (SoftmaxSpec(), 2, None),
+    "mqa": (SoftmaxSpec(), 1, None),
+    "mha-learned-sink": (SoftmaxSpec(learned_sink=True), None, None),
+    "sliding": (SlidingSpec(window=512), None, None),
+    "sliding-sinks": (SlidingSpec(window=512, sink_tokens=4), None, None),
+    "linear": (LinearSpec(feature_map="elu"), None, None),
+    "efficient": (EfficientSpec(), None, None),
+    "lowrank": (LowRankSpec(block=64, rank=8), None, None),
+    # a tanh per (query, key, feature): ~40x the work of a dot product, so 16k would take minutes
+    "additive": (AdditiveSpec(), None, 4096),
+}
+
+
+def _proc_status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def exact_resident_memory() -> None:
+    """Make resident memory track live tensors: glibc otherwise keeps freed blocks below its
+    (growing) mmap threshold resident and serves later allocations from them unseen."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: blocks >= 64 KiB are mapped and unmapped
+    libc.malloc_trim(0)
+
+
+def peak_memory_of(fn) -> tuple[float, int]:
+    """(seconds, peak bytes above the resident size before the call) of fn().
+
+    The CPU has no allocator statistics like CUDA's, so the peak is the process' high-water
+    resident size, which Linux resets on writing 5 to /proc/self/clear_refs."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _proc_status_bytes("VmRSS")
+    start = time.perf_counter()
+    fn()
+    seconds = time.perf_counter() - start
+    return seconds, _proc_status_bytes("VmHWM") - before
+
+
+def attention_layer(spec: AttentionSpec, n_kv_head: int | None, d_model: int, n_head: int):
+    """The spec's layer alone, built from its sizes: no model around it."""
+    shape = LayerShape(d_model, n_head, n_kv_head or n_head, d_model // n_head)
+    return spec.build(shape), shape
+
+
+def time_attention(module, shape: LayerShape, seq_len: int, backward: bool, repeats: int,
+                   whole_module: bool = False) -> tuple[float, int]:
+    """Best time and peak memory of one forward (or forward + backward) of the kind's attention
+    op, `module.attend(q, k, v)` on q (1, nh, N, hs) and k, v (1, nkv, N, hs); with
+    `whole_module`, of the layer with its projections (and RoPE) on x (1, N, C)."""
+    from lm.attention.rope import RotaryEmbedding
+
+    if whole_module:
+        cos, sin = RotaryEmbedding(shape.head_dim, 10000.0)(torch.arange(seq_len))
+        inputs = [torch.randn(1, seq_len, shape.d_model, requires_grad=backward)]
+        op = lambda x: module(x, cos, sin)  # noqa: E731
+    else:
+        shapes = [(1, h, seq_len, shape.head_dim) for h in (shape.n_head, shape.n_kv_head, shape.n_kv_head)]
+        inputs = [torch.randn(shape, requires_grad=backward) for shape in shapes]
+        op = module.attend
+
+    def run() -> None:
+        if backward:
+            op(*inputs).sum().backward()
+        else:
+            with torch.no_grad():
+                op(*inputs)
+
+    run()  # warm-up
+    results = [peak_memory_of(run) for _ in range(repeats)]
+    return min(r[0] for r in results), max(r[1] for r in results)
+
+
+def attention_flops(spec: AttentionSpec, n_head: int, n_kv_head: int, hs: int, T: int) -> float:
+    """Forward FLOPs of one attention op as its own algorithm does it (a multiply-add is 2), the
+    work the GFLOP/s column divides by. Causal kinds count the keys each query needs, not the
+    masked-out half a kernel may still touch."""
+    pairs_causal = T * (T + 1) / 2  # (query, key) pairs of full causal attention
+    if isinstance(spec, SoftmaxSpec):
+        return 4 * n_head * hs * pairs_causal  # q.k and the weighted sum of v
+    if isinstance(spec, SlidingSpec):
+        span = spec.window + spec.sink_tokens
+        return 4 * n_head * hs * sum(min(i + 1, span) for i in range(T))
+    if isinstance(spec, (LinearSpec, EfficientSpec)):
+        C = spec.chunk_size
+        F = hs if isinstance(spec, EfficientSpec) else feature_dim(spec.feature_map, hs)
+        inside = 2 * n_head * T * C * F + 2 * n_head * T * C * (hs + 1)  # chunk scores, their weighted sum
+        across = 2 * n_kv_head * T * F * (hs + 1) + 2 * n_head * T * F * (hs + 1)  # state update, state read
+        return inside + across
+    if isinstance(spec, LowRankSpec):
+        L, r = spec.block, spec.rank
+        keys = sum(i % L + 1 + r * (i // L) for i in range(T))  # own block raw + compressed slots
+        return 4 * n_head * hs * keys
+    if isinstance(spec, AdditiveSpec):
+        return 6 * n_head * hs * pairs_causal  # q + k, tanh, w . hidden (counted as 1 each), then v
+    raise ValueError(f"no FLOP count for {type(spec).__name__}")
+
+
+def bench_attention(args) -> None:
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    kinds = {name: ATTENTION_KINDS[name] for name in args.kinds}
+    cases = [(name, spec, n_kv_head, args.heads, longest) for name, (spec, n_kv_head, longest) in kinds.items()]
+    if args.single_head:  # the footing of the published GPU figures: one head of size d_model
+        cases += [("mha-1head", SoftmaxSpec(), None, 1, None),
+                  ("linear-1head", LinearSpec(feature_map="elu"), None, 1, None)]
+    longest_n = max(args.lengths)
+    cases = [(name, spec, n_kv_head, heads, n) for name, spec, n_kv_head, heads, longest in cases for n in args.lengths
+             if not ((heads == 1 and n != longest_n) or (longest is not None and n > longest))]
+    peak = matmul_peak_flops()
+    print(f"attention op (q, k, v -> out; projections excluded), fp32, {torch.get_num_threads()} threads, "
+          f"batch 1, d_model {args.d_model}; measured fp32 matmul peak {peak / 1e9:.0f} GFLOP/s")
+    # Times first, with the allocator as every program has it; then the memory peaks, with the
+    # allocator made to map and unmap every block (exact_resident_memory), which costs page faults.
+    print(f"{'kind':18}{'N':>7}{'fwd s':>9}{'fwd+bwd s':>11}{'fwd GFLOP/s':>13}{'of peak':>9}")
+    for name, spec, n_kv_head, heads, n in cases:
+        torch.manual_seed(0)
+        module, shape = attention_layer(spec, n_kv_head, args.d_model, heads)
+        fwd_s = time_attention(module, shape, n, backward=False, repeats=args.repeats)[0]
+        bwd_s = time_attention(module, shape, n, backward=True, repeats=args.repeats)[0]
+        gflops = attention_flops(spec, heads, shape.n_kv_head, shape.head_dim, n) / fwd_s / 1e9
+        rows.append({"kind": name, "n_head": heads, "n_kv_head": shape.n_kv_head, "seq_len": n, "forward_s": fwd_s,
+                     "forward_backward_s": bwd_s, "forward_gflops": gflops, "forward_of_peak": gflops * 1e9 / peak})
+        print(f"{name:18}{n:7}{fwd_s:9.4f}{bwd_s:11.4f}{gflops:13.1f}{gflops * 1e9 / peak:9.1%}", flush=True)
+    exact_resident_memory()
+    print(f"{'kind':18}{'N':>7}{'fwd MB':>9}{'fwd+bwd MB':>12}   (peak resident memory above the inputs)")
+    for row, (name, spec, n_kv_head, heads, n) in zip(rows, cases, strict=True):
+        torch.manual_seed(0)
+        module, shape = attention_layer(spec, n_kv_head, args.d_model, heads)
+        row["forward_peak_mb"] = time_attention(module, shape, n, backward=False, repeats=1)[1] / 2**20
+        row["forward_backward_peak_mb"] = time_attention(module, shape, n, backward=True, repeats=1)[1] / 2**20
+        print(f"{name:18}{n:7}{row['forward_peak_mb']:9.1f}{row['forward_backward_peak_mb']:12.1f}", flush=True)
+    csv_path = out_dir / "attention.csv"
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print_attention_ratios(rows, max(args.lengths))
+    print_whole_layer_times(args)
+    png_path = plot_attention(rows, args.heads, out_dir / "attention.png")
+    print(f"wrote {csv_path} and {png_path}")
+
+
+def _ratio(a: float, b: float) -> str:
+    """a / b as '1.23x'; 'n/a' when b rounds to nothing (tiny sizes fit in memory already resident)."""
+    return f"{a / b:.2f}x" if b > 0 else "n/a"
+
+
+def print_attention_ratios(rows: list[dict], n_max: int) -> None:
+    at = {(r["kind"], r["seq_len"]): r for r in rows}
+    full = at.get(("mha", n_max))
+    if full is None:
+        return
+    print(f"at N={n_max}, against full causal softmax (mha, SDPA):")
+    for name in sorted({kind for kind, _ in at} - {"mha", "mha-1head", "linear-1head"}):
+        r = at.get((name, n_max))
+        if r is None:
+            continue
+        print(f"  {name:16} forward {full['forward_s'] / r['forward_s']:5.1f}x faster, "
+              f"forward+backward {full['forward_backward_s'] / r['forward_backward_s']:5.1f}x faster, "
+              f"peak memory forward {_ratio(r['forward_peak_mb'], full['forward_peak_mb'])}, "
+              f"forward+backward {_ratio(r['forward_backward_peak_mb'], full['forward_backward_peak_mb'])} of mha's")
+        lengths = sorted(n for (kind, n) in at if kind == name and n >= n_max // 4)
+        if len(lengths) >= 2 and lengths[0] < lengths[-1]:
+            doublings = math.log2(lengths[-1] / lengths[0])
+            growth = (at[(name, lengths[-1])]["forward_s"] / at[(name, lengths[0])]["forward_s"]) ** (1 / doublings)
+            print(f"  {name:16} forward time grows {growth:.2f}x per doubling of N from {lengths[0]} to {lengths[-1]}")
+    single = at.get(("mha-1head", n_max)), at.get(("linear-1head", n_max))
+    if all(single):
+        print(f"  one head of size d_model: softmax {single[0]['forward_s']:.3f} s vs linear "
+              f"{single[1]['forward_s']:.3f} s forward ({single[0]['forward_s'] / single[1]['forward_s']:.1f}x)")
+
+
+def print_whole_layer_times(args) -> None:
+    """The same kinds as whole layers at the longest N: the Q/K/V/O projections every kind
+    shares are added to each, which narrows the ratios."""
+    n = max(args.lengths)
+    times = {}
+    for name in ("mha", "sliding", "linear"):
+        spec, n_kv_head, _ = ATTENTION_KINDS[name]
+        module, shape = attention_layer(spec, n_kv_head, args.d_model, args.heads)
+        times[name], _ = time_attention(module, shape, n, backward=False, repeats=args.repeats, whole_module=True)
+    print(f"whole layer (with projections) forward at N={n}: " + ", ".join(
+        f"{name} {t:.3f} s ({times['mha'] / t:.1f}x)" for name, t in times.items()))
+
+
+def plot_attention(rows: list[dict], heads: int, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=False)
+    for ax, key, title in ((axes[0], "forward_s", "forward"), (axes[1], "forward_backward_s", "forward + backward")):
+        for name in ATTENTION_KINDS:
+            points = sorted((r["seq_len"], r[key]) for r in rows if r["kind"] == name)
+            if points:
+                ax.plot(*zip(*points, strict=True), marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length N")
+        ax.set_ylabel("seconds")
+        ax.set_title(f"{title} (CPU fp32, {heads} heads)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------- generate
+
+GENERATE_KINDS = {  # name -> (spec, n_kv_head) at the reference shape (6 heads)
+    "mha": (SoftmaxSpec(), 6),
+    "gqa": (SoftmaxSpec(), 2),
+    "mqa": (SoftmaxSpec(), 1),
+    "gqa-learned-sink": (SoftmaxSpec(learned_sink=True), 2),
+    "sliding": (SlidingSpec(window=256), 2),
+    "sliding-sinks": (SlidingSpec(window=256, sink_tokens=4), 2),
+    "linear": (LinearSpec(), 2),
+    "efficient": (EfficientSpec(), 2),
+    "additive": (AdditiveSpec(), 2),
+    "lowrank": (LowRankSpec(), 2),
+}
+
+
+def reference_model(spec: AttentionSpec, n_kv_head: int, max_seq_len: int) -> Transformer:
+    torch.manual_seed(0)
+    shape = {**REFERENCE, "n_kv_head": n_kv_head, "max_seq_len": max_seq_len}
+    return Transformer(ModelConfig(**shape, attention=spec)).eval()
+
+
+def decode_seconds(run_generate, repeats: int) -> float:
+    run_generate()  # warm-up
+    return min(_timed(run_generate) for _ in range(repeats))
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def step_latency(model: Transformer, position: int, steps: int = 16) -> float:
+    """Median seconds of one decoding step once `position` tokens are in the cache."""
+    from lm.attention.cache import GenerationCache
+
+    cache = GenerationCache(model, pad=torch.zeros(1, dtype=torch.long), max_len=position + steps + 1)
+    prompt = torch.randint(0, model.config.vocab_size, (1, position))
+    times = []
+    with torch.no_grad():
+        for start in range(0, position, 1024):
+            model(prompt[:, start:start + 1024], cache=cache)
+        token = torch.zeros(1, 1, dtype=torch.long)
+        for _ in range(steps):  # the fixed-shape step generation decodes with
+            times.append(_timed(lambda: model.decode_step(token, cache, torch.tensor(cache.seen))))
+            cache.advance(1)
+    return statistics.median(times)
+
+
+def bench_generate(args) -> None:
+    from lm.generation.decode import stream
+
+    prompt = torch.randint(0, REFERENCE["vocab_size"], (1, args.prompt))
+    max_len = max(args.new_tokens) + args.prompt + 1
+    long_position = args.positions[-1]
+    print(f"greedy decoding, batch 1, {args.prompt}-token prompt, fp32, {torch.get_num_threads()} threads; "
+          f"reference shape (vocab 8192, 6 layers, d_model 384, 6 heads, SwiGLU 1024)")
+    header = "".join(f"{f'tok/s @{n}':>12}" for n in args.new_tokens)
+    header += "".join(f"{f'ms @pos {p}':>13}" for p in args.positions)
+    header += f"{'latency ratio':>15}{'cache bytes/token':>19}{'cache @' + str(max_len):>14}"
+    print(f"{'kind':18}{'kv heads':>9}{header}")
+    rates: dict[str, dict[int, float]] = {}
+    for name in args.kinds:
+        spec, n_kv_head = GENERATE_KINDS[name]
+        model = reference_model(spec, n_kv_head, max_seq_len=max(max_len, long_position + 32))
+        rates[name] = {}
+        for n in args.new_tokens:
+            seconds = decode_seconds(lambda m=model, n=n: list(stream(m, prompt, n)), args.repeats)
+            rates[name][n] = n / seconds
+        latency = [step_latency(model, p) for p in args.positions]
+        run = stream(model, prompt, max(args.new_tokens))
+        list(run)
+        total = run.stats["cache_bytes"]
+        per_token = total / (args.prompt + max(args.new_tokens))
+        cells = "".join(f"{rates[name][n]:12.1f}" for n in args.new_tokens)
+        cells += "".join(f"{t * 1e3:13.2f}" for t in latency)
+        print(f"{name:18}{n_kv_head:9}{cells}{latency[-1] / latency[0]:15.2f}{per_token:19,.0f}{total:14,}", flush=True)
+    if args.compare:
+        hf = hf_llama(ModelConfig(**{**REFERENCE, "max_seq_len": max_len})).eval()
+        hf.generation_config.eos_token_id = None
+        hf.generation_config.pad_token_id = 0
+
+        def hf_generate(n: int) -> None:
+            with torch.no_grad():
+                hf.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, use_cache=True)
+
+        hf_rates = {n: n / decode_seconds(lambda n=n: hf_generate(n), args.repeats) for n in args.new_tokens}
+        cells = "".join(f"{hf_rates[n]:12.1f}" for n in args.new_tokens)
+        print(f"{'transformers':18}{2:9}{cells}   (LlamaForCausalLM.generate, gqa shape, SDPA, cache on)")
+        for n in args.new_tokens:
+            if "gqa" in rates:
+                print(f"lm gqa / transformers decode tokens/s at {n} new tokens: {rates['gqa'][n] / hf_rates[n]:.2f}x")
+
+
+# ---------------------------------------------------------------------------- decode: eager, compiled, int8
+
+
+def hf_static_compiled(hf: torch.nn.Module) -> torch.nn.Module:
+    """What a transformers user tries first for speed: a static KV cache and a compiled forward."""
+    import copy
+
+    hf = copy.deepcopy(hf)
+    hf.generation_config.cache_implementation = "static"
+    hf.forward = torch.compile(hf.forward, fullgraph=True)
+    return hf
+
+
+def bench_decode(args) -> None:
+    from lm.generation.decode import stream
+    from lm.generation.quantize import quantize_int8, weight_bytes
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(**{**REFERENCE, "max_seq_len": args.prompt + args.new_tokens})
+    model = Transformer(cfg).eval()
+    int8 = quantize_int8(model, args.int8_kernel)
+    hf = hf_llama(cfg).eval()
+    hf.load_state_dict(_as_hf_state(model), strict=False)  # rotary inv_freq buffers are not weights
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    hf_static = hf_static_compiled(hf)
+    prompt = torch.randint(0, cfg.vocab_size, (1, args.prompt))
+    n = args.new_tokens
+
+    def ours(m, compile: bool = False):
+        def run() -> list[int]:
+            return stream_tokens(stream(m, prompt, n, compile=compile))
+        return run
+
+    def theirs(m):
+        def run() -> list[int]:
+            with torch.no_grad():
+                out = m.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            return out[0].tolist()
+        return run
+
+    contenders = {
+        "transformers eager": theirs(hf),
+        "transformers static+compile": theirs(hf_static),
+        "lm eager": ours(model),
+        "lm compiled": ours(model, compile=True),
+        "lm int8": ours(int8),
+        "lm int8 compiled": ours(int8, compile=True),
+    }
+    first_call, tokens = {}, {}
+    for name, run in contenders.items():  # the first call compiles where there is anything to compile
+        start = time.perf_counter()
+        tokens[name] = run()
+        first_call[name] = time.perf_counter() - start
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(args.rounds):  # alternate, so background load hits every contender alike
+        for name, run in contenders.items():
+            times[name].append(_timed(run))
+    print(f"greedy decoding, batch 1, {args.prompt}-token prompt, {n} new tokens, fp32, {torch.get_num_threads()} "
+          f"threads; reference shape (vocab 8192, 6 layers, d_model 384, 6 heads / 2 KV heads, SwiGLU 1024); "
+          f"median of {args.rounds} alternating rounds; int8 kernel {args.int8_kernel}")
+    print(f"{'':30}{'tokens/s':>10}{'vs transformers':>17}{'first call s':>14}{'weight MB':>11}{'same tokens':>13}")
+    base = statistics.median(times["transformers eager"])
+    for name in contenders:
+        seconds = statistics.median(times[name])
+        weights = weight_bytes(int8 if "int8" in name else model) / 2**20
+        same = tokens[name] == tokens["lm eager"]
+        print(f"{name:30}{n / seconds:10.1f}{base / seconds:16.2f}x{first_call[name]:14.1f}{weights:11.1f}"
+              f"{str(same):>13}")
+
+
+def stream_tokens(run) -> list[int]:
+    for _ in run:
+        pass
+    return run.tokens[0]
+
+
+def _as_hf_state(model: Transformer) -> dict:
+    """Our weights under transformers' Llama names, so both contenders decode the same function."""
+    from lm.formats.weights import to_hf_state_dict
+
+    return to_hf_state_dict(model.state_dict(), model.config)
+
+
+# ---------------------------------------------------------------------------- int8 accuracy
+
+
+def bench_int8(args) -> None:
+    """A trained checkpoint against its int8 copy on the built-in corpus's validation split."""
+    import torch.nn.functional as F
+    from omegaconf import OmegaConf
+
+    from lm import load
+    from lm.data.corpora import build_corpus
+    from lm.generation.quantize import quantize_int8, weight_bytes
+    from lm.studies.evaluate import split_documents, token_stream
+
+    model, tokenizer = load(args.ckpt)
+    int8 = quantize_int8(model, args.int8_kernel)
+    data_cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "data" / "pystdlib.yaml")
+    ids, _, _, _ = token_stream(split_documents(build_corpus(data_cfg), "val", float(data_cfg.val_fraction)),
+                                tokenizer)
+    T = model.config.max_seq_len
+    windows = ids[: (min(len(ids), args.tokens) - 1) // T * T + 1]
+    inputs = windows[:-1].view(-1, T)  # (windows, T)
+    targets = windows[1:].view(-1, T)
+    agree = total = 0
+    worst = spread = 0.0
+    nll = {"fp32": 0.0, "int8": 0.0}
+    with torch.no_grad():
+        for x, y in zip(inputs.split(8), targets.split(8), strict=True):
+            full, approx = model(x), int8(x)  # (b, T, V)
+            agree += int((full.argmax(-1) == approx.argmax(-1)).sum())
+            total += y.numel()
+            worst = max(worst, float((approx - full).abs().max()))
+            spread = max(spread, float(full.std()))
+            nll["fp32"] += float(F.cross_entropy(full.flatten(0, 1), y.flatten(), reduction="sum"))
+            nll["int8"] += float(F.cross_entropy(approx.flatten(0, 1), y.flatten(), reduction="sum"))
+    print(f"{args.ckpt}: {total:,} validation tokens of the built-in corpus, int8 kernel {args.int8_kernel}")
+    print(f"next-token argmax agreement int8 vs fp32: {agree / total:.2%}")
+    print(f"largest logit difference {worst:.4f} (logits' standard deviation {spread:.3f})")
+    print(f"loss fp32 {nll['fp32'] / total:.4f}, int8 {nll['int8'] / total:.4f}")
+    print(f"weights: fp32 {weight_bytes(model):,} bytes, int8 {weight_bytes(int8):,} bytes "
+          f"(the embedding stays float: {model.embed.weight.numel() * 4:,} bytes)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="what", required=True)
+    train = sub.add_parser("train", help="training tokens/s and MFU against transformers' Llama")
+    train.add_argument("--steps", type=int, default=10, help="measured steps per contender")
+    train.add_argument("--warmup", type=int, default=2, help="unmeasured steps per contender first")
+    train.add_argument("--batch", type=int, default=8)
+    train.add_argument("--no-compile", dest="compile", action="store_false", help="skip the compiled contender")
+    train.set_defaults(run=bench_train)
+    attention = sub.add_parser("attention", help="time and peak memory of each attention kind against N")
+    attention.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    attention.add_argument("--d-model", type=int, default=512)
+    attention.add_argument("--heads", type=int, default=8)
+    attention.add_argument("--repeats", type=int, default=2, help="measured runs per case; the best is kept")
+    attention.add_argument("--no-single-head", dest="single_head", action="store_false",
+                           help="skip the one-head comparison at the longest N")
+    attention.add_argument("--out", default="bench", help="folder for attention.csv and attention.png")
+    attention.add_argument("--kinds", nargs="+", choices=list(ATTENTION_KINDS), default=list(ATTENTION_KINDS),
+                           help="rows to time (default: all)")
+    attention.set_defaults(run=bench_attention)
+    gen = sub.add_parser("generate", help="decode tokens/s, per-token latency and cache bytes of each kind")
+    gen.add_argument("--prompt", type=int, default=32, help="prompt tokens")
+    gen.add_argument("--new-tokens", type=int, nargs="+", default=[128, 1024])
+    gen.add_argument("--positions", type=int, nargs=2, default=[64, 4096], help="where per-token latency is taken")
+    gen.add_argument("--repeats", type=int, default=2)
+    gen.add_argument("--no-compare", dest="compare", action="store_false", help="skip transformers' generate")
+    gen.add_argument("--kinds", nargs="+", choices=list(GENERATE_KINDS), default=list(GENERATE_KINDS),
+                     help="rows to time (default: all)")
+    gen.set_defaults(run=bench_generate)
+    dec = sub.add_parser("decode", help="eager, compiled and int8 decoding side by side with transformers")
+    dec.add_argument("--prompt", type=int, default=32, help="prompt tokens")
+    dec.add_argument("--new-tokens", type=int, default=128)
+    dec.add_argument("--rounds", type=int, default=5, help="alternating measured rounds; the median is kept")
+    dec.add_argument("--int8-kernel", choices=["dequant", "int8pack"], default="dequant")
+    dec.set_defaults(run=bench_decode)
+    q8 = sub.add_parser("int8", help="a trained checkpoint against its int8 copy on the built-in corpus")
+    q8.add_argument("--ckpt", required=True, help="a training checkpoint or export folder")
+    q8.add_argument("--tokens", type=int, default=50_000, help="validation tokens scored")
+    q8.add_argument("--int8-kernel", choices=["dequant", "int8pack"], default="dequant")
+    q8.set_defaults(run=bench_int8)
+    args = parser.parse_args()
+    args.run(args)
+

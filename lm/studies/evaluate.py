@@ -1,0 +1,126 @@
+"""Perplexity and bits per byte of a model on a corpus: what scripts/eval.py runs.
+
+The documents of the chosen split are tokenized with the *model's* tokenizer and joined into one
+stream, each preceded by <|endoftext|> as in training. The stream is scored in windows of
+max_seq_len + 1 tokens that overlap by one, so every token after the first is predicted exactly
+once, from the window's earlier tokens. The <|endoftext|> targets are left out, so
+
+    perplexity    = exp(sum of -log p(token) / number of document tokens)
+    bits per byte = sum of -log2 p(token) / number of UTF-8 bytes of the documents
+
+Bits per byte does not depend on the tokenizer, which makes models with different vocabularies
+comparable; perplexity does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer
+from tqdm.auto import tqdm
+
+from lm.data.corpora import Corpus, is_validation
+from lm.data.tokenizer import EOT
+from lm.model.transformer import Transformer
+from lm.util.errors import DataError
+
+SPLITS = ("val", "train", "all")
+
+
+@dataclass
+class Score:
+    tokens: int  # document tokens scored
+    bytes: int  # UTF-8 bytes of the documents
+    nll_nats: float  # summed -log p over those tokens
+    documents: int
+
+    @property
+    def loss(self) -> float:
+        return self.nll_nats / self.tokens
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.loss)
+
+    @property
+    def bits_per_byte(self) -> float:
+        return self.nll_nats / math.log(2) / self.bytes
+
+    def record(self) -> dict:
+        return {**asdict(self), "loss": self.loss, "perplexity": self.perplexity, "bits_per_byte": self.bits_per_byte}
+
+
+def split_documents(corpus: Corpus, split: str, val_fraction: float) -> Iterator[str]:
+    """The texts of one split, chosen by the same hash of the document id that training uses."""
+    if split not in SPLITS:
+        raise DataError(f"split={split!r} is not one of {list(SPLITS)}")
+    for doc_id, text in corpus.documents():
+        if split == "all" or is_validation(doc_id, val_fraction) == (split == "val"):
+            yield text
+
+
+def token_stream(texts: Iterator[str], tokenizer: Tokenizer) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """(ids (N,), is_document_token (N,) bool, bytes, documents) of the texts joined as in training."""
+    eot = tokenizer.token_to_id(EOT)
+    if eot is None:
+        raise DataError(f"the model's tokenizer has no {EOT} token to separate documents")
+    ids, counted, n_bytes, documents = [], [], 0, 0
+    for text in texts:
+        doc = tokenizer.encode(text).ids
+        ids += [eot, *doc]
+        counted += [False] + [True] * len(doc)
+        n_bytes += len(text.encode("utf-8"))
+        documents += 1
+    if documents == 0 or n_bytes == 0:
+        raise DataError("the chosen split holds no text to score")
+    return torch.tensor(ids), torch.tensor(counted), n_bytes, documents
+
+
+@torch.no_grad()
+def score(model: Transformer, ids: torch.Tensor, counted: torch.Tensor, n_bytes: int, documents: int,
+          batch_size: int = 8, progress: bool = True) -> Score:
+    """Sum of -log p over the counted tokens of the stream, in windows of max_seq_len + 1."""
+    T = model.config.max_seq_len
+    device = next(model.parameters()).device
+    starts = list(range(0, len(ids) - 1, T))
+    total = 0.0
+    for first in tqdm(range(0, len(starts), batch_size), desc="scoring", unit="batch", disable=not progress):
+        windows = [ids[s:s + T + 1] for s in starts[first:first + batch_size]]
+        width = max(len(w) for w in windows)
+        batch = torch.stack([F.pad(w, (0, width - len(w))) for w in windows]).to(device)  # (b, width)
+        # (b, width - 1): which targets count; a short last window is padded with targets that do not
+        weight = torch.stack([F.pad(counted[s + 1:s + T + 1], (0, width - len(w)))
+                              for s, w in zip(starts[first:first + batch_size], windows, strict=True)])
+        logits = model(batch[:, :-1]).float()  # (b, width - 1, V)
+        nll = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="none")
+        total += float((nll * weight.flatten().to(device)).sum())
+    return Score(tokens=int(counted.sum()), bytes=n_bytes, nll_nats=total, documents=documents)
+
+
+def evaluate(cfg) -> dict:
+    """What scripts/eval.py runs: load, score, print one line, write the JSON record."""
+    import json
+
+    from lm.data.corpora import build_corpus
+    from lm.formats.checkpoint import load
+    from lm.util.files import write_atomically
+    from lm.util.paths import resolve_path
+
+    if cfg.split not in SPLITS:
+        raise DataError(f"split={cfg.split!r} is not one of {list(SPLITS)}")
+    path = resolve_path(cfg.ckpt)
+    model, tokenizer = load(path, device=cfg.device)
+    corpus = build_corpus(cfg.data)
+    texts = split_documents(corpus, cfg.split, float(cfg.data.get("val_fraction", 0.05)))
+    result = score(model, *token_stream(texts, tokenizer), batch_size=cfg.batch_size, progress=cfg.progress_bar)
+    record = {"checkpoint": str(path), "corpus": corpus.name, "split": cfg.split, **result.record()}
+    out = resolve_path(cfg.out) if cfg.out else (path if path.is_dir() else path.parent) / \
+        f"eval-{corpus.name.replace(':', '_').replace('/', '_')}-{cfg.split}.json"
+    write_atomically(out, lambda tmp: tmp.write_text(json.dumps(record, indent=2) + "\n"))
+    print(f"{corpus.name} {cfg.split}: {result.tokens:,} tokens, {result.bytes:,} bytes, loss {result.loss:.4f}, "
+          f"perplexity {result.perplexity:.2f}, {result.bits_per_byte:.4f} bits per byte -> {out}")
+    return record

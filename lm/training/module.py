@@ -1,0 +1,214 @@
+"""LightningModule around an injected Transformer: loss, optimizer, schedule, metrics.
+
+The network is built outside and passed in (lightning-hydra-template style), so the
+model code stays free of Lightning and the same module trains any attention kind.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+from lm.data.mqar import IGNORE
+from lm.formats.checkpoint import FORMAT_VERSION
+from lm.model.transformer import Transformer
+from lm.util.errors import TrainingError
+from lm.util.files import write_atomically
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    fused: bool = True
+
+
+def inputs_and_targets(batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of text windows (B, T + 1) predicts batch[:, 1:] from batch[:, :-1]; a batch that is
+    already a pair (inputs, targets), each (B, T), marks the positions not scored with IGNORE."""
+    if isinstance(batch, (tuple, list)):
+        return batch[0], batch[1]
+    return batch[:, :-1], batch[:, 1:]
+
+
+def next_token_loss(forward, batch, reduction: str = "mean") -> tuple[torch.Tensor, int]:
+    """Cross-entropy of the batch's targets, and the number of targets scored."""
+    loss, n, _ = scored_batch(forward, batch, reduction, accuracy=False)
+    return loss, n
+
+
+def scored_batch(forward, batch, reduction: str = "sum", accuracy: bool = True):
+    """(cross-entropy, targets scored, targets the arg-max predicts right or None)."""
+    inputs, targets = inputs_and_targets(batch)  # (B, T) each
+    logits = forward(inputs).flatten(0, 1)  # (B*T, V)
+    targets = targets.flatten()  # (B*T,)
+    loss = F.cross_entropy(logits.float(), targets, reduction=reduction, ignore_index=IGNORE)
+    # A text batch scores every target; counting a recall batch's answers syncs, but only there.
+    n = targets.numel() if isinstance(batch, torch.Tensor) else int((targets != IGNORE).sum())
+    correct = (logits.argmax(-1) == targets).sum() if accuracy else None  # IGNORE never equals an id
+    return loss, n, correct
+
+
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
+    """LR multiplier: linear warm-up to 1, then cosine decay to min_ratio at total_steps."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class AtomicCheckpointIO(L.pytorch.plugins.TorchCheckpointIO):
+    """Lightning's checkpoints through write_atomically: a kill or a full disk during a save
+    leaves the previous file whole, and a write error is one clear line."""
+
+    def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
+        write_atomically(path, lambda tmp: torch.save(checkpoint, tmp))
+
+
+class LitLM(L.LightningModule):
+    def __init__(self, model: Transformer, optim: OptimConfig, total_steps: int,
+                 tokenizer_json: str | None = None, run_config: dict | None = None, compile: bool = False,
+                 provenance: dict | None = None, skip_nonfinite: bool = False, corpus_fingerprint: str | None = None):
+        super().__init__()
+        self.model = model
+        self.optim = optim
+        self.total_steps = total_steps
+        self.tokenizer_json = tokenizer_json
+        self.run_config = run_config or {}
+        self.provenance = provenance or {}
+        self.skip_nonfinite = skip_nonfinite
+        self.corpus_fingerprint = corpus_fingerprint
+        self.skipped_steps = 0
+        self.skipped_in_a_row = 0
+        # (optimizer step, val loss, val accuracy, training seconds so far) of every validation
+        self.val_history: list[tuple[int, float, float, float]] = []
+        self.train_seconds = 0.0  # time in training steps, validation excluded (this process, not resumed ones)
+        self.train_tokens = 0
+        # The callable the steps run, kept out of the module tree (object.__setattr__ bypasses
+        # nn.Module's registration), so checkpoints hold the plain model's parameter names once,
+        # loadable with or without compile.
+        object.__setattr__(self, "_forward", torch.compile(model) if compile else model)
+        self._batch_start = 0.0
+        self._val_sums: list[torch.Tensor] = []
+        self.last_val_step = -1
+
+    def loss(self, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
+        return next_token_loss(self._forward, batch)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor | None:
+        loss, _ = self.loss(batch)
+        if not torch.isfinite(loss):
+            if not self.skip_nonfinite:
+                # Raised before any checkpoint of this step exists: last.ckpt stays the last good one.
+                raise TrainingError(f"loss is {loss.item()} at step {self.global_step}; stopping with the last good "
+                                    "checkpoint kept (trainer.skip_nonfinite=true skips such steps instead)")
+            self.skipped_steps += 1
+            self.skipped_in_a_row += 1
+            if self.skipped_in_a_row > 20:
+                raise TrainingError(f"loss was not finite for 20 batches in a row up to step {self.global_step}; "
+                                    "the weights themselves have diverged")
+            self.log("train/skipped_nonfinite", float(self.skipped_steps))
+            return None  # Lightning skips backward and the optimizer step
+        self.skipped_in_a_row = 0
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/lr", self.optimizers().param_groups[0]["lr"])
+        return loss
+
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        self._batch_start = time.perf_counter()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        seconds = time.perf_counter() - self._batch_start
+        inputs, _ = inputs_and_targets(batch)
+        tokens = inputs.numel() * self.trainer.world_size
+        self.train_seconds += seconds
+        self.train_tokens += tokens
+        self.log("train/tokens_per_s", tokens / seconds, prog_bar=True)
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        # Measured before Lightning clips, so a spike shows in the log.
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        self.log("train/grad_norm", torch.nn.utils.get_total_norm(grads))
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        loss_sum, n, correct = scored_batch(self._forward, batch)
+        self._val_sums.append(torch.stack([loss_sum.detach(), torch.tensor(float(n), device=loss_sum.device),
+                                           correct.float()]))
+
+    def on_validation_epoch_end(self) -> None:
+        sums = torch.stack(self._val_sums).sum(0)  # (3,): loss, targets, correct
+        self._val_sums.clear()
+        total_loss, total_tokens, total_correct = self.trainer.strategy.reduce(sums, reduce_op="sum")
+        val_loss = total_loss / total_tokens  # token-weighted, exact over the whole val set
+        accuracy = total_correct / total_tokens  # arg-max next token (recall data: the answers)
+        # Already summed over ranks above; sync_dist only tells Lightning the value is global.
+        self.log("val/loss", val_loss, prog_bar=True, sync_dist=True)
+        self.log("val/ppl", val_loss.exp(), sync_dist=True)
+        self.log("val/accuracy", accuracy, sync_dist=True)
+        self.last_val_step = self.global_step
+        self.val_history.append((self.global_step, float(val_loss), float(accuracy), self.train_seconds))
+
+    def configure_optimizers(self):
+        # Decay matmul weights only; norms and embeddings are not decayed (a tied head is the
+        # embedding, so it is not decayed either).
+        embedding = self.model.embed.weight
+        decay = [p for p in self.model.parameters() if p.dim() >= 2 and p is not embedding]
+        no_decay = [p for p in self.model.parameters() if p.dim() < 2 or p is embedding]
+        o = self.optim
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=o.lr, betas=(o.beta1, o.beta2), fused=o.fused,
+        )
+        total, warmup, floor = self.total_steps, o.warmup_steps, o.min_lr_ratio
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: warmup_cosine(step, warmup, total, floor)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def on_train_start(self) -> None:
+        """Apply this run's optimizer settings over the ones a resumed checkpoint restored: the
+        restored optimizer and schedule would go on with the old learning rate while the run's
+        config says the new one. (A fresh run sets the same values again; nothing changes.)"""
+        o = self.optim
+        optimizer, scheduler = self.optimizers().optimizer, self.lr_schedulers()
+        step = scheduler.last_epoch  # the schedule's position: optimizer steps taken so far
+        decay, _ = optimizer.param_groups  # configure_optimizers' order: decayed, then not decayed
+        decay["weight_decay"] = o.weight_decay
+        for group, multiplier in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+            group["betas"] = (o.beta1, o.beta2)
+            group["initial_lr"] = o.lr
+            group["lr"] = o.lr * multiplier(step)
+        scheduler.base_lrs = [o.lr] * len(optimizer.param_groups)
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        # Checkpoints written before the callable left the module tree hold every weight a second
+        # time under "_forward." (or "_forward._orig_mod." when compiled); the "model." copy is the one.
+        state = checkpoint["state_dict"]
+        for key in [k for k in state if k.startswith("_forward.")]:
+            del state[key]
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        if not all(torch.isfinite(p).all() for p in self.model.parameters()):
+            # Refusing here aborts the save, so the previous checkpoint stays the last good one.
+            raise TrainingError(f"the weights are no longer finite at step {self.global_step}; "
+                                "stopping with the last good checkpoint kept")
+        # Everything needed to use the weights, as plain data (safe for weights_only loading).
+        checkpoint["lm"] = {
+            "format_version": FORMAT_VERSION,
+            "model_config": self.model.config.to_dict(),
+            "tokenizer": self.tokenizer_json,
+            "run_config": self.run_config,
+            "provenance": self.provenance,
+            "corpus_fingerprint": self.corpus_fingerprint,
+            "wandb_run_id": getattr(getattr(self.logger, "experiment", None), "id", None)
+            if isinstance(self.logger, L.pytorch.loggers.WandbLogger) else None,
+        }

@@ -1,0 +1,169 @@
+"""What the scripts share: turning a user's mistake into one line on stderr and exit code 2."""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import os
+import re
+import sys
+from contextlib import contextmanager
+
+from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException, OverrideParseException
+from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
+
+from lm.util.errors import USER_ERRORS, RunInterrupted
+
+FAILED_ARMS: list[str] = []  # arms of a -m sweep that ended in a user error, in order
+
+
+@contextmanager
+def exit_on_user_error():
+    """Bad input ends the program with `error: <what is wrong>` instead of a traceback. Entered
+    first thing in every script's main, after Hydra has set up logging, so it also keeps Hydra's
+    console from repeating what a library already printed."""
+    show_each_log_record_once()
+    try:
+        yield
+    except USER_ERRORS as e:
+        arm = sweep_arm()
+        if arm is not None:  # one bad arm of a -m sweep: say so, and let the others run
+            sys.stderr.write(f"error: [{arm}] {e}\n")
+            FAILED_ARMS.append(arm)
+            return
+        sys.stderr.write(f"error: {e}\n")
+        raise SystemExit(2) from None
+    except RunInterrupted as e:
+        sys.stderr.write(f"{e}\n")
+        raise SystemExit(e.exit_code) from None
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None)
+        message = str(e).strip().splitlines()[0]
+        sys.stderr.write(f"error: {key + ': ' if key else ''}{message}\n")
+        raise SystemExit(2) from None
+
+
+def is_console(handler: logging.Handler) -> bool:
+    return isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
+
+
+class AlreadyShown(logging.Filter):
+    """Drops a record that a logger below the root has already printed with a console handler
+    of its own (Lightning, huggingface_hub, ... each install one): Hydra's console handler on the
+    root would show it a second time. A library's NullHandler or log file prints nothing, so
+    its records still reach the console."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        logger = logging.getLogger(record.name)
+        while logger is not logging.root:
+            if any(is_console(h) and record.levelno >= h.level for h in logger.handlers):
+                return False
+            if not logger.propagate:
+                break
+            logger = logger.parent
+        return True
+
+
+def show_each_log_record_once() -> None:
+    """Filter the root's console handlers (Hydra's); its log file keeps every record."""
+    for handler in logging.root.handlers:
+        if is_console(handler) and not any(isinstance(f, AlreadyShown) for f in handler.filters):
+            handler.addFilter(AlreadyShown())
+
+
+def sweep_arm() -> str | None:
+    """The overrides of the running -m sweep arm, or None outside a sweep."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return None
+    return " ".join(HydraConfig.get().overrides.task) or "(no overrides)"
+
+
+def quote_text_overrides(argv: list[str], keys: tuple[str, ...]) -> list[str]:
+    """Let `prompt=def f(n):` through Hydra's override grammar as the plain text it is.
+
+    The shell has already removed the user's quotes, and Hydra would read brackets, commas,
+    `=` or `${...}` in free text as syntax; quoting the value for Hydra keeps it literal."""
+    quoted = []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if sep and key in keys and not (value[:1] in "'\"" and value[-1:] == value[:1] and len(value) > 1):
+            value = re.sub(r"(\\+)(?='|$)", lambda m: m.group(1) * 2, value)  # a backslash before a quote
+            value = value.replace("'", "\\'").replace("${", "\\${")
+            arg = f"{key}='{value}'"
+        quoted.append(arg)
+    return quoted
+
+
+# ------------------------------------------------------------------ Hydra's own errors
+
+def run_script(main) -> int:
+    """Run a `@hydra.main` function. Hydra's own errors (an unknown key or group option, an
+    override it cannot parse) become one line naming the close matches, and exit code 2; a
+    -m sweep runs every arm and lists the ones that failed at the end."""
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # let Hydra's exceptions reach us instead of a printed trace
+    try:
+        main()
+    except HydraException as e:
+        sys.stderr.write(f"error: {hydra_error_line(e)}\n")
+        return 2
+    if FAILED_ARMS:
+        sys.stderr.write(f"error: {len(FAILED_ARMS)} arm(s) of the sweep failed: {'; '.join(FAILED_ARMS)}\n")
+        return 2
+    return 0
+
+
+def hydra_error_line(error: HydraException) -> str:
+    message = str(error).strip()
+    if isinstance(error, MissingConfigException):
+        found = re.search(r"Could not find '([^']+)/([^'/]+)'", message)
+        options = re.findall(r"^\t(\S+)$", message.split("Config search path:")[0], flags=re.M)
+        if found and options:
+            group, choice = found.groups()
+            return f"{group}={choice} is not an option of {group}{close_matches(choice, options)} " \
+                   f"(options: {', '.join(options)})"
+    cause = error.__cause__
+    if isinstance(error, ConfigCompositionException) and isinstance(cause, OmegaConfBaseException):
+        key = cause.full_key or message
+        root = cause.parent_node._get_root() if cause.parent_node is not None else None
+        keys = dotted_keys(root) if root is not None else []
+        return f"{key} is not a setting{close_keys(key, keys)} (+{key}=... adds a new one)"
+    if isinstance(error, OverrideParseException):
+        return f"cannot read an override on the command line ({message.splitlines()[0]})"
+    return message.splitlines()[0]
+
+
+def close_matches(word: str, candidates: list[str]) -> str:
+    matches = difflib.get_close_matches(word, candidates, n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join(matches)}?" if matches else ""
+
+
+def close_keys(key: str, keys: list[str]) -> str:
+    """Close matches for a dotted setting: among its siblings first, then anywhere by its last
+    part, so `trainer.max_stepz` finds `trainer.max_steps` and `max_steps` finds it too."""
+    parent, _, name = key.rpartition(".")
+    siblings = [k for k in keys if k.rpartition(".")[0] == parent]
+    for pool in (siblings, keys):
+        leaves = {k.rpartition(".")[2]: k for k in pool}
+        matches = [leaves[m] for m in difflib.get_close_matches(name, list(leaves), n=3, cutoff=0.75)]
+        if matches:
+            return f"; did you mean {' or '.join(matches)}?"
+    return ""
+
+
+def dotted_keys(node, prefix: str = "") -> list[str]:
+    """Every setting of a config as a dotted name (hydra's own node excluded)."""
+    keys = []
+    for key in node.keys():
+        if key == "hydra":
+            continue
+        child = node._get_node(key)
+        name = f"{prefix}{key}"
+        if isinstance(child, DictConfig):
+            keys += dotted_keys(child, name + ".")
+        else:
+            keys.append(name)
+    return keys
