@@ -2,16 +2,22 @@
 
 import pytest
 import torch
+from kinds import N_HEAD, model_rows
 
 from lm import ModelConfig, Transformer
-from lm.attention import LinearSpec, SlidingSpec, SoftmaxSpec, layer_specs, reference
-from lm.attention.additive import AdditiveSpec, additive_attention
-from lm.attention.efficient import EfficientSpec, chunked_efficient_attention, efficient_step
+from lm.attention import LayerShape, SlidingSpec, example_rows, reference
+from lm.attention.additive import additive_attention, naive_additive_attention
+from lm.attention.efficient import (
+    chunked_efficient_attention,
+    efficient_step,
+    naive_efficient_attention,
+    recurrent_efficient_attention,
+)
 from lm.attention.feature_maps import FEATURE_MAPS, feature_map
-from lm.attention.linear import chunked_linear_attention
-from lm.attention.lowrank import LowRankSpec, lowrank_attention
+from lm.attention.linear import chunked_linear_attention, quadratic_linear_attention, recurrent_linear_attention
+from lm.attention.lowrank import lowrank_attention, naive_lowrank_attention
 from lm.attention.sinks import causal_with_learned_sink
-from lm.attention.sliding import sliding_window_attention, sliding_with_sinks
+from lm.attention.sliding import naive_sliding_window_attention, sliding_window_attention, sliding_with_sinks
 
 HEADS = [(4, 4), (4, 2), (4, 1)]
 HEAD_IDS = ["mha", "gqa", "mqa"]
@@ -40,7 +46,7 @@ def assert_same_values_and_grads(fast, naive, inputs, atol=1e-10):
 def test_sliding_window_equals_masked_softmax(heads, T, window, dilation):
     q, k, v = qkv(*heads, T, seed=T * 31 + window)
     fast = sliding_window_attention(q, k, v, window, dilation)
-    naive = reference.sliding_window_attention(q, k, v, window, dilation)
+    naive = naive_sliding_window_attention(q, k, v, window, dilation)
     assert_same_values_and_grads(fast, naive, (q, k, v))
 
 
@@ -53,7 +59,7 @@ def test_sliding_window_with_sinks_equals_masked_softmax(heads, T, window, dilat
     logit = torch.randn(heads[0], dtype=torch.float64, generator=torch.Generator().manual_seed(T)).requires_grad_()
     logit = logit if learned else None
     fast = sliding_with_sinks(q, k, v, window, dilation, sinks, logit)
-    naive = reference.sliding_window_attention(q, k, v, window, dilation, sinks, logit)
+    naive = naive_sliding_window_attention(q, k, v, window, dilation, sinks, logit)
     assert_same_values_and_grads(fast, naive, (q, k, v) + ((logit,) if learned else ()))
 
 
@@ -85,7 +91,7 @@ def featurised(name, n_head, n_kv_head, T, seed=0, state=False):
     init = None
     if state:  # a state as if earlier tokens had been seen
         _, pk, pv = qkv(n_head, n_kv_head, 9, hs=4, seed=seed + 1)
-        _, init = reference.recurrent_linear_attention(phi(pk[:, :1].expand(-1, n_head, -1, -1)), phi(pk), pv, 1e-6)
+        _, init = recurrent_linear_attention(phi(pk[:, :1].expand(-1, n_head, -1, -1)), phi(pk), pv, 1e-6)
         init = tuple(t.detach() for t in init)
     return (q, k, v), (fq, fk, v), init
 
@@ -97,8 +103,8 @@ def featurised(name, n_head, n_kv_head, T, seed=0, state=False):
 def test_chunked_linear_attention_equals_both_naive_twins(heads, name, T, chunk, with_state):
     leaves, (fq, fk, v), state = featurised(name, *heads, T, seed=T + chunk, state=with_state)
     fast, (S, z) = chunked_linear_attention(fq, fk, v, 1e-6, state, chunk_size=chunk)
-    quadratic, (S_q, z_q) = reference.quadratic_linear_attention(fq, fk, v, 1e-6, state)
-    recurrent, (S_r, z_r) = reference.recurrent_linear_attention(fq, fk, v, 1e-6, state)
+    quadratic, (S_q, z_q) = quadratic_linear_attention(fq, fk, v, 1e-6, state)
+    recurrent, (S_r, z_r) = recurrent_linear_attention(fq, fk, v, 1e-6, state)
     torch.testing.assert_close(quadratic, recurrent)  # the two references agree with each other
     torch.testing.assert_close(S_q, S_r)
     torch.testing.assert_close(z_q, z_r)
@@ -114,7 +120,7 @@ def test_gradients_reach_a_carried_in_linear_state(name):
     leaves, (fq, fk, v), state = featurised(name, 4, 2, 13, seed=5, state=True)
     S0, z0 = (t.clone().requires_grad_() for t in state)
     fast, (S, z) = chunked_linear_attention(fq, fk, v, 1e-6, (S0, z0), chunk_size=4)
-    naive, (S_n, z_n) = reference.quadratic_linear_attention(fq, fk, v, 1e-6, (S0, z0))
+    naive, (S_n, z_n) = quadratic_linear_attention(fq, fk, v, 1e-6, (S0, z0))
     g_out, g_S, g_z = torch.randn_like(fast), torch.randn_like(S), torch.randn_like(z)
     wrt = (*leaves, S0, z0)
     fast_grads = torch.autograd.grad((fast, S, z), wrt, (g_out, g_S, g_z), retain_graph=True)
@@ -131,8 +137,8 @@ def test_chunked_efficient_attention_equals_both_naive_twins(heads, T, chunk, sp
     q, k, v = qkv(*heads, T, seed=T + chunk)
     k = (k.detach() * spread).requires_grad_()  # wide keys exercise the running-maximum stabiliser
     fast, _ = chunked_efficient_attention(q, k, v, chunk_size=chunk)
-    masked = reference.efficient_attention(q, k, v)
-    torch.testing.assert_close(masked, reference.recurrent_efficient_attention(q, k, v))
+    masked = naive_efficient_attention(q, k, v)
+    torch.testing.assert_close(masked, recurrent_efficient_attention(q, k, v))
     assert_same_values_and_grads(fast, masked, (q, k, v))
 
 
@@ -158,7 +164,7 @@ def test_blocked_additive_attention_equals_the_pairwise_loop(heads, T, block):
     w = torch.randn(heads[0], 8, generator=g, dtype=torch.float64).requires_grad_()
     bias = torch.randn(heads[0], 8, generator=g, dtype=torch.float64).requires_grad_()
     fast = additive_attention(q, k, v, w, bias, block)
-    naive = reference.additive_attention(q, k, v, w, bias)
+    naive = naive_additive_attention(q, k, v, w, bias)
     assert_same_values_and_grads(fast, naive, (q, k, v, w, bias))
 
 
@@ -170,7 +176,7 @@ def test_lowrank_attention_equals_the_per_query_gather(heads, T, block, rank):
     g = torch.Generator().manual_seed(T)
     E, F = (torch.randn(rank, block, generator=g, dtype=torch.float64).requires_grad_() for _ in range(2))
     fast = lowrank_attention(q, k, v, E, F, block)
-    naive = reference.lowrank_attention(q, k, v, E, F, block)
+    naive = naive_lowrank_attention(q, k, v, E, F, block)
     assert_same_values_and_grads(fast, naive, (q, k, v, E, F))
 
 
@@ -178,7 +184,7 @@ def test_linear_attention_accumulates_half_precision_inputs_in_float32():
     _, (fq, fk, v), _ = featurised("elu", 4, 2, 300)
     out, (S, z) = chunked_linear_attention(fq.bfloat16(), fk.bfloat16(), v.bfloat16(), 1e-6, chunk_size=16)
     assert S.dtype == z.dtype == torch.float32
-    exact, _ = reference.quadratic_linear_attention(fq.bfloat16().double(), fk.bfloat16().double(),
+    exact, _ = quadratic_linear_attention(fq.bfloat16().double(), fk.bfloat16().double(),
                                                     v.bfloat16().double(), 1e-6)
     torch.testing.assert_close(out.double(), exact, atol=1e-4, rtol=1e-4)
 
@@ -200,29 +206,30 @@ def test_gradcheck_of_sliding_and_linear_fast_paths():
 
     def linear64(q, k, v):
         # gradcheck needs float64 throughout; the fp32 accumulation is checked above
-        return reference.quadratic_linear_attention(phi(q), phi(k), v, 1e-6)[0]
+        return quadratic_linear_attention(phi(q), phi(k), v, 1e-6)[0]
 
     assert torch.autograd.gradcheck(linear64, (q, k, v))
 
 
-KINDS = {  # name -> the model's attention, in any form ModelConfig takes (2 layers)
-    "softmax": SoftmaxSpec(),
-    "sliding": SlidingSpec(window=4),
-    "sliding-dilated-per-layer": [SlidingSpec(window=3), SlidingSpec(window=5, dilation=2)],
-    "sliding-global": layer_specs("sliding", 2, {"window": 3}, global_every=2),
-    "linear-elu": LinearSpec(chunk_size=4),
-    "linear-relu": LinearSpec(feature_map="relu", chunk_size=4),
-    "linear-taylor": LinearSpec(feature_map="taylor", chunk_size=4),
-    "efficient": EfficientSpec(chunk_size=4),
-    "hybrid": [LinearSpec(), SlidingSpec(window=4)],
-    "hybrid-efficient": [EfficientSpec(chunk_size=4), SoftmaxSpec()],
-    "additive": AdditiveSpec(block=4),
-    "lowrank": LowRankSpec(block=4, rank=2),
-    "hybrid-lowrank": [LowRankSpec(block=3, rank=1), SlidingSpec(window=4)],
-    "sliding-sinks": SlidingSpec(window=3, sink_tokens=2),
-    "sliding-sinks-learned": SlidingSpec(window=3, dilation=2, sink_tokens=1, learned_sink=True),
-    "softmax-learned-sink": SoftmaxSpec(learned_sink=True),
-}
+KINDS = {name: attention for name, (attention, _) in model_rows().items()}  # 2-layer models
+
+
+@pytest.mark.parametrize("row", list(example_rows()))
+@pytest.mark.parametrize("T", [1, 7, 33])
+def test_every_kind_equals_its_naive_twin(row, T):
+    """The layer's training path against the naive twin its kind declares (`naive_attend`), in
+    float64: outputs, and gradients to q, k, v and to the kind's own parameters."""
+    spec, example = example_rows()[row]
+    torch.manual_seed(T)
+    layer = spec.build(LayerShape(d_model=32, n_head=N_HEAD, n_kv_head=example.n_kv_head or N_HEAD, head_dim=8))
+    layer = layer.double()
+    with torch.no_grad():  # parameters away from their initial values, so no gradient is trivially zero
+        for name, p in layer.named_parameters():
+            if name not in ("qkv.weight", "out.weight"):
+                p.add_(0.3 * torch.randn_like(p))
+    q, k, v = qkv(N_HEAD, layer.n_kv_head, T, seed=T)
+    own = [p for name, p in layer.named_parameters() if name not in ("qkv.weight", "out.weight")]
+    assert_same_values_and_grads(layer.attend(q, k, v), layer.naive_attend(q, k, v), (q, k, v, *own))
 
 
 def small_model(attention, n_kv_head=2):

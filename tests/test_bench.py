@@ -7,13 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from lm.attention import SlidingSpec, SoftmaxSpec
+from lm.attention import LayerShape, SlidingSpec, SoftmaxSpec, available_kinds
 from lm.attention.lowrank import LowRankSpec
-from lm.studies.bench import ATTENTION_KINDS, GENERATE_KINDS, attention_flops
+from lm.studies.bench import attention_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_bench_attention_writes_table_csv_and_plot(tmp_path):
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench.py"), "attention", "--lengths", "128", "256",
@@ -22,13 +23,23 @@ def test_bench_attention_writes_table_csv_and_plot(tmp_path):
     )
     rows = list(csv.DictReader(open(tmp_path / "attention.csv")))
     kinds = {r["kind"] for r in rows}
-    assert set(ATTENTION_KINDS) | {"mha-1head", "linear-1head"} == kinds
-    assert all(float(r["forward_s"]) > 0 and float(r["forward_backward_s"]) > 0 for r in rows)
-    assert all(float(r["forward_gflops"]) > 0 and float(r["forward_peak_mb"]) >= 0 for r in rows)
+    assert set(attention_rows()) | {"mha-1head", "linear-1head"} == kinds
+    specs = {**{name: spec for name, (spec, _) in attention_rows().items()},
+             "mha-1head": SoftmaxSpec(), "linear-1head": attention_rows()["linear"][0]}
+    for r in rows:  # the GFLOP/s column is the kind's own FLOP count over the measured forward time
+        flops = specs[r["kind"]].flops(int(r["seq_len"]), int(r["n_head"]), int(r["n_kv_head"]), 64 // int(r["n_head"]))
+        assert float(r["forward_gflops"]) * 1e9 * float(r["forward_s"]) == pytest.approx(flops, rel=1e-3)
+        assert float(r["forward_of_peak"]) == pytest.approx(float(r["forward_gflops"]) / peak_gflops(result), rel=0.02)
     assert (tmp_path / "attention.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "against full causal softmax" in result.stdout
 
 
+def peak_gflops(result) -> float:
+    """The measured matmul peak the benchmark printed in its header."""
+    return float(result.stdout.split("matmul peak ")[1].split()[0])
+
+
+@pytest.mark.slow
 def test_bench_generate_prints_a_row_per_kind():
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench.py"), "generate", "--prompt", "4", "--new-tokens", "6",
@@ -36,8 +47,12 @@ def test_bench_generate_prints_a_row_per_kind():
         capture_output=True, text=True, timeout=300, check=True,
     )
     rows = [line.split() for line in result.stdout.splitlines()[2:]]
-    assert [row[0] for row in rows] == list(GENERATE_KINDS)
-    assert all(float(row[2]) > 0 and int(row[-1].replace(",", "")) > 0 for row in rows)  # tok/s, cache bytes
+    assert [row[0] for row in rows] == list(attention_rows())
+    for row in rows:  # the cache column is what each kind declares it keeps after prompt + new tokens
+        spec, example = attention_rows()[row[0]]
+        n_kv_head = int(row[1])
+        state = spec.build(LayerShape(384, 6, n_kv_head, 64)).generation_state()
+        assert int(row[-1].replace(",", "")) == 6 * 4 * state.numel(4 + 6)  # 6 layers, fp32
 
 
 def test_attention_flops_count_the_keys_each_query_sees():
@@ -48,9 +63,16 @@ def test_attention_flops_count_the_keys_each_query_sees():
         "window 5": sum(1 for i in range(T) for j in range(T) if i - 5 < j <= i),
         "lowrank 8/2": sum(i % 8 + 1 + 2 * (i // 8) for i in range(T)),
     }
-    assert attention_flops(SoftmaxSpec(), heads, heads, hs, T) == 4 * heads * hs * pairs["causal"]
-    assert attention_flops(SlidingSpec(window=5), heads, heads, hs, T) == 4 * heads * hs * pairs["window 5"]
-    assert attention_flops(LowRankSpec(block=8, rank=2), heads, heads, hs, T) == 4 * heads * hs * pairs["lowrank 8/2"]
+    assert SoftmaxSpec().flops(T, heads, heads, hs) == 4 * heads * hs * pairs["causal"]
+    assert SlidingSpec(window=5).flops(T, heads, heads, hs) == 4 * heads * hs * pairs["window 5"]
+    assert LowRankSpec(block=8, rank=2).flops(T, heads, heads, hs) == 4 * heads * hs * pairs["lowrank 8/2"]
+
+
+def test_every_kind_has_benchmark_rows_and_a_flop_count():
+    rows = attention_rows()
+    assert {spec.kind for spec, _ in rows.values()} == set(available_kinds())
+    for spec, _ in rows.values():  # more positions, more work: a count, not a constant
+        assert 0 < spec.flops(64, 4, 2, 16) < spec.flops(128, 4, 2, 16)
 
 
 @pytest.mark.slow

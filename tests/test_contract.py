@@ -1,7 +1,6 @@
 """The attention contract: every registered kind honours it, and a kind written outside lm/ with
 nothing but the contract trains, decodes with its cache and round-trips through a checkpoint."""
 
-import dataclasses
 import os
 import shutil
 import subprocess
@@ -21,13 +20,12 @@ from lm.attention import (
     LayerShape,
     available_kinds,
     layer_specs,
+    load_kind_files,
     register,
     spec_class,
     spec_from_dict,
 )
-from lm.attention.cache import CacheSpec, GenerationCache, tensor_bytes
-from lm.attention.projections import GroupedQKV
-from lm.util.checks import require_positive
+from lm.attention.cache import GenerationCache
 
 SHAPE = LayerShape(d_model=32, n_head=4, n_kv_head=2, head_dim=8, layer_idx=0)
 
@@ -58,61 +56,22 @@ def test_a_spec_must_be_a_frozen_dataclass_registered_once():
 
 # ---------------------------------------------------------------- a kind from outside, on the contract alone
 
-
-@register("prefix_mean")
-@dataclass(frozen=True)
-class PrefixMeanSpec(AttentionSpec):
-    """Every query takes `scale` x the mean of the values at and before it: attention with equal scores."""
-
-    scale: float = 1.0
-
-    def check(self) -> None:
-        require_positive("scale", self.scale)
-
-    def build(self, shape: LayerShape) -> "PrefixMean":
-        return PrefixMean(self, shape)
+OUTSIDE = Path(__file__).parent / "fixtures" / "outside_kind"
 
 
-class PrefixMean(GroupedQKV):
-    context_limited = False
-
-    def __init__(self, spec: PrefixMeanSpec, shape: LayerShape):
-        super().__init__(shape)
-        self.scale = spec.scale
-
-    def attend(self, q, k, v):
-        g = self.n_head // self.n_kv_head
-        counts = torch.arange(1, v.shape[2] + 1, dtype=v.dtype)[:, None]
-        means = v.cumsum(2) / counts  # (B, nkv, T, hs)
-        return self.scale * means.repeat_interleave(g, dim=1)  # (B, nh, T, hs)
-
-    def generation_state(self) -> CacheSpec:
-        return CacheSpec("recurrent", self.n_kv_head, self.head_dim, state_numel=self.head_dim + 1)
-
-    def build_cache(self, context, max_len):
-        return PrefixMeanCache(self, context)
+@pytest.fixture(scope="module")
+def outside_kind(tmp_path_factory):
+    """The kind of tests/fixtures/outside_kind copied to a temporary folder and registered from there."""
+    folder = tmp_path_factory.mktemp("outside")
+    shutil.copytree(OUTSIDE, folder, dirs_exist_ok=True)
+    if "prefix_mean" not in available_kinds():
+        assert load_kind_files(str(folder / "prefix_mean.py")) == ["prefix_mean"]
+    return folder
 
 
-class PrefixMeanCache:
-    def __init__(self, layer: PrefixMean, context: GenerationCache):
-        self.layer = layer
-        self.total = torch.zeros(context.batch_size, layer.n_kv_head, 1, layer.head_dim)
-        self.count = torch.zeros(())
-
-    def attend(self, q, k, v):
-        g = self.layer.n_head // self.layer.n_kv_head
-        sums = self.total + v.cumsum(2)  # (B, nkv, T, hs)
-        counts = self.count + torch.arange(1, v.shape[2] + 1, dtype=v.dtype)[:, None]
-        self.total, self.count = sums[:, :, -1:], counts[-1, 0]
-        return self.layer.scale * (sums / counts).repeat_interleave(g, dim=1)
-
-    def nbytes(self) -> int:
-        return tensor_bytes(self.total, self.count)
-
-
-def test_a_kind_written_on_the_contract_alone_trains_decodes_and_saves(tmp_path):
+def test_a_kind_written_on_the_contract_alone_trains_decodes_and_saves(outside_kind, tmp_path):
     attention = layer_specs(["prefix_mean", "softmax"], 2, {"scale": 2.0})
-    assert attention == [PrefixMeanSpec(scale=2.0), spec_class("softmax")()]
+    assert attention[0].to_dict() == {"kind": "prefix_mean", "scale": 2.0}
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=300, n_layer=2, d_model=32, n_head=4, n_kv_head=2, d_ff=48,
                                     max_seq_len=64, attention=attention, init_std=0.2))
@@ -141,10 +100,44 @@ def test_a_kind_written_on_the_contract_alone_trains_decodes_and_saves(tmp_path)
         assert torch.equal(loaded(batch), model(batch))
 
 
-def test_bad_option_of_a_new_kind_is_one_line():
+def test_bad_option_of_a_new_kind_is_one_line(outside_kind):
     with pytest.raises(lm.ConfigError, match=r"^scale=0 must be a positive number$"):
-        PrefixMeanSpec(scale=0)
-    assert dataclasses.fields(PrefixMeanSpec)[0].default == 1.0
+        spec_class("prefix_mean")(scale=0)
+
+
+def test_a_missing_kind_file_is_one_line(tmp_path):
+    with pytest.raises(lm.ConfigError, match=r"^LM_ATTENTION_KINDS entry '.*nowhere.py' is not a .py file"):
+        load_kind_files(str(tmp_path / "nowhere.py"))
+
+
+def run_with_outside_kind(folder: Path, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "LM_ATTENTION_KINDS": str(folder / "prefix_mean.py"), "WANDB_MODE": "offline"}
+    return subprocess.run([sys.executable, *args], cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_a_kind_from_a_temporary_folder_runs_every_shared_test_row_and_benchmark_row(outside_kind, tmp_path):
+    """The promise of the contract: a file and a YAML outside lm/, nothing else edited."""
+    tests = run_with_outside_kind(outside_kind, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "prefix_mean",
+                                  "tests/test_attention.py", "tests/test_generation.py", "tests/test_fast_paths.py",
+                                  "tests/test_contract.py::test_every_kind_builds_its_layer_and_cache_from_sizes_alone")
+    assert tests.returncode == 0, tests.stdout[-3000:]
+    passed = int(tests.stdout.strip().splitlines()[-1].split(" passed")[0].split()[-1])
+    assert passed >= 20  # equivalence, causality, cache, ragged batches, host reads, compile, checkpoint ...
+    for table in ("attention", "generate"):
+        extra = (["--lengths", "64", "128", "--d-model", "64", "--heads", "4", "--repeats", "1", "--out", str(tmp_path),
+                  "--no-single-head"] if table == "attention" else
+                 ["--prompt", "4", "--new-tokens", "6", "--positions", "8", "24", "--repeats", "1", "--no-compare"])
+        bench = run_with_outside_kind(outside_kind, "scripts/bench.py", table, "--kinds", "prefix_mean",
+                                      "prefix_mean-mqa" if table == "attention" else "prefix_mean", *extra)
+        assert bench.returncode == 0, bench.stderr[-2000:]
+        assert any(line.startswith("prefix_mean") for line in bench.stdout.splitlines())
+    train = run_with_outside_kind(outside_kind, "scripts/train.py", "attn=prefix_mean", f"hydra.searchpath=[file://{outside_kind}]",
+                                  "model=tiny", "trainer.max_steps=2", "trainer.val_check_interval=2", "logger=none",
+                                  f"checkpoint_dir={tmp_path / 'ckpt'}", "run_name=outside", "sample.max_new_tokens=4")
+    assert train.returncode == 0, train.stderr[-2000:]
+    assert "prefix_mean" in train.stdout + train.stderr
 
 
 @pytest.mark.slow

@@ -2,37 +2,13 @@
 
 import pytest
 import torch
+from kinds import model_rows
 
 from lm import GenerationError, ModelConfig, Transformer, generate, stream
-from lm.attention import LinearSpec, SlidingSpec, SoftmaxSpec, layer_specs
-from lm.attention.additive import AdditiveSpec
 from lm.attention.cache import GenerationCache
-from lm.attention.efficient import EfficientSpec
-from lm.attention.lowrank import LowRankSpec
 from lm.generation.decode import Sampling
 
-KINDS = {  # name -> (the model's attention, n_kv_head); 2 layers
-    "mha": (SoftmaxSpec(), 4),
-    "gqa": (SoftmaxSpec(), 2),
-    "mqa": (SoftmaxSpec(), 1),
-    # a ring of 4 x 2 = 8 slots, wrapped many times by 40-token sequences
-    "sliding-wrapped": (SlidingSpec(window=4, dilation=2), 2),
-    "sliding-per-layer": ([SlidingSpec(window=3), SlidingSpec(window=6, dilation=3)], 4),
-    "sliding-global": (layer_specs("sliding", 2, {"window": 5}, global_every=2), 2),
-    "linear": (LinearSpec(chunk_size=8), 2),
-    "linear-taylor": (LinearSpec(feature_map="taylor", chunk_size=4), 1),
-    "hybrid": ([LinearSpec(chunk_size=4), SlidingSpec(window=3)], 2),
-    "efficient": (EfficientSpec(chunk_size=8), 2),
-    "efficient-mqa": (EfficientSpec(chunk_size=4), 1),
-    "additive": (AdditiveSpec(block=8), 2),
-    "hybrid-additive": ([AdditiveSpec(block=4), LinearSpec(chunk_size=4)], 4),
-    "lowrank": (LowRankSpec(block=4, rank=2), 2),
-    "lowrank-mqa-odd": (LowRankSpec(block=5, rank=3), 1),
-    # the first 3 tokens stay visible while a 4-slot ring wraps many times
-    "sliding-sinks": (SlidingSpec(window=4, sink_tokens=3), 2),
-    "sliding-sinks-dilated-learned": (SlidingSpec(window=3, dilation=2, sink_tokens=2, learned_sink=True), 1),
-    "softmax-learned-sink": (SoftmaxSpec(learned_sink=True), 2),
-}
+KINDS = model_rows()  # name -> (the model's attention, n_kv_head); 2 layers, 4 heads
 VOCAB = 53
 
 
@@ -207,3 +183,35 @@ def test_the_decoding_step_matches_each_row_alone_and_never_syncs(name):
         for row, p in enumerate(prompts):
             full = model(torch.tensor([p + extra[row].tolist()]))[0, len(p):]  # (14, V)
             torch.testing.assert_close(torch.stack([s[row] for s in steps]), full, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+def test_each_layer_holds_what_it_declares(name):
+    """generation_state() (what the benchmarks report) against the built cache's nbytes(), after
+    a prompt and some decoded tokens, for a batch of 2."""
+    model = make_model(name)
+    cache = GenerationCache(model, pad=torch.zeros(2, dtype=torch.long), max_len=40)
+    with torch.no_grad():
+        model(torch.randint(0, VOCAB, (2, 30)), cache=cache)
+        cache.advance(30)
+    for block, layer_cache in zip(model.blocks, cache.layers, strict=True):
+        assert layer_cache.nbytes() == 4 * block.attn.generation_state().numel(40, batch=2)
+
+
+@pytest.mark.parametrize("name", list(KINDS))
+def test_every_kind_comes_back_from_a_checkpoint_with_the_same_logits(name, tmp_path):
+    from lm import load
+    from lm.data.tokenizer import train_tokenizer
+    from lm.formats.checkpoint import save_checkpoint
+
+    attention, n_kv_head = KINDS[name]
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=300, n_layer=2, d_model=32, n_head=4, n_kv_head=n_kv_head, d_ff=64,
+                                    max_seq_len=64, attention=attention, init_std=0.1)).eval()
+    tokenizer = train_tokenizer(iter(["abc def " * 20]), 300)  # byte-level BPE needs 257 ids at least
+    path = save_checkpoint(tmp_path / "last.ckpt", model.state_dict(), model.config, tokenizer.to_str())
+    loaded, _ = load(path)
+    assert loaded.config == model.config  # every option of every layer stored, defaults resolved
+    idx = torch.randint(0, 300, (2, 20))
+    with torch.no_grad():
+        assert torch.equal(loaded(idx), model(idx))

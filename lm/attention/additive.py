@@ -24,10 +24,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lm.attention.base import AttentionSpec, LayerShape, register
+from lm.attention.base import AttentionSpec, Example, LayerShape, register
 from lm.attention.cache import CacheSpec, GenerationCache
 from lm.attention.projections import GroupedQKV
-from lm.attention.softmax import KVCache
+from lm.attention.shared_caches import KVCache
 from lm.util.checks import require_int
 
 
@@ -38,11 +38,18 @@ class AdditiveSpec(AttentionSpec):
 
     block: int = 64
 
+    examples = {"": Example({"block": 8}, n_kv_head=2), "mha-odd-block": Example({"block": 5}, n_kv_head=4)}
+    # a tanh per (query, key, feature): ~40x the work of a dot product, so 16k would take minutes
+    benchmarks = {"": Example(longest=4096)}
+
     def check(self) -> None:
         require_int("block", self.block)
 
     def build(self, shape: LayerShape) -> AdditiveAttention:
         return AdditiveAttention(self, shape)
+
+    def flops(self, T: int, n_head: int, n_kv_head: int, head_dim: int) -> float:
+        return 6 * n_head * head_dim * T * (T + 1) / 2  # q + k, tanh, w . hidden (1 each), then v, per pair
 
 
 class AdditiveAttention(GroupedQKV):
@@ -63,6 +70,9 @@ class AdditiveAttention(GroupedQKV):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return additive_attention(q, k, v, self.score, self.score_bias, self.block)
+
+    def naive_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return naive_additive_attention(q, k, v, self.score, self.score_bias)
 
     def generation_state(self) -> CacheSpec:
         return CacheSpec("kv", self.n_kv_head, self.head_dim)
@@ -123,3 +133,21 @@ class AdditiveCache(KVCache):
         self.store_at(k, v, pos)
         mask = self.context.decode_mask(pos)  # (B, 1, 1, L): the slots after pos are hidden
         return additive_attention(q, self.k, self.v, self.layer.score, self.layer.score_bias, self.layer.block, mask)
+
+
+# ------------------------------------------------------------ naive twin (for tests)
+
+
+def naive_additive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor,
+                       bias: torch.Tensor) -> torch.Tensor:
+    """Causal additive attention pair by pair: score_ij = w_h . tanh(q_i + k_j + b_h) for each
+    j <= i, softmax over j, weighted sum of values. w, bias (nh, hs)."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)  # (B, nh, T, hs)
+    v = v.repeat_interleave(group, dim=1)  # (B, nh, T, hs)
+    outputs = []
+    for i in range(q.shape[2]):
+        scores = torch.stack([(w * torch.tanh(q[:, :, i] + k[:, :, j] + bias)).sum(-1) for j in range(i + 1)], -1)
+        weights = scores.softmax(dim=-1)  # (B, nh, i + 1)
+        outputs.append(sum(weights[:, :, j, None] * v[:, :, j] for j in range(i + 1)))
+    return torch.stack(outputs, dim=2)

@@ -16,7 +16,9 @@ Shapes: B batch, T new positions, C d_model, nh query heads, nkv K/V heads, hs h
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import torch
@@ -71,8 +73,14 @@ class AttentionLayer(Protocol):
         tensor), x is the one position at slot pos, decoded through `cache.decode`."""
         ...
 
+    def naive_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The same as its training path `attend(q, k, v)`, written plainly (its naive twin): the
+        shared equivalence test compares the two, values and gradients, in float64."""
+        ...
+
     def generation_state(self) -> CacheSpec:
-        """What its cache keeps, as a size anyone can compute without building it."""
+        """What its cache keeps, as a size anyone can compute without building it; the shared
+        cache test holds it equal to the built cache's `nbytes()`, and the benchmarks report it."""
         ...
 
     def build_cache(self, context: GenerationCache, max_len: int) -> LayerCache:
@@ -85,11 +93,40 @@ class AttentionLayer(Protocol):
         ...
 
 
+ALL_HEADS = 0  # an Example's n_kv_head meaning one K/V head per query head, whatever their number
+
+
+@dataclass(frozen=True)
+class Example:
+    """One setting of a kind that the shared tests or the benchmarks run: its options, its number of
+    K/V heads (None: the table's own choice; ALL_HEADS: as many as query heads) and, for the
+    attention benchmark, the longest N it is timed at (None: every N)."""
+
+    options: Mapping[str, Any] = field(default_factory=dict)
+    n_kv_head: int | None = None
+    longest: int | None = None
+
+    def kv_heads(self, n_head: int, default: int) -> int:
+        """The number of K/V heads of this setting in a table of n_head query heads."""
+        if self.n_kv_head is None:
+            return default
+        return n_head if self.n_kv_head == ALL_HEADS else self.n_kv_head
+
+
 @dataclass(frozen=True)
 class AttentionSpec:
-    """Base of every kind's spec: subclasses add their options as fields with defaults."""
+    """Base of every kind's spec: subclasses add their options as fields with defaults.
+
+    Besides its options, a kind declares what the shared tests and benchmarks need to know about
+    it; they build their tables from the registry and these, so a new kind needs no other edit.
+    """
 
     kind: ClassVar[str] = ""  # set by @register
+    # Small settings the shared tests run on a 4-head model (choose awkward sizes: a window or a
+    # chunk that does not divide the length, fewer K/V heads); the row is named kind-name.
+    examples: ClassVar[dict[str, Example]] = {"": Example(n_kv_head=2)}
+    # Settings at the benchmarks' sizes (lm.studies.bench attention and generate).
+    benchmarks: ClassVar[dict[str, Example]] = {"": Example()}
 
     def __post_init__(self) -> None:
         self.check()
@@ -99,6 +136,12 @@ class AttentionSpec:
 
     def build(self, shape: LayerShape) -> AttentionLayer:
         raise NotImplementedError
+
+    def flops(self, T: int, n_head: int, n_kv_head: int, head_dim: int) -> float:
+        """Forward FLOPs of the attention op over T positions as this kind computes it (a
+        multiply-add is 2), counting only the (query, key) work causality leaves: what the
+        benchmark's GFLOP/s divides by."""
+        raise NotImplementedError(f"attention kind {self.kind!r} declares no FLOP count (AttentionSpec.flops)")
 
     def options(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -135,6 +178,40 @@ def register(name: str):
 
 def available_kinds() -> list[str]:
     return sorted(_SPECS)
+
+
+def example_rows(table: str = "examples") -> dict[str, tuple[AttentionSpec, Example]]:
+    """Every registered kind's declared settings, `examples` (the shared tests) or `benchmarks`:
+    row name -> (spec, its Example). Rows are named kind or kind-name."""
+    rows = {}
+    for kind in available_kinds():
+        cls = spec_class(kind)
+        for name, example in getattr(cls, table).items():
+            rows[f"{kind}-{name}" if name else kind] = (cls(**example.options), example)
+    return rows
+
+
+def load_kind_files(paths: str) -> list[str]:
+    """Import attention kinds written outside lm/: `paths` names .py files or folders of them,
+    joined by os.pathsep. Each file registers its kinds as the built-in ones do. Returns the
+    kinds it added."""
+    import importlib.util
+    import os
+    from pathlib import Path
+
+    before = set(_SPECS)
+    for entry in filter(None, paths.split(os.pathsep)):
+        path = Path(entry).expanduser()
+        files = sorted(path.glob("*.py")) if path.is_dir() else [path]
+        if not path.exists() or not files or any(f.suffix != ".py" for f in files):
+            raise ConfigError(f"LM_ATTENTION_KINDS entry {entry!r} is not a .py file or a folder holding .py files")
+        for file in files:
+            name = f"lm_attention_kind_{file.stem}"
+            module_spec = importlib.util.spec_from_file_location(name, file)
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[name] = module  # dataclasses look their module up while the file runs
+            module_spec.loader.exec_module(module)
+    return sorted(set(_SPECS) - before)
 
 
 def spec_class(kind: str) -> type[AttentionSpec]:

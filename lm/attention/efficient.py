@@ -31,10 +31,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from lm.attention.base import AttentionSpec, LayerShape, register
-from lm.attention.cache import CacheSpec, GenerationCache, keep_in_place, tensor_bytes
-from lm.attention.linear import accumulation_dtype
+from lm.attention.base import AttentionSpec, Example, LayerShape, register
+from lm.attention.cache import CacheSpec, GenerationCache
 from lm.attention.projections import GroupedQKV
+from lm.attention.shared_caches import RecurrentCache, accumulation_dtype
 from lm.util.checks import require_int
 
 # N (B, nkv, f, hs) and D (B, nkv, f), both scaled by exp(-m); m (B, nkv, f) the running key maximum.
@@ -49,11 +49,21 @@ class EfficientSpec(AttentionSpec):
 
     chunk_size: int = 64  # positions per chunk of the chunkwise training path
 
+    examples = {"": Example({"chunk_size": 8}, n_kv_head=2), "mqa": Example({"chunk_size": 4}, n_kv_head=1)}
+
     def check(self) -> None:
         require_int("chunk_size", self.chunk_size)
 
     def build(self, shape: LayerShape) -> EfficientAttention:
         return EfficientAttention(self, shape)
+
+    def flops(self, T: int, n_head: int, n_kv_head: int, head_dim: int) -> float:
+        hs, C = head_dim, self.chunk_size
+        # Inside each chunk the scores b e^T and their weighted sum of v (and of 1, the normaliser);
+        # across chunks each K/V head's update of (N, D) and each query head's read of it.
+        inside = 2 * n_head * T * C * hs + 2 * n_head * T * C * (hs + 1)
+        across = 2 * n_kv_head * T * hs * (hs + 1) + 2 * n_head * T * hs * (hs + 1)
+        return inside + across
 
 
 class EfficientAttention(GroupedQKV):
@@ -74,8 +84,15 @@ class EfficientAttention(GroupedQKV):
         hs = self.head_dim
         return CacheSpec("recurrent", self.n_kv_head, hs, state_numel=hs * hs + 2 * hs)
 
-    def build_cache(self, context: GenerationCache, max_len: int) -> EfficientState:
-        return EfficientState(context, self)
+    def naive_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return naive_efficient_attention(q, k, v)
+
+    def build_cache(self, context: GenerationCache, max_len: int) -> RecurrentCache:
+        """(N, D, m) per K/V head: (B, nkv, hs, hs), (B, nkv, hs), (B, nkv, hs), whatever the length."""
+        empty = torch.zeros(context.batch_size, self.n_kv_head, 0, self.head_dim, dtype=context.dtype,
+                            device=context.device)
+        chunk = lambda q, k, v, state, real: chunked_efficient_attention(q, k, v, state, self.chunk_size, real)  # noqa: E731
+        return RecurrentCache(context, empty_state(empty, empty), chunk, efficient_step)
 
 
 def empty_state(k: torch.Tensor, v: torch.Tensor) -> State:
@@ -143,26 +160,37 @@ def efficient_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: Sta
     return out, (N, D, m)
 
 
-class EfficientState:
-    """(N, D, m) per K/V head: (B, nkv, hs, hs), (B, nkv, hs), (B, nkv, hs), whatever the length."""
+# ------------------------------------------------------------ naive twin (for tests)
 
-    def __init__(self, context: GenerationCache, layer: EfficientAttention):
-        self.context, self.chunk_size = context, layer.chunk_size
-        shape = (context.batch_size, layer.n_kv_head, 0, layer.head_dim)
-        empty = torch.zeros(shape, dtype=context.dtype, device=context.device)
-        self.state = empty_state(empty, empty)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        context, T = self.context, q.shape[2]
-        real = context.real(context.seen, T) if context.has_padding else None  # (B, T)
-        out, state = chunked_efficient_attention(q, k, v, self.state, self.chunk_size, real)
-        keep_in_place(self.state, state)
-        return out.to(q.dtype)
+def naive_efficient_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal efficient attention as written: softmax(q_i) over features; for each feature f, a
+    softmax of k_jf over the positions j <= i weighting the values. Materialises (T, T, hs)."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)  # (B, nh, T, hs)
+    v = v.repeat_interleave(group, dim=1)  # (B, nh, T, hs)
+    T = q.shape[2]
+    future = torch.ones(T, T, dtype=torch.bool).triu(1)  # [i, j]: j after i
+    logits = k[:, :, None, :, :].expand(-1, -1, T, -1, -1)  # (B, nh, T_i, T_j, hs)
+    weights = logits.masked_fill(future[:, :, None], float("-inf")).softmax(dim=3)  # over j, per feature
+    context = torch.einsum("bhijf,bhje->bhife", weights, v)  # (B, nh, T, hs_f, hs)
+    return torch.einsum("bhif,bhife->bhie", q.softmax(-1), context)
 
-    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        out, state = efficient_step(q, k, v, self.state)  # a decoded position is always real
-        keep_in_place(self.state, state)
-        return out.to(q.dtype)
 
-    def nbytes(self) -> int:
-        return tensor_bytes(*self.state)
+def recurrent_efficient_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The same one position at a time, keeping a per-feature running maximum m of the keys:
+    N = sum exp(k_j - m) v_j, D = sum exp(k_j - m)."""
+    group = q.shape[1] // k.shape[1]
+    B, nkv, T, hs = k.shape
+    N = torch.zeros(B, nkv, hs, hs, dtype=k.dtype)
+    D = torch.zeros(B, nkv, hs, dtype=k.dtype)
+    m = torch.full((B, nkv, hs), float("-inf"), dtype=k.dtype)
+    outputs = []
+    for t in range(T):
+        new_m = torch.maximum(m, k[:, :, t])
+        N = N * torch.exp(m - new_m)[..., None] + torch.exp(k[:, :, t] - new_m)[..., None] * v[:, :, t, None, :]
+        D = D * torch.exp(m - new_m) + torch.exp(k[:, :, t] - new_m)
+        m = new_m
+        context = (N / D[..., None]).repeat_interleave(group, dim=1)  # (B, nh, hs_f, hs)
+        outputs.append(torch.einsum("bhf,bhfe->bhe", q[:, :, t].softmax(-1), context))
+    return torch.stack(outputs, dim=2)

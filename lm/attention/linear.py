@@ -9,7 +9,7 @@ The non-causal form phi(Q) (phi(K)^T V) lets every position see the future, so i
 train a decoder. The training path here is chunkwise: inside a chunk of C positions the
 masked quadratic form, across chunks the running state (S, z), all accumulated in float32.
 The state is passed in and returned, so generation can prefill with this function and then
-update (S, z) token by token. The naive twins in reference.py share this signature.
+update (S, z) token by token. The naive twins at the end of this file share this signature.
 """
 
 from __future__ import annotations
@@ -19,19 +19,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from lm.attention.base import AttentionSpec, LayerShape, register
-from lm.attention.cache import CacheSpec, GenerationCache, keep_in_place, tensor_bytes
+from lm.attention.base import AttentionSpec, Example, LayerShape, register
+from lm.attention.cache import CacheSpec, GenerationCache
 from lm.attention.feature_maps import FEATURE_MAPS, feature_dim, feature_map
 from lm.attention.projections import GroupedQKV
+from lm.attention.shared_caches import RecurrentCache, accumulation_dtype
 from lm.util.checks import require_choice, require_int, require_positive
 
 State = tuple[torch.Tensor, torch.Tensor]  # S (B, nkv, F, hs), z (B, nkv, F), at least float32
-
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32 for half-precision inputs (bf16 sums over thousands of positions lose the state);
-    float64 stays float64."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 def zero_state(k: torch.Tensor, v: torch.Tensor) -> State:
@@ -117,6 +112,12 @@ class LinearSpec(AttentionSpec):
     chunk_size: int = 64  # positions per chunk of the chunkwise training path
     eps: float = 1e-6  # added to the normaliser phi(q) . z
 
+    examples = {
+        "": Example({"chunk_size": 8}, n_kv_head=2),
+        "relu": Example({"feature_map": "relu", "chunk_size": 4}, n_kv_head=2),
+        "taylor-mqa": Example({"feature_map": "taylor", "chunk_size": 4}, n_kv_head=1),
+    }
+
     def check(self) -> None:
         require_choice("feature_map", self.feature_map, FEATURE_MAPS)
         require_int("chunk_size", self.chunk_size)
@@ -124,6 +125,17 @@ class LinearSpec(AttentionSpec):
 
     def build(self, shape: LayerShape) -> LinearAttention:
         return LinearAttention(self, shape)
+
+    def flops(self, T: int, n_head: int, n_kv_head: int, head_dim: int) -> float:
+        return chunkwise_flops(T, n_head, n_kv_head, head_dim, feature_dim(self.feature_map, head_dim), self.chunk_size)
+
+
+def chunkwise_flops(T: int, n_head: int, n_kv_head: int, hs: int, features: int, C: int) -> float:
+    """The chunkwise form's work: inside each chunk the masked scores and their weighted sum of
+    [v | 1]; across chunks each K/V head's state update and each query head's read of it."""
+    inside = 2 * n_head * T * C * features + 2 * n_head * T * C * (hs + 1)
+    across = 2 * n_kv_head * T * features * (hs + 1) + 2 * n_head * T * features * (hs + 1)
+    return inside + across
 
 
 class LinearAttention(GroupedQKV):
@@ -141,12 +153,30 @@ class LinearAttention(GroupedQKV):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return segmented_linear_attention(self.phi, q, k, v, self.spec.eps, self.spec.chunk_size)[0].to(q.dtype)
 
+    def naive_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return quadratic_linear_attention(self.phi(q), self.phi(k), v, self.spec.eps)[0]
+
     def generation_state(self) -> CacheSpec:
         features = self.feature_size
         return CacheSpec("recurrent", self.n_kv_head, self.head_dim, state_numel=features * self.head_dim + features)
 
-    def build_cache(self, context: GenerationCache, max_len: int) -> LinearState:
-        return LinearState(context, self)
+    def build_cache(self, context: GenerationCache, max_len: int) -> RecurrentCache:
+        """The state (S, z) per K/V head: (B, nkv, F, hs) and (B, nkv, F), whatever the length."""
+        dtype = accumulation_dtype(context.dtype)
+        B, nkv, Fdim, hs = context.batch_size, self.n_kv_head, self.feature_size, self.head_dim
+        state = (torch.zeros(B, nkv, Fdim, hs, dtype=dtype, device=context.device),
+                 torch.zeros(B, nkv, Fdim, dtype=dtype, device=context.device))
+        return RecurrentCache(context, state, self.chunk_from, self.step_from)
+
+    def chunk_from(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: State,
+                   real: torch.Tensor | None) -> tuple[torch.Tensor, State]:
+        fk = self.phi(k)
+        if real is not None:  # padding slots get zero features, so they add nothing to S or z
+            fk = fk * real[:, None, :, None]
+        return chunked_linear_attention(self.phi(q), fk, v, self.spec.eps, state, self.spec.chunk_size)
+
+    def step_from(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
+        return recurrent_step(self.phi(q), self.phi(k), v, self.spec.eps, state)
 
 
 def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eps: float,
@@ -167,33 +197,43 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eps: float
     return out, (S, z)
 
 
-class LinearState:
-    """The recurrent state (S, z) per K/V head: (B, nkv, F, hs) and (B, nkv, F), whatever the length.
-    Both are fixed buffers, updated in place."""
+# ------------------------------------------------------------ naive twin (for tests)
 
-    def __init__(self, context: GenerationCache, layer: LinearAttention):
-        self.context, self.phi, self.spec = context, layer.phi, layer.spec
-        dtype = accumulation_dtype(context.dtype)
-        B, nkv, Fdim, hs = context.batch_size, layer.n_kv_head, layer.feature_size, layer.head_dim
-        self.state: State = (torch.zeros(B, nkv, Fdim, hs, dtype=dtype, device=context.device),
-                             torch.zeros(B, nkv, Fdim, dtype=dtype, device=context.device))
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        fq, fk = self.phi(q), self.phi(k)
-        context, T = self.context, q.shape[2]
-        if context.has_padding:
-            # Padding slots get zero features, so they add nothing to S or z.
-            real = context.real(context.seen, T)  # (B, T)
-            fk = fk * real[:, None, :, None]
-        out, state = chunked_linear_attention(fq, fk, v, self.spec.eps, self.state, self.spec.chunk_size)
-        keep_in_place(self.state, state)
-        return out.to(q.dtype)
+def _naive_initial_state(k: torch.Tensor, v: torch.Tensor, state):
+    if state is not None:
+        return state
+    B, nkv, _, F = k.shape
+    return torch.zeros(B, nkv, F, v.shape[-1], dtype=k.dtype), torch.zeros(B, nkv, F, dtype=k.dtype)
 
-    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        # A decoded position is always a real token (padding only ever precedes the prompt).
-        out, state = recurrent_step(self.phi(q), self.phi(k), v, self.spec.eps, self.state)
-        keep_in_place(self.state, state)
-        return out.to(q.dtype)
 
-    def nbytes(self) -> int:
-        return tensor_bytes(*self.state)
+def quadratic_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eps: float, state=None):
+    """Causal linear attention as a masked T x T product, the way it is written on paper.
+
+    q (B, nh, T, F), k (B, nkv, T, F), v (B, nkv, T, hs); state (S, z) carried in from earlier tokens.
+    """
+    S0, z0 = _naive_initial_state(k, v, state)
+    group = q.shape[1] // k.shape[1]
+    kq, vq = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, nh, T, .)
+    T = q.shape[2]
+    weights = (q @ kq.transpose(-2, -1)).tril()  # (B, nh, T, T)
+    num = weights @ vq + q @ S0.repeat_interleave(group, dim=1)  # (B, nh, T, hs)
+    den = weights.sum(-1) + (q @ z0.repeat_interleave(group, dim=1)[..., None])[..., 0]  # (B, nh, T)
+    out = num / (den[..., None] + eps)
+    assert out.shape[2] == T
+    return out, (S0 + k.transpose(-2, -1) @ v, z0 + k.sum(2))
+
+
+def recurrent_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eps: float, state=None):
+    """Causal linear attention one token at a time, as an RNN: S += phi(k) v^T, z += phi(k)."""
+    S, z = _naive_initial_state(k, v, state)
+    group = q.shape[1] // k.shape[1]
+    outputs = []
+    for t in range(q.shape[2]):
+        S = S + k[:, :, t, :, None] * v[:, :, t, None, :]  # (B, nkv, F, hs)
+        z = z + k[:, :, t]  # (B, nkv, F)
+        qt = q[:, :, t]  # (B, nh, F)
+        num = (qt[..., None] * S.repeat_interleave(group, dim=1)).sum(-2)  # (B, nh, hs)
+        den = (qt * z.repeat_interleave(group, dim=1)).sum(-1)  # (B, nh)
+        outputs.append(num / (den[..., None] + eps))
+    return torch.stack(outputs, dim=2), (S, z)

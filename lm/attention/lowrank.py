@@ -20,13 +20,14 @@ block, so it is exact against the full forward; it holds r slots per L tokens (p
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lm.attention.base import AttentionSpec, LayerShape, register
+from lm.attention.base import AttentionSpec, Example, LayerShape, register
 from lm.attention.cache import CacheSpec, GenerationCache, tensor_bytes
 from lm.attention.projections import GroupedQKV
 from lm.util.checks import require_int
@@ -43,6 +44,9 @@ class LowRankSpec(AttentionSpec):
     block: int = 64
     rank: int = 8
 
+    examples = {"": Example({"block": 4, "rank": 2}, n_kv_head=2),
+                "mqa-odd": Example({"block": 5, "rank": 3}, n_kv_head=1)}
+
     def check(self) -> None:
         require_int("block", self.block)
         require_int("rank", self.rank)
@@ -52,16 +56,22 @@ class LowRankSpec(AttentionSpec):
     def build(self, shape: LayerShape) -> LowRankAttention:
         return LowRankAttention(self, shape)
 
+    def flops(self, T: int, n_head: int, n_kv_head: int, head_dim: int) -> float:
+        L, r = self.block, self.rank
+        keys = sum(i % L + 1 + r * (i // L) for i in range(T))  # its own block raw + r slots per earlier block
+        return 4 * n_head * head_dim * keys
+
 
 @dataclass(frozen=True)
 class CompressedCacheSpec(CacheSpec):
-    """r slots per completed block of L positions, plus the raw K/V of the block in progress."""
+    """r slots for every block of L positions a sequence can start, plus the raw K/V of one block
+    (the one in progress): the fixed buffers LowRankCache decodes in."""
 
     block: int = 1
     rank: int = 1
 
     def numel(self, seq_len: int, batch: int = 1) -> int:
-        slots = self.rank * (seq_len // self.block) + seq_len % self.block
+        slots = self.rank * -(-seq_len // self.block) + self.block
         return batch * 2 * self.n_kv_head * slots * self.head_dim
 
 
@@ -83,6 +93,9 @@ class LowRankAttention(GroupedQKV):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return lowrank_attention(q, k, v, self.compress_k, self.compress_v, self.block)
+
+    def naive_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return naive_lowrank_attention(q, k, v, self.compress_k, self.compress_v, self.block)
 
     def generation_state(self) -> CacheSpec:
         return CompressedCacheSpec("compressed", self.n_kv_head, self.head_dim, block=self.block, rank=self.rank)
@@ -208,3 +221,24 @@ class LowRankCache:
 
     def nbytes(self) -> int:
         return tensor_bytes(self.kc, self.vc, self.k, self.v)
+
+
+# ------------------------------------------------------------ naive twin (for tests)
+
+
+def naive_lowrank_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, E: torch.Tensor, F: torch.Tensor,
+                      block: int) -> torch.Tensor:
+    """Causal low-rank attention query by query: gather the raw keys of its own block up to
+    itself and E K_c, F V_c (r slots each) of every completed earlier block c, then softmax."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)  # (B, nh, T, hs)
+    v = v.repeat_interleave(group, dim=1)  # (B, nh, T, hs)
+    outputs = []
+    for i in range(q.shape[2]):
+        own = i // block
+        keys = [E @ k[:, :, c * block:(c + 1) * block] for c in range(own)] + [k[:, :, own * block:i + 1]]
+        values = [F @ v[:, :, c * block:(c + 1) * block] for c in range(own)] + [v[:, :, own * block:i + 1]]
+        keys, values = torch.cat(keys, dim=2), torch.cat(values, dim=2)  # (B, nh, seen, hs)
+        scores = (q[:, :, i, None] @ keys.transpose(-1, -2))[:, :, 0] / math.sqrt(q.shape[-1])  # (B, nh, seen)
+        outputs.append((scores.softmax(-1)[:, :, None] @ values)[:, :, 0])
+    return torch.stack(outputs, dim=2)

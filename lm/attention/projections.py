@@ -2,7 +2,8 @@
 
 Shapes: B batch, T sequence length, C d_model, nh query heads, nkv K/V heads, hs head size.
 A kind's layer subclasses GroupedQKV and implements `attend(q, k, v)` on q (B, nh, T, hs) and
-k, v (B, nkv, T, hs) for a whole sequence, plus `build_cache` / `generation_state` (lm.attention.base).
+k, v (B, nkv, T, hs) for a whole sequence, plus `naive_attend`, `build_cache` and `generation_state`
+(lm.attention.base).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ class GroupedQKV(nn.Module):
     uses_rope = True
     context_limited = True
 
-    def __init__(self, shape: LayerShape, learned_sink: bool = False):
+    def __init__(self, shape: LayerShape):
         super().__init__()
         self.layer_idx = shape.layer_idx
         self.n_head, self.n_kv_head, self.head_dim = shape.n_head, shape.n_kv_head, shape.head_dim
@@ -31,8 +32,6 @@ class GroupedQKV(nn.Module):
         # K and V get n_kv_head heads only, which is what makes GQA/MQA cheaper to cache.
         self.qkv = nn.Linear(shape.d_model, sum(qkv_rows(self.n_head, self.n_kv_head, self.head_dim)), bias=False)
         self.out = nn.Linear(self.n_head * self.head_dim, shape.d_model, bias=False)
-        # One logit per query head in the softmax denominator with no value (lm.attention.sinks).
-        self.sink_logit = nn.Parameter(torch.zeros(self.n_head)) if learned_sink else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: LayerCache | None = None, pos: torch.Tensor | None = None) -> torch.Tensor:
@@ -46,14 +45,17 @@ class GroupedQKV(nn.Module):
         q, k = qk[:, :nh], qk[:, nh:]  # (B, nh, T, hs), (B, nkv, T, hs)
         if cache is None:
             y = self.attend(q, k, v)  # (B, nh, T, hs)
-        elif pos is not None and hasattr(cache, "decode"):
+        elif pos is not None:
             y = cache.decode(q, k, v, pos)  # (B, nh, 1, hs): the fixed-shape step
-        else:  # a chunk, or a cache written before `decode` joined the contract
+        else:  # the next chunk of positions
             y = cache.attend(q, k, v)
         y = y.transpose(1, 2).reshape(B, T, nh * self.head_dim)  # (B, T, nh*hs)
         return self.out(y)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def naive_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def reset_own_parameters(self) -> None:

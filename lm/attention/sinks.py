@@ -19,8 +19,15 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 SINK_DIMS = 8  # a multiple of 8 keeps the widened heads aligned for SDPA's kernels
+
+
+def learned_sink_logit(n_head: int, wanted: bool) -> nn.Parameter | None:
+    """One logit per query head in the softmax denominator with no value (gpt-oss), starting at 0;
+    None when the kind's `learned_sink` option is off. The layer keeps it as `sink_logit`."""
+    return nn.Parameter(torch.zeros(n_head)) if wanted else None
 
 
 def widen_for_sink(q: torch.Tensor, k: torch.Tensor,

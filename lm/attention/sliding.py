@@ -18,10 +18,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from lm.attention.base import AttentionSpec, LayerShape, register
+from lm.attention.base import AttentionSpec, Example, LayerShape, register
 from lm.attention.cache import CacheSpec, GenerationCache, tensor_bytes, visibility_mask
 from lm.attention.projections import GroupedQKV
-from lm.attention.sinks import SINK_DIMS, masked_attention, widen_for_sink
+from lm.attention.reference import masked_softmax_attention
+from lm.attention.sinks import SINK_DIMS, learned_sink_logit, masked_attention, widen_for_sink
 from lm.util.checks import require_bool, require_int
 
 
@@ -147,6 +148,15 @@ class SlidingSpec(AttentionSpec):
     sink_tokens: int = 0  # the first positions stay visible to every query (StreamingLLM's sinks)
     learned_sink: bool = False  # a per-head logit in the denominator with no value (gpt-oss)
 
+    examples = {
+        "": Example({"window": 3}, n_kv_head=2),  # 3 divides none of the test lengths
+        "wrapped": Example({"window": 4, "dilation": 2}, n_kv_head=2),  # a ring of 8 slots wrapped many times
+        "sinks": Example({"window": 4, "sink_tokens": 3}, n_kv_head=2),
+        "sinks-dilated-learned": Example({"window": 3, "dilation": 2, "sink_tokens": 2, "learned_sink": True},
+                                         n_kv_head=1),
+    }
+    benchmarks = {"": Example({"window": 512}), "sinks": Example({"window": 512, "sink_tokens": 4})}
+
     def check(self) -> None:
         require_int("window", self.window)
         require_int("dilation", self.dilation)
@@ -156,18 +166,27 @@ class SlidingSpec(AttentionSpec):
     def build(self, shape: LayerShape) -> SlidingWindowAttention:
         return SlidingWindowAttention(self, shape)
 
+    def flops(self, T: int, n_head: int, n_kv_head: int, head_dim: int) -> float:
+        span = self.window + self.sink_tokens  # keys a query sees once the window is full
+        pairs = sum(min(i + 1, span) for i in range(T))
+        return 4 * n_head * head_dim * pairs
+
 
 class SlidingWindowAttention(GroupedQKV):
     context_limited = False
 
     def __init__(self, spec: SlidingSpec, shape: LayerShape):
-        super().__init__(shape, spec.learned_sink)
+        super().__init__(shape)
         self.window, self.dilation, self.sink_tokens = spec.window, spec.dilation, spec.sink_tokens
+        self.sink_logit = learned_sink_logit(self.n_head, spec.learned_sink)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.sink_tokens or self.sink_logit is not None:
             return sliding_with_sinks(q, k, v, self.window, self.dilation, self.sink_tokens, self.sink_logit)
         return sliding_window_attention(q, k, v, self.window, self.dilation)
+
+    def naive_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return naive_sliding_window_attention(q, k, v, self.window, self.dilation, self.sink_tokens, self.sink_logit)
 
     def generation_state(self) -> CacheSpec:
         # Query i reaches back to i - (W-1)*d, so the last (W-1)*d + 1 <= W*d positions suffice;
@@ -261,3 +280,18 @@ class RingKVCache:
 
     def nbytes(self) -> int:
         return tensor_bytes(self.k, self.v, self.sink_k, self.sink_v)
+
+
+# ------------------------------------------------------------ naive twin (for tests)
+
+
+def naive_sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
+                             dilation: int = 1, sink_tokens: int = 0,
+                             sink_logit: torch.Tensor | None = None) -> torch.Tensor:
+    """Full masked softmax where query i sees keys j = i - m*dilation, 0 <= m < window, and the
+    first `sink_tokens` positions (j <= i)."""
+    T = q.shape[2]
+    back = torch.arange(T)[:, None] - torch.arange(T)[None, :]  # (T, T): i - j
+    visible = (back >= 0) & (back % dilation == 0) & (back // dilation < window)
+    visible |= (back >= 0) & (torch.arange(T)[None, :] < sink_tokens)
+    return masked_softmax_attention(q, k, v, visible, sink_logit)

@@ -13,10 +13,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from lm.attention.base import AttentionSpec, LayerShape, register
-from lm.attention.cache import CacheSpec, GenerationCache, tensor_bytes, visibility_mask
+from lm.attention.base import ALL_HEADS, AttentionSpec, Example, LayerShape, register
+from lm.attention.cache import CacheSpec, GenerationCache
 from lm.attention.projections import GroupedQKV
-from lm.attention.sinks import causal_with_learned_sink, masked_attention
+from lm.attention.reference import causal_softmax_attention
+from lm.attention.shared_caches import KVCache
+from lm.attention.sinks import causal_with_learned_sink, learned_sink_logit
 from lm.util.checks import require_bool
 
 
@@ -27,14 +29,26 @@ class SoftmaxSpec(AttentionSpec):
 
     learned_sink: bool = False  # a per-head logit in the denominator with no value (gpt-oss)
 
+    examples = {"mha": Example(n_kv_head=4), "gqa": Example(n_kv_head=2), "mqa": Example(n_kv_head=1),
+                "learned-sink": Example({"learned_sink": True}, n_kv_head=2)}
+    benchmarks = {"mha": Example(n_kv_head=ALL_HEADS), "gqa": Example(n_kv_head=2), "mqa": Example(n_kv_head=1),
+                  "learned-sink": Example({"learned_sink": True})}
+
     def check(self) -> None:
         require_bool("learned_sink", self.learned_sink)
 
     def build(self, shape: LayerShape) -> SoftmaxAttention:
         return SoftmaxAttention(shape, self.learned_sink)
 
+    def flops(self, T: int, n_head: int, n_kv_head: int, head_dim: int) -> float:
+        return 4 * n_head * head_dim * T * (T + 1) / 2  # q.k and the weighted sum of v, per causal pair
+
 
 class SoftmaxAttention(GroupedQKV):
+    def __init__(self, shape: LayerShape, learned_sink: bool = False):
+        super().__init__(shape)
+        self.sink_logit = learned_sink_logit(self.n_head, learned_sink)
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of q (B, nh, T, hs) over k, v (B, nkv, T, hs).
 
@@ -45,58 +59,11 @@ class SoftmaxAttention(GroupedQKV):
             return causal_with_learned_sink(q, k, v, self.sink_logit)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_head != self.n_head)
 
+    def naive_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return causal_softmax_attention(q, k, v, self.sink_logit)
+
     def generation_state(self) -> CacheSpec:
         return CacheSpec("kv", self.n_kv_head, self.head_dim)
 
     def build_cache(self, context: GenerationCache, max_len: int) -> KVCache:
         return KVCache(context, self.n_kv_head, self.head_dim, max_len, self.sink_logit)
-
-
-class KVCache:
-    """Preallocated K and V of every position, n_kv_head heads only: (B, nkv, max_len, hs) each."""
-
-    def __init__(self, context: GenerationCache, n_kv_head: int, head_dim: int, max_len: int,
-                 sink_logit: torch.Tensor | None = None):
-        shape = (context.batch_size, n_kv_head, max_len, head_dim)
-        self.context, self.sink_logit = context, sink_logit
-        self.k = torch.zeros(shape, dtype=context.dtype, device=context.device)
-        self.v = torch.zeros(shape, dtype=context.dtype, device=context.device)
-
-    def store(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v (B, nkv, T, hs) of the next T slots; K and V of every slot so far, (B, nkv, end, hs)."""
-        start, end = self.context.seen, self.context.seen + k.shape[2]
-        if end > self.k.shape[2]:
-            raise ValueError(f"the K/V cache holds {self.k.shape[2]} positions; {end} were asked for")
-        self.k[:, :, start:end] = k
-        self.v[:, :, start:end] = v
-        return self.k[:, :, :end], self.v[:, :, :end]
-
-    def causal_mask(self, T: int) -> torch.Tensor:
-        """Which slots the next T queries see: (T, end), or (B, 1, T, end) with padded rows."""
-        start = self.context.seen
-        q_slots = torch.arange(start, start + T, device=self.k.device)
-        k_slots = torch.arange(start + T, device=self.k.device)
-        return visibility_mask(self.context, q_slots, k_slots, k_slots[None, :] <= q_slots[:, None])
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q (B, nh, T, hs) of the next T slots over every slot so far; k, v (B, nkv, T, hs) are stored."""
-        start, T = self.context.seen, q.shape[2]
-        keys, values = self.store(k, v)  # (B, nkv, end, hs)
-        gqa = keys.shape[1] != q.shape[1]
-        if self.sink_logit is None and not self.context.has_padding and (T == 1 or start == 0):
-            # One new token sees every cached one; a first chunk is plain causal attention.
-            return F.scaled_dot_product_attention(q, keys, values, is_causal=T > 1, enable_gqa=gqa)
-        return masked_attention(q, keys, values, self.causal_mask(T), self.sink_logit)
-
-    def store_at(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
-        """Write k, v (B, nkv, 1, hs) into slot `pos` (0-dim tensor) in place."""
-        self.k.index_copy_(2, pos.view(1), k)
-        self.v.index_copy_(2, pos.view(1), v)
-
-    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """One query (B, nh, 1, hs) at slot `pos` over the whole buffer, slots after it masked."""
-        self.store_at(k, v, pos)
-        return masked_attention(q, self.k, self.v, self.context.decode_mask(pos), self.sink_logit)  # mask (B, 1, 1, L)
-
-    def nbytes(self) -> int:
-        return tensor_bytes(self.k, self.v)

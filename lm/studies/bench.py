@@ -22,11 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from lm import ModelConfig, Transformer
-from lm.attention import AttentionSpec, LayerShape, LinearSpec, SlidingSpec, SoftmaxSpec
-from lm.attention.additive import AdditiveSpec
-from lm.attention.efficient import EfficientSpec
-from lm.attention.feature_maps import feature_dim
-from lm.attention.lowrank import LowRankSpec
+from lm.attention import AttentionSpec, Example, LayerShape, LinearSpec, SoftmaxSpec, example_rows
 
 # The reference shape named in the README and the issues.
 REFERENCE = dict(vocab_size=8192, n_layer=6, d_model=384, n_head=6, n_kv_head=2, d_ff=1024,
@@ -115,19 +111,12 @@ def bench_train(args) -> None:
 
 # ---------------------------------------------------------------------------- attention
 
-ATTENTION_KINDS = {  # name -> (spec, n_kv_head or None for n_head, longest N it is timed at or None)
-    "mha": (SoftmaxSpec(), None, None),
-    "gqa": (SoftmaxSpec(), 2, None),
-    "mqa": (SoftmaxSpec(), 1, None),
-    "mha-learned-sink": (SoftmaxSpec(learned_sink=True), None, None),
-    "sliding": (SlidingSpec(window=512), None, None),
-    "sliding-sinks": (SlidingSpec(window=512, sink_tokens=4), None, None),
-    "linear": (LinearSpec(feature_map="elu"), None, None),
-    "efficient": (EfficientSpec(), None, None),
-    "lowrank": (LowRankSpec(block=64, rank=8), None, None),
-    # a tanh per (query, key, feature): ~40x the work of a dot product, so 16k would take minutes
-    "additive": (AdditiveSpec(), None, 4096),
-}
+FULL_ATTENTION, GQA = "softmax-mha", "softmax-gqa"  # the rows the others are compared with
+
+
+def attention_rows() -> dict[str, tuple[AttentionSpec, Example]]:
+    """Every registered kind at the benchmark settings it declares (AttentionSpec.benchmarks)."""
+    return example_rows("benchmarks")
 
 
 def _proc_status_bytes(field: str) -> int:
@@ -199,40 +188,16 @@ def time_attention(module, shape: LayerShape, seq_len: int, backward: bool, repe
     return min(r[0] for r in results), max(r[1] for r in results)
 
 
-def attention_flops(spec: AttentionSpec, n_head: int, n_kv_head: int, hs: int, T: int) -> float:
-    """Forward FLOPs of one attention op as its own algorithm does it (a multiply-add is 2), the
-    work the GFLOP/s column divides by. Causal kinds count the keys each query needs, not the
-    masked-out half a kernel may still touch."""
-    pairs_causal = T * (T + 1) / 2  # (query, key) pairs of full causal attention
-    if isinstance(spec, SoftmaxSpec):
-        return 4 * n_head * hs * pairs_causal  # q.k and the weighted sum of v
-    if isinstance(spec, SlidingSpec):
-        span = spec.window + spec.sink_tokens
-        return 4 * n_head * hs * sum(min(i + 1, span) for i in range(T))
-    if isinstance(spec, (LinearSpec, EfficientSpec)):
-        C = spec.chunk_size
-        F = hs if isinstance(spec, EfficientSpec) else feature_dim(spec.feature_map, hs)
-        inside = 2 * n_head * T * C * F + 2 * n_head * T * C * (hs + 1)  # chunk scores, their weighted sum
-        across = 2 * n_kv_head * T * F * (hs + 1) + 2 * n_head * T * F * (hs + 1)  # state update, state read
-        return inside + across
-    if isinstance(spec, LowRankSpec):
-        L, r = spec.block, spec.rank
-        keys = sum(i % L + 1 + r * (i // L) for i in range(T))  # own block raw + compressed slots
-        return 4 * n_head * hs * keys
-    if isinstance(spec, AdditiveSpec):
-        return 6 * n_head * hs * pairs_causal  # q + k, tanh, w . hidden (counted as 1 each), then v
-    raise ValueError(f"no FLOP count for {type(spec).__name__}")
-
-
 def bench_attention(args) -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = []
-    kinds = {name: ATTENTION_KINDS[name] for name in args.kinds}
-    cases = [(name, spec, n_kv_head, args.heads, longest) for name, (spec, n_kv_head, longest) in kinds.items()]
+    rows_of = attention_rows()
+    # The attention table's own choice of K/V heads is one per query head: each kind as MHA.
+    cases = [(name, spec, ex.kv_heads(args.heads, args.heads), args.heads, ex.longest)
+             for name, (spec, ex) in rows_of.items() if name in args.kinds]
     if args.single_head:  # the footing of the published GPU figures: one head of size d_model
-        cases += [("mha-1head", SoftmaxSpec(), None, 1, None),
-                  ("linear-1head", LinearSpec(feature_map="elu"), None, 1, None)]
+        cases += [("mha-1head", SoftmaxSpec(), 1, 1, None), ("linear-1head", LinearSpec(feature_map="elu"), 1, 1, None)]
     longest_n = max(args.lengths)
     cases = [(name, spec, n_kv_head, heads, n) for name, spec, n_kv_head, heads, longest in cases for n in args.lengths
              if not ((heads == 1 and n != longest_n) or (longest is not None and n > longest))]
@@ -247,7 +212,7 @@ def bench_attention(args) -> None:
         module, shape = attention_layer(spec, n_kv_head, args.d_model, heads)
         fwd_s = time_attention(module, shape, n, backward=False, repeats=args.repeats)[0]
         bwd_s = time_attention(module, shape, n, backward=True, repeats=args.repeats)[0]
-        gflops = attention_flops(spec, heads, shape.n_kv_head, shape.head_dim, n) / fwd_s / 1e9
+        gflops = spec.flops(n, heads, shape.n_kv_head, shape.head_dim) / fwd_s / 1e9
         rows.append({"kind": name, "n_head": heads, "n_kv_head": shape.n_kv_head, "seq_len": n, "forward_s": fwd_s,
                      "forward_backward_s": bwd_s, "forward_gflops": gflops, "forward_of_peak": gflops * 1e9 / peak})
         print(f"{name:18}{n:7}{fwd_s:9.4f}{bwd_s:11.4f}{gflops:13.1f}{gflops * 1e9 / peak:9.1%}", flush=True)
@@ -277,11 +242,11 @@ def _ratio(a: float, b: float) -> str:
 
 def print_attention_ratios(rows: list[dict], n_max: int) -> None:
     at = {(r["kind"], r["seq_len"]): r for r in rows}
-    full = at.get(("mha", n_max))
+    full = at.get((FULL_ATTENTION, n_max))
     if full is None:
         return
     print(f"at N={n_max}, against full causal softmax (mha, SDPA):")
-    for name in sorted({kind for kind, _ in at} - {"mha", "mha-1head", "linear-1head"}):
+    for name in sorted({kind for kind, _ in at} - {FULL_ATTENTION, "mha-1head", "linear-1head"}):
         r = at.get((name, n_max))
         if r is None:
             continue
@@ -305,12 +270,13 @@ def print_whole_layer_times(args) -> None:
     shares are added to each, which narrows the ratios."""
     n = max(args.lengths)
     times = {}
-    for name in ("mha", "sliding", "linear"):
-        spec, n_kv_head, _ = ATTENTION_KINDS[name]
-        module, shape = attention_layer(spec, n_kv_head, args.d_model, args.heads)
+    rows_of = attention_rows()
+    for name in (FULL_ATTENTION, "sliding", "linear"):
+        spec, _ = rows_of[name]
+        module, shape = attention_layer(spec, args.heads, args.d_model, args.heads)
         times[name], _ = time_attention(module, shape, n, backward=False, repeats=args.repeats, whole_module=True)
     print(f"whole layer (with projections) forward at N={n}: " + ", ".join(
-        f"{name} {t:.3f} s ({times['mha'] / t:.1f}x)" for name, t in times.items()))
+        f"{name} {t:.3f} s ({times[FULL_ATTENTION] / t:.1f}x)" for name, t in times.items()))
 
 
 def plot_attention(rows: list[dict], heads: int, path: Path) -> Path:
@@ -321,7 +287,7 @@ def plot_attention(rows: list[dict], heads: int, path: Path) -> Path:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=False)
     for ax, key, title in ((axes[0], "forward_s", "forward"), (axes[1], "forward_backward_s", "forward + backward")):
-        for name in ATTENTION_KINDS:
+        for name in dict.fromkeys(r["kind"] for r in rows):
             points = sorted((r["seq_len"], r[key]) for r in rows if r["kind"] == name)
             if points:
                 ax.plot(*zip(*points, strict=True), marker="o", label=name)
@@ -340,18 +306,7 @@ def plot_attention(rows: list[dict], heads: int, path: Path) -> Path:
 
 # ---------------------------------------------------------------------------- generate
 
-GENERATE_KINDS = {  # name -> (spec, n_kv_head) at the reference shape (6 heads)
-    "mha": (SoftmaxSpec(), 6),
-    "gqa": (SoftmaxSpec(), 2),
-    "mqa": (SoftmaxSpec(), 1),
-    "gqa-learned-sink": (SoftmaxSpec(learned_sink=True), 2),
-    "sliding": (SlidingSpec(window=256), 2),
-    "sliding-sinks": (SlidingSpec(window=256, sink_tokens=4), 2),
-    "linear": (LinearSpec(), 2),
-    "efficient": (EfficientSpec(), 2),
-    "additive": (AdditiveSpec(), 2),
-    "lowrank": (LowRankSpec(), 2),
-}
+GENERATE_KV_HEADS = 2  # the generate table's own choice of K/V heads at the reference shape (6 heads): GQA
 
 
 def reference_model(spec: AttentionSpec, n_kv_head: int, max_seq_len: int) -> Transformer:
@@ -388,6 +343,12 @@ def step_latency(model: Transformer, position: int, steps: int = 16) -> float:
     return statistics.median(times)
 
 
+def declared_cache_bytes(model: Transformer, tokens: int, batch: int = 1) -> int:
+    """What the model's caches hold after `tokens` positions, from what each layer declares
+    (generation_state) in fp32; the shared cache test holds this equal to the built caches' nbytes."""
+    return 4 * sum(block.attn.generation_state().numel(tokens, batch) for block in model.blocks)
+
+
 def bench_generate(args) -> None:
     from lm.generation.decode import stream
 
@@ -398,21 +359,22 @@ def bench_generate(args) -> None:
           f"reference shape (vocab 8192, 6 layers, d_model 384, 6 heads, SwiGLU 1024)")
     header = "".join(f"{f'tok/s @{n}':>12}" for n in args.new_tokens)
     header += "".join(f"{f'ms @pos {p}':>13}" for p in args.positions)
-    header += f"{'latency ratio':>15}{'cache bytes/token':>19}{'cache @' + str(max_len):>14}"
+    header += f"{'latency ratio':>15}{'cache bytes/token':>19}{'cache @' + str(max_len - 1):>14}"
     print(f"{'kind':18}{'kv heads':>9}{header}")
     rates: dict[str, dict[int, float]] = {}
+    rows_of = attention_rows()
     for name in args.kinds:
-        spec, n_kv_head = GENERATE_KINDS[name]
+        spec, example = rows_of[name]
+        n_kv_head = example.kv_heads(REFERENCE["n_head"], GENERATE_KV_HEADS)
         model = reference_model(spec, n_kv_head, max_seq_len=max(max_len, long_position + 32))
         rates[name] = {}
         for n in args.new_tokens:
             seconds = decode_seconds(lambda m=model, n=n: list(stream(m, prompt, n)), args.repeats)
             rates[name][n] = n / seconds
         latency = [step_latency(model, p) for p in args.positions]
-        run = stream(model, prompt, max(args.new_tokens))
-        list(run)
-        total = run.stats["cache_bytes"]
-        per_token = total / (args.prompt + max(args.new_tokens))
+        tokens = args.prompt + max(args.new_tokens)
+        total = declared_cache_bytes(model, tokens)
+        per_token = total / tokens
         cells = "".join(f"{rates[name][n]:12.1f}" for n in args.new_tokens)
         cells += "".join(f"{t * 1e3:13.2f}" for t in latency)
         print(f"{name:18}{n_kv_head:9}{cells}{latency[-1] / latency[0]:15.2f}{per_token:19,.0f}{total:14,}", flush=True)
@@ -429,8 +391,8 @@ def bench_generate(args) -> None:
         cells = "".join(f"{hf_rates[n]:12.1f}" for n in args.new_tokens)
         print(f"{'transformers':18}{2:9}{cells}   (LlamaForCausalLM.generate, gqa shape, SDPA, cache on)")
         for n in args.new_tokens:
-            if "gqa" in rates:
-                print(f"lm gqa / transformers decode tokens/s at {n} new tokens: {rates['gqa'][n] / hf_rates[n]:.2f}x")
+            if GQA in rates:
+                print(f"lm gqa / transformers decode tokens/s at {n} new tokens: {rates[GQA][n] / hf_rates[n]:.2f}x")
 
 
 # ---------------------------------------------------------------------------- decode: eager, compiled, int8
@@ -576,8 +538,8 @@ def main() -> None:
     attention.add_argument("--no-single-head", dest="single_head", action="store_false",
                            help="skip the one-head comparison at the longest N")
     attention.add_argument("--out", default="bench", help="folder for attention.csv and attention.png")
-    attention.add_argument("--kinds", nargs="+", choices=list(ATTENTION_KINDS), default=list(ATTENTION_KINDS),
-                           help="rows to time (default: all)")
+    attention.add_argument("--kinds", nargs="+", choices=list(attention_rows()), default=list(attention_rows()),
+                           help="rows to time (default: every registered kind's benchmark settings)")
     attention.set_defaults(run=bench_attention)
     gen = sub.add_parser("generate", help="decode tokens/s, per-token latency and cache bytes of each kind")
     gen.add_argument("--prompt", type=int, default=32, help="prompt tokens")
@@ -585,8 +547,8 @@ def main() -> None:
     gen.add_argument("--positions", type=int, nargs=2, default=[64, 4096], help="where per-token latency is taken")
     gen.add_argument("--repeats", type=int, default=2)
     gen.add_argument("--no-compare", dest="compare", action="store_false", help="skip transformers' generate")
-    gen.add_argument("--kinds", nargs="+", choices=list(GENERATE_KINDS), default=list(GENERATE_KINDS),
-                     help="rows to time (default: all)")
+    gen.add_argument("--kinds", nargs="+", choices=list(attention_rows()), default=list(attention_rows()),
+                     help="rows to time (default: every registered kind's benchmark settings)")
     gen.set_defaults(run=bench_generate)
     dec = sub.add_parser("decode", help="eager, compiled and int8 decoding side by side with transformers")
     dec.add_argument("--prompt", type=int, default=32, help="prompt tokens")

@@ -1,0 +1,105 @@
+"""Caches more than one kind decodes with: every position's K and V (softmax, additive), and a
+state of fixed size carried from position to position (linear, efficient).
+
+Shapes: B batch, T new positions, nh query heads, nkv K/V heads, hs head size, L max_len.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from lm.attention.cache import GenerationCache, keep_in_place, tensor_bytes, visibility_mask
+from lm.attention.sinks import masked_attention
+
+State = tuple[torch.Tensor, ...]
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half-precision inputs (bf16 sums over thousands of positions lose a recurrent
+    state); float64 stays float64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+class KVCache:
+    """Preallocated K and V of every position, n_kv_head heads only: (B, nkv, max_len, hs) each."""
+
+    def __init__(self, context: GenerationCache, n_kv_head: int, head_dim: int, max_len: int,
+                 sink_logit: torch.Tensor | None = None):
+        shape = (context.batch_size, n_kv_head, max_len, head_dim)
+        self.context, self.sink_logit = context, sink_logit
+        self.k = torch.zeros(shape, dtype=context.dtype, device=context.device)
+        self.v = torch.zeros(shape, dtype=context.dtype, device=context.device)
+
+    def store(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v (B, nkv, T, hs) of the next T slots; K and V of every slot so far, (B, nkv, end, hs)."""
+        start, end = self.context.seen, self.context.seen + k.shape[2]
+        if end > self.k.shape[2]:
+            raise ValueError(f"the K/V cache holds {self.k.shape[2]} positions; {end} were asked for")
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+    def causal_mask(self, T: int) -> torch.Tensor:
+        """Which slots the next T queries see: (T, end), or (B, 1, T, end) with padded rows."""
+        start = self.context.seen
+        q_slots = torch.arange(start, start + T, device=self.k.device)
+        k_slots = torch.arange(start + T, device=self.k.device)
+        return visibility_mask(self.context, q_slots, k_slots, k_slots[None, :] <= q_slots[:, None])
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (B, nh, T, hs) of the next T slots over every slot so far; k, v (B, nkv, T, hs) are stored."""
+        start, T = self.context.seen, q.shape[2]
+        keys, values = self.store(k, v)  # (B, nkv, end, hs)
+        gqa = keys.shape[1] != q.shape[1]
+        if self.sink_logit is None and not self.context.has_padding and (T == 1 or start == 0):
+            # One new token sees every cached one; a first chunk is plain causal attention.
+            return F.scaled_dot_product_attention(q, keys, values, is_causal=T > 1, enable_gqa=gqa)
+        return masked_attention(q, keys, values, self.causal_mask(T), self.sink_logit)
+
+    def store_at(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        """Write k, v (B, nkv, 1, hs) into slot `pos` (0-dim tensor) in place."""
+        self.k.index_copy_(2, pos.view(1), k)
+        self.v.index_copy_(2, pos.view(1), v)
+
+    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """One query (B, nh, 1, hs) at slot `pos` over the whole buffer, slots after it masked."""
+        self.store_at(k, v, pos)
+        return masked_attention(q, self.k, self.v, self.context.decode_mask(pos), self.sink_logit)  # mask (B, 1, 1, L)
+
+    def nbytes(self) -> int:
+        return tensor_bytes(self.k, self.v)
+
+
+class RecurrentCache:
+    """A state of fixed size per K/V head, whatever the length, for the kinds that carry one
+    (linear attention's (S, z), efficient attention's (N, D, m)). The kind gives two functions
+    on the same state tuple, each returning (out (B, nh, T, hs), new state):
+
+      chunk(q, k, v, state, real): the next T positions; `real` (B, T) bool marks the positions
+        that count (None: all), and the others (left padding) must add nothing to the state;
+      step(q, k, v, state): one position, on fixed shapes and without reading the host.
+
+    The buffers are allocated once and written in place, so a compiled step reads the same tensors.
+    """
+
+    def __init__(self, context: GenerationCache, state: State, chunk: Callable, step: Callable):
+        self.context, self.state, self.chunk, self.step = context, state, chunk, step
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        context, T = self.context, q.shape[2]
+        real = context.real(context.seen, T) if context.has_padding else None  # (B, T)
+        out, state = self.chunk(q, k, v, self.state, real)
+        keep_in_place(self.state, state)
+        return out.to(q.dtype)
+
+    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        # A decoded position is always a real token: padding only ever precedes the prompt.
+        out, state = self.step(q, k, v, self.state)
+        keep_in_place(self.state, state)
+        return out.to(q.dtype)
+
+    def nbytes(self) -> int:
+        return tensor_bytes(*self.state)
