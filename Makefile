@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test test-all lint bench clean
+.PHONY: help install train test test-slow test-all lint bench clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -20,8 +20,11 @@ $(STAMP): pyproject.toml constraints.txt
 train: install ## train the default model (tiny MHA) on the standard-library corpus
 	$(PY) scripts/train.py
 
-test: install ## the test suite, without tests marked slow
-	$(PY) -m pytest -m "not slow" -q
+test: install ## the test suite, without tests marked slow (a few minutes on 2 cores)
+	$(PY) -m pytest -m "not slow" -q --durations=15
+
+test-slow: install ## the slow tier: end-to-end script runs, studies, benchmarks, kill-and-resume, DDP
+	$(PY) -m pytest -m slow -q --durations=15
 
 test-all: install ## every test, slow ones included (installs llama-cpp-python, which compiles llama.cpp)
 	$(PY) -m pip install -q -c constraints.txt -e '.[llama]'

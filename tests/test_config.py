@@ -99,6 +99,7 @@ def test_config_round_trips_through_a_plain_dict():
         ModelConfig.from_dict({**cfg.to_dict(), "n_heads": 3})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("override, message", [
     ("attn.n_kv_head=4", "error: n_head=6 is not divisible by n_kv_head=4"),
     ("trainer.max_steps=0", "error: trainer.max_steps=0 must be an integer >= 1"),

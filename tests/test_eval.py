@@ -47,6 +47,7 @@ def test_score_equals_a_plain_window_by_window_count():
     assert result.perplexity == pytest.approx(math.exp(nll / tokens), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_eval_script_writes_one_line_and_a_record(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -63,6 +64,7 @@ def test_eval_script_writes_one_line_and_a_record(tmp_path):
     assert record["bits_per_byte"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, message", [
     (["split=test"], "error: split='test' is not one of ['val', 'train', 'all']"),
     ([f"ckpt={ROOT / 'nope.ckpt'}"], "does not exist"),

@@ -20,6 +20,7 @@ def ragged_prompts():
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3, 17, 9)]
 
 
+@pytest.mark.slow
 def test_compiled_decoding_gives_the_eager_tokens_on_a_ragged_batch():
     torch._dynamo.reset()
     model = make_model("gqa")

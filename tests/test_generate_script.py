@@ -24,6 +24,7 @@ def run_script(*args, cwd):
                           capture_output=True, text=True, timeout=120, cwd=cwd)
 
 
+@pytest.mark.slow
 def test_script_streams_a_continuation_and_prints_stats(checkpoint, tmp_path):
     result = run_script(f"ckpt={checkpoint}", "prompt=def fibonacci(n):", "max_new_tokens=12", "stats=true",
                         "temperature=0", cwd=tmp_path)
@@ -46,6 +47,7 @@ def test_int8_script_run_reports_a_quarter_of_the_matmul_bytes(checkpoint, capsy
     assert weights[0] < weights[1]  # the float embedding stays; every matmul weight shrinks to a quarter
 
 
+@pytest.mark.slow
 def test_script_rejects_bad_input_in_one_line(checkpoint, tmp_path):
     result = run_script(f"ckpt={tmp_path / 'missing.ckpt'}", "prompt=hello", cwd=tmp_path)
     assert result.returncode == 2

@@ -86,6 +86,7 @@ def test_kinds_llama_cpp_cannot_run_are_refused(attention, tokenizer, tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 def test_export_script_writes_gguf(tokenizer, tmp_path):
     from lm.formats.checkpoint import save_checkpoint
 

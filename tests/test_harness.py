@@ -60,6 +60,7 @@ def evaluate(task_dir: Path, model: str, model_args: str) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_lm_model_agrees_with_the_harness_hf_model_on_the_exported_llama(task_dir, tokenizer, tmp_path):
     from lm.formats.hf import export_hf
 
@@ -84,6 +85,7 @@ def _numbers(responses) -> list[float]:
     return flat
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention", [SlidingSpec(window=8), LinearSpec(chunk_size=8)], ids=["sliding", "linear"])
 def test_harness_command_scores_kinds_transformers_cannot_load(attention, task_dir, tokenizer, tmp_path):
     ckpt, _ = checkpoint(tmp_path, tokenizer, attention)

@@ -102,6 +102,7 @@ def test_kinds_without_an_equivalent_are_refused(attention, message, tokenizer, 
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 def test_export_and_import_scripts_round_trip(tokenizer, tmp_path):
     from lm.formats.checkpoint import save_checkpoint
 

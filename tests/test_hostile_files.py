@@ -267,6 +267,7 @@ def test_huge_claims_allocate_nothing(originals, tmp_path):
     assert grown_kib < 100 * 1024, f"peak memory grew by {grown_kib} KiB"
 
 
+@pytest.mark.slow
 def test_a_damaged_checkpoint_is_one_line_and_exit_2_from_the_script(originals, tmp_path):
     bad = CHECKPOINT_CASES["n_layer of 10^9"](originals["ckpt"], tmp_path)
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "generate.py"), f"ckpt={bad}", "prompt=x"],

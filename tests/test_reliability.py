@@ -64,6 +64,7 @@ def assert_resumes_on_curve(train_config, run_name: str, stopped_at: int, expect
         assert abs(loss - expected[step]) < 1e-5, (step, loss, expected[step])
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_on_the_uninterrupted_loss_curve(train_config, tmp_path):
     straight = train(train_config(*COMMON, "trainer.max_steps=120", "run_name=straight"))
     expected = losses_by_step(Path(straight["run_dir"]), 0)
@@ -77,6 +78,7 @@ def test_killed_run_resumes_on_the_uninterrupted_loss_curve(train_config, tmp_pa
     assert_resumes_on_curve(train_config, "killed", killed_at, expected, 120)
 
 
+@pytest.mark.slow
 def test_ctrl_c_and_sigterm_save_the_current_step_and_resume_exactly(train_config, tmp_path):
     straight = train(train_config(*COMMON, "trainer.max_steps=80", "run_name=straight"))
     expected = losses_by_step(Path(straight["run_dir"]), 0)
@@ -151,6 +153,7 @@ def test_resume_without_a_checkpoint_is_one_clear_error(train_config):
         train(train_config("resume=true"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [True, False])
 def test_safetensors_export_is_plain_data_that_load_reads(tmp_path, tied):
     from tokenizers import Tokenizer, models

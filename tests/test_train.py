@@ -116,6 +116,7 @@ def test_lightning_adverts_are_dropped_and_its_other_lines_kept():
     assert [r.getMessage() for r in records] == ["GPU available: False, used: False"]
 
 
+@pytest.mark.slow
 def test_a_run_says_each_line_once_and_ends_with_its_summary(train_config, tmp_path):
     """The script's whole output (stdout and stderr as a terminal shows them), wandb logging offline:
     no deprecation warning, no advert, Lightning's lines once, and the summary block last."""
