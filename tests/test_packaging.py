@@ -1,14 +1,20 @@
 """What the package declares: a torch range that resolvers can combine with other packages (the
-exact pin lives in constraints.txt, which `make install` applies), and its licence."""
+exact pin lives in constraints.txt, which `make install` applies), its licence, and one set of
+optimiser defaults shared by the code and the Hydra config."""
 
+import dataclasses
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import compose_config
+from omegaconf import OmegaConf
 from packaging.requirements import Requirement
 from packaging.version import Version
+
+from lm.training.module import OptimConfig
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
@@ -71,3 +77,17 @@ def test_the_installed_setuptools_builds_metadata_with_the_licence_and_the_torch
     assert ("License-Expression", "MIT") in headers and ("License-File", "LICENSE") in headers
     assert ("Requires-Dist", "torch>=2.13") in headers
 
+
+# ------------------------------------------------------------------ optimiser defaults
+
+def test_the_optim_yaml_states_exactly_the_dataclass_defaults():
+    """OptimConfig holds the defaults; conf/optim/adamw.yaml repeats them for the command line and
+    must not say anything else, or a run and a LitLM built in code would train differently."""
+    stated = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "optim" / "adamw.yaml"))
+    assert stated == dataclasses.asdict(OptimConfig())
+
+
+def test_the_composed_training_config_trains_with_the_dataclass_defaults():
+    # No other config file (a preset, the experiment default) overrides the optimiser quietly.
+    cfg = compose_config("train", [])
+    assert OptimConfig(**cfg.optim) == OptimConfig()
