@@ -1,5 +1,8 @@
 import glob
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -9,8 +12,11 @@ import pytest
 import lm.data.token_cache
 from lm.data.corpora import DataError, files_corpus, hf_corpus, is_validation, pystdlib_corpus, text_corpus
 from lm.data.modules import TokenDataModule
-from lm.data.token_cache import build_token_cache
+from lm.data.token_cache import TokenCache, build_token_cache
+from lm.util.errors import CheckpointError
 from lm.util.paths import expand_pattern
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_split_is_deterministic_and_holds_out_about_the_asked_share():
@@ -203,3 +209,113 @@ def test_paths_without_data_text_is_refused():
 
     with pytest.raises(DataError, match="data.paths is set but data=pystdlib"):
         build_corpus(OmegaConf.create({"source": "pystdlib", "paths": ["notes.txt"]}))
+
+
+# ------------------------------------------------------------------ opening and verifying a token cache
+
+def one_file_cache(tmp_path: Path) -> TokenCache:
+    (tmp_path / "doc.txt").write_text("def add_one(x):\n    return x + 1\n" * 400)
+    return build_token_cache(text_corpus([str(tmp_path / "doc.txt")]), tmp_path / "c", 300, 0.05, min_val_tokens=33)
+
+
+def open_again(tmp_path: Path) -> TokenCache:
+    return build_token_cache(text_corpus([str(tmp_path / "doc.txt")]), tmp_path / "c", 300, 0.05, min_val_tokens=33)
+
+
+def hashed_files(monkeypatch) -> list[str]:
+    """The names of the files hashed from now on, in order."""
+    hashed, checksum = [], lm.data.token_cache.file_checksum
+    monkeypatch.setattr(lm.data.token_cache, "file_checksum", lambda path: hashed.append(path.name) or checksum(path))
+    return hashed
+
+
+def recorded_times(cache: TokenCache) -> dict[str, int]:
+    return {name: (cache.path / name).stat().st_mtime_ns for name in cache.meta["files"]}
+
+
+def test_opening_a_cache_compares_sizes_and_times_and_hashes_nothing(tmp_path, monkeypatch):
+    built = one_file_cache(tmp_path)
+    assert built.meta["file_mtimes_ns"] == recorded_times(built)
+    hashed = hashed_files(monkeypatch)
+    assert open_again(tmp_path).path == built.path
+    assert hashed == []
+
+
+def test_a_file_with_a_new_time_is_hashed_once_and_its_time_recorded(tmp_path, monkeypatch, capsys):
+    cache = one_file_cache(tmp_path)
+    train = cache.path / "train.bin"
+    os.utime(train, ns=(train.stat().st_atime_ns, train.stat().st_mtime_ns + 10**9))  # copied without its times
+    hashed = hashed_files(monkeypatch)
+    open_again(tmp_path)
+    assert hashed == ["train.bin"]
+    assert cache.meta["file_mtimes_ns"] == recorded_times(cache)
+    open_again(tmp_path)
+    assert hashed == ["train.bin"]  # not again
+    assert "damaged" not in capsys.readouterr().out
+
+
+def test_a_cache_written_without_file_times_is_hashed_once_then_opens_cheaply(tmp_path, monkeypatch):
+    cache = one_file_cache(tmp_path)
+    older = {key: value for key, value in cache.meta.items() if key != "file_mtimes_ns"}  # what older code wrote
+    (cache.path / "meta.json").write_text(json.dumps(older, indent=2))
+    hashed = hashed_files(monkeypatch)
+    assert open_again(tmp_path).path == cache.path
+    assert hashed == ["tokenizer.json", "train.bin", "val.bin"]
+    assert cache.meta == {**older, "file_mtimes_ns": recorded_times(cache)}
+    open_again(tmp_path)
+    assert len(hashed) == 3
+
+
+def test_a_cache_whose_times_cannot_be_recorded_still_opens_with_a_note(tmp_path, monkeypatch, capsys):
+    cache = one_file_cache(tmp_path)
+    older = {key: value for key, value in cache.meta.items() if key != "file_mtimes_ns"}
+    (cache.path / "meta.json").write_text(json.dumps(older, indent=2))
+
+    def read_only_folder(path, write):
+        raise CheckpointError(f"could not write {str(path)!r}: Read-only file system; the previous file is untouched")
+
+    monkeypatch.setattr(lm.data.token_cache, "write_atomically", read_only_folder)
+    assert open_again(tmp_path).path == cache.path
+    assert cache.meta == older
+    assert capsys.readouterr().out == (f"note: cannot record the verified file times in {cache.path / 'meta.json'}; "
+                                       "the next run hashes those files again\n")
+
+
+def verify_cache(folder: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "verify_cache.py"), str(folder)],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_verify_cache_hashes_every_file_and_finds_bytes_changed_behind_a_restored_time(tmp_path):
+    cache = one_file_cache(tmp_path)
+    meta = cache.meta
+    done = verify_cache(cache.path)
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout == (f"ok {cache.path}: tokenizer.json, train.bin, val.bin match their SHA-256 "
+                           f"({meta['train_tokens']} train and {meta['val_tokens']} val tokens)\n")
+    val = cache.path / "val.bin"
+    before = val.stat()
+    with open(val, "r+b") as f:  # same size, other bytes, then the old time: opening cannot tell
+        first = f.read(1)
+        f.seek(0)
+        f.write(bytes([first[0] ^ 1]))
+    os.utime(val, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert cache.damage() is None
+    done = verify_cache(cache.path)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (f"error: token cache {str(cache.path)!r} is damaged: val.bin does not match its checksum; "
+                           "the next run that uses it rebuilds it, or delete the folder\n")
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda folder: None, "is not a token cache folder (it has no meta.json)"),
+    (lambda folder: (folder / "meta.json").write_text("{"), "is damaged: meta.json is unreadable or from an older "
+                                                           "cache format; "),
+])
+def test_verify_cache_of_a_folder_that_is_no_cache_is_one_line_and_exit_2(tmp_path, make, message):
+    folder = tmp_path / "not-a-cache"
+    folder.mkdir()
+    make(folder)
+    done = verify_cache(folder)
+    assert done.returncode == 2
+    assert len(done.stderr.splitlines()) == 1 and message in done.stderr, done.stderr

@@ -1,6 +1,13 @@
 """The on-disk token cache: a byte-level BPE tokenizer trained on the train split, both splits
 tokenized once into flat token arrays, memory-mapped on later runs. The cache key covers the
 corpus and the tokenizer.
+
+meta.json records each file's size, SHA-256 and modification time. Opening a cache compares
+sizes and times only, so a run starts at once however large the cache (hashing costs about a
+minute per 30 GB, on every rank). A file whose time changed (touched, copied without its times,
+rewritten) is hashed, and its new time recorded when the bytes still match. The checksums are
+computed from the files just written when the cache is built; `python scripts/verify_cache.py
+<cache folder>` hashes every file on request, which also finds bytes changed behind a restored time.
 """
 
 from __future__ import annotations
@@ -20,11 +27,11 @@ from tqdm.auto import tqdm
 from lm.data.corpora import Corpus, digest, is_validation
 from lm.data.tokenizer import EOT, train_tokenizer
 from lm.util.distributed import is_main_process, say
-from lm.util.errors import DataError
-from lm.util.files import remove_stale_temporaries, write_failure_reason
+from lm.util.errors import CheckpointError, DataError
+from lm.util.files import remove_stale_temporaries, write_atomically, write_failure_reason
 
 CACHE_FORMAT = 1  # bump when the cache layout or the tokenizer recipe changes
-
+CACHE_FILES = ("tokenizer.json", "train.bin", "val.bin")
 
 
 @dataclass
@@ -43,22 +50,55 @@ class TokenCache:
     def tokens(self, split: str) -> np.ndarray:
         return np.memmap(self.path / f"{split}.bin", dtype=self.meta["dtype"], mode="r")
 
-    def damage(self) -> str | None:
-        """What is wrong with the folder's files (None when nothing): every file must have the
-        size and checksum meta.json recorded, so a truncated or overwritten cache is never read."""
+    def damage(self, hash_every_file: bool = False) -> str | None:
+        """What is wrong with the folder's files (None when nothing), so a truncated or overwritten
+        cache is never read. Every file must have the size meta.json recorded; a file is hashed
+        when its modification time differs from the recorded one (always, with hash_every_file).
+
+        A cache written before times were recorded has none: its files are hashed once here and
+        their times recorded, so the next open is cheap."""
         try:
-            recorded = self.meta["files"]
-        except (OSError, ValueError, KeyError, TypeError):
+            meta = self.meta
+            recorded = {name: (int(size), str(checksum)) for name, (size, checksum) in meta["files"].items()}
+            times = {str(name): int(mtime) for name, mtime in meta.get("file_mtimes_ns", {}).items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return "meta.json is unreadable or from an older cache format"
+        verified_times = {}
         for name, (size, checksum) in recorded.items():
             path = self.path / name
             if not path.is_file():
                 return f"{name} is missing"
-            if path.stat().st_size != size:
-                return f"{name} has {path.stat().st_size} bytes, not {size}"
-            if file_checksum(path) != checksum:
-                return f"{name} does not match its checksum"
+            stat = path.stat()  # before hashing: a write during the hash leaves a time that differs
+            if stat.st_size != size:
+                return f"{name} has {stat.st_size} bytes, not {size}"
+            if hash_every_file or stat.st_mtime_ns != times.get(name):
+                if file_checksum(path) != checksum:
+                    return f"{name} does not match its checksum"
+                verified_times[name] = stat.st_mtime_ns
+        if any(times.get(name) != mtime for name, mtime in verified_times.items()):
+            self._record_times(meta, {**times, **verified_times})
         return None
+
+    def _record_times(self, meta: dict, times: dict[str, int]) -> None:
+        try:
+            write_atomically(self.path / "meta.json",
+                             lambda tmp: tmp.write_text(json.dumps({**meta, "file_mtimes_ns": times}, indent=2)))
+        except CheckpointError:  # a read-only cache still opens; its files are hashed again next time
+            say(f"note: cannot record the verified file times in {self.path / 'meta.json'}; "
+                "the next run hashes those files again")
+
+
+def verify_token_cache(folder: str | Path) -> TokenCache:
+    """The cache in `folder` with every file hashed against meta.json; a DataError naming the
+    folder and what is wrong otherwise."""
+    cache = TokenCache(Path(folder))
+    if not (cache.path / "meta.json").is_file():
+        raise DataError(f"{str(cache.path)!r} is not a token cache folder (it has no meta.json)")
+    damage = cache.damage(hash_every_file=True)
+    if damage is not None:
+        raise DataError(f"token cache {str(cache.path)!r} is damaged: {damage}; the next run that uses it "
+                        "rebuilds it, or delete the folder")
+    return cache
 
 
 def file_checksum(path: Path) -> str:
@@ -122,8 +162,9 @@ def build_token_cache(corpus: Corpus, cache_dir: Path, vocab_size: int, val_frac
         meta = {"corpus": corpus.name, "fingerprint": corpus.fingerprint, "vocab_size": tokenizer.get_vocab_size(),
                 "val_fraction": val_fraction, "dtype": np.dtype(dtype).name,
                 **{f"{split}_tokens": n for split, n in counts.items()},
-                "files": {name: [(tmp / name).stat().st_size, file_checksum(tmp / name)]
-                          for name in ("tokenizer.json", "train.bin", "val.bin")}}
+                "files": {name: [(tmp / name).stat().st_size, file_checksum(tmp / name)] for name in CACHE_FILES},
+                # A key of its own, so code that reads only "files" still opens the cache.
+                "file_mtimes_ns": {name: (tmp / name).stat().st_mtime_ns for name in CACHE_FILES}}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         if final.exists():  # an unfinished or damaged folder from an older run
             shutil.rmtree(final)

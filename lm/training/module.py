@@ -23,9 +23,14 @@ from lm.util.files import write_atomically
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-3
+    """AdamW with linear warm-up and cosine decay to min_lr_ratio * lr at the last step.
+
+    These defaults are the only ones: conf/optim/adamw.yaml states the same values so the command
+    line can override them, and tests/test_packaging.py fails when the two differ."""
+
+    lr: float = 2e-3
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 100
+    warmup_steps: int = 50
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95

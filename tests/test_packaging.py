@@ -1,0 +1,93 @@
+"""What the package declares: a torch range that resolvers can combine with other packages (the
+exact pin lives in constraints.txt, which `make install` applies), its licence, and one set of
+optimiser defaults shared by the code and the Hydra config."""
+
+import dataclasses
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import compose_config
+from omegaconf import OmegaConf
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+from lm.training.module import OptimConfig
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pyproject() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def dependencies() -> dict[str, Requirement]:
+    return {r.name: r for r in map(Requirement, pyproject()["project"]["dependencies"])}
+
+
+def constraints() -> dict[str, Requirement]:
+    lines = (ROOT / "constraints.txt").read_text().splitlines()
+    return {r.name: r for r in (Requirement(line.split("#")[0]) for line in lines if line.split("#")[0].strip())}
+
+
+def test_torch_is_a_lower_bound_at_the_version_constraints_txt_pins():
+    (torch_spec,) = dependencies()["torch"].specifier
+    (pin,) = constraints()["torch"].specifier
+    assert (torch_spec.operator, pin.operator) == (">=", "==")
+    assert Version(torch_spec.version) == Version(pin.version)
+
+
+def test_no_dependency_of_the_package_is_pinned_exactly():
+    project = pyproject()["project"]
+    requirements = [*project["dependencies"], *sum(project["optional-dependencies"].values(), [])]
+    pinned = [r for r in requirements if any(s.operator in ("==", "===") for s in Requirement(r).specifier)]
+    assert pinned == []
+
+
+def test_every_pip_install_of_the_makefile_applies_constraints_txt():
+    installs = [line for line in (ROOT / "Makefile").read_text().splitlines() if "pip install" in line]
+    assert len(installs) == 2  # the venv, and llama-cpp-python for test-all
+    assert [line for line in installs if "-c constraints.txt" not in line] == []
+
+
+def test_the_licence_is_mit_and_the_package_says_so():
+    text = (ROOT / "LICENSE").read_text()
+    assert text.startswith("MIT License\n")
+    assert "Copyright (c) 2026 the lm authors" in text
+    project = pyproject()["project"]
+    assert (project["license"], project["license-files"]) == ("MIT", ["LICENSE"])
+
+
+def test_the_installed_setuptools_builds_metadata_with_the_licence_and_the_torch_range(tmp_path):
+    """The wheel's metadata, built offline with the setuptools this environment has, from a copy of
+    the sources (a build writes lm.egg-info beside pyproject.toml)."""
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    shutil.copytree(ROOT / "lm", tmp_path / "lm", ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "out").mkdir()
+    build = "from setuptools import build_meta; print(build_meta.prepare_metadata_for_build_wheel('out'))"
+    done = subprocess.run([sys.executable, "-c", build], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    metadata = (tmp_path / "out" / done.stdout.strip().splitlines()[-1] / "METADATA").read_text()
+    headers = {tuple(line.split(": ", 1)) for line in metadata.split("\n\n")[0].splitlines()}  # before the readme
+    assert ("License-Expression", "MIT") in headers and ("License-File", "LICENSE") in headers
+    assert ("Requires-Dist", "torch>=2.13") in headers
+
+
+# ------------------------------------------------------------------ optimiser defaults
+
+def test_the_optim_yaml_states_exactly_the_dataclass_defaults():
+    """OptimConfig holds the defaults; conf/optim/adamw.yaml repeats them for the command line and
+    must not say anything else, or a run and a LitLM built in code would train differently."""
+    stated = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "optim" / "adamw.yaml"))
+    assert stated == dataclasses.asdict(OptimConfig())
+
+
+def test_the_composed_training_config_trains_with_the_dataclass_defaults():
+    # No other config file (a preset, the experiment default) overrides the optimiser quietly.
+    cfg = compose_config("train", [])
+    assert OptimConfig(**cfg.optim) == OptimConfig()
