@@ -130,7 +130,7 @@ def test_a_kind_from_a_temporary_folder_runs_every_shared_test_row_and_benchmark
                   "--no-single-head"] if table == "attention" else
                  ["--prompt", "4", "--new-tokens", "6", "--positions", "8", "24", "--repeats", "1", "--no-compare"])
         bench = run_with_outside_kind(outside_kind, "scripts/bench.py", table, "--kinds", "prefix_mean",
-                                      "prefix_mean-mqa" if table == "attention" else "prefix_mean", *extra)
+                                      "softmax-mha", *extra)
         assert bench.returncode == 0, bench.stderr[-2000:]
         assert any(line.startswith("prefix_mean") for line in bench.stdout.splitlines())
     train = run_with_outside_kind(outside_kind, "scripts/train.py", "attn=prefix_mean", f"hydra.searchpath=[file://{outside_kind}]",
