@@ -23,7 +23,7 @@ def ragged_prompts():
 @pytest.mark.slow
 def test_compiled_decoding_gives_the_eager_tokens_on_a_ragged_batch():
     torch._dynamo.reset()
-    model = make_model("gqa")
+    model = make_model("softmax-gqa")
     prompts = ragged_prompts()
     run = stream(model, prompts, 20, compile=True)
     list(run)

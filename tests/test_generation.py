@@ -80,7 +80,7 @@ def test_cache_bytes_follow_the_kv_heads():
 
 
 def test_full_attention_stops_at_its_context_or_truncates_left():
-    model = make_model("mha", max_seq_len=16)
+    model = make_model("softmax-mha", max_seq_len=16)
     with pytest.raises(GenerationError, match="exceeds the model's context of 16"):
         generate(model, [list(range(10))], 10)
     out = generate(model, [list(range(10))], 10, truncate="left")
@@ -98,7 +98,7 @@ def test_full_attention_stops_at_its_context_or_truncates_left():
 def test_bad_generation_settings_are_one_line_errors(kwargs, message):
     args = {"idx": [[1, 2]], "max_new_tokens": 3, **kwargs}
     with pytest.raises(GenerationError) as err:
-        generate(make_model("mha"), **args)
+        generate(make_model("softmax-mha"), **args)
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
@@ -117,7 +117,7 @@ def test_sampling_filters_keep_what_they_promise():
 
 
 def test_seed_reproduces_a_sampled_run():
-    model = make_model("gqa")
+    model = make_model("softmax-gqa")
     a = generate(model, [[1, 2, 3]], 20, temperature=1.0, top_k=20, seed=7)
     b = generate(model, [[1, 2, 3]], 20, temperature=1.0, top_k=20, seed=7)
     c = generate(model, [[1, 2, 3]], 20, temperature=1.0, top_k=20, seed=8)
@@ -131,7 +131,7 @@ def test_stop_string_and_eos_end_a_row():
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
-    model = make_model("mha")
+    model = make_model("softmax-mha")
     free = generate(model, [[0, 1]], 20)[0][2:]
     text = tokenizer.decode(free)
     stop = text[5:7]

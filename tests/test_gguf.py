@@ -25,7 +25,7 @@ TOLERANCE = {"f32": 1e-4, "f16": 2e-2, "q8_0": 0.25}
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return train_tokenizer(iter([(ROOT / "lm" / "model.py").read_text() * 3]), 301)
+    return train_tokenizer(iter([(ROOT / "lm" / "model" / "transformer.py").read_text() * 3]), 301)
 
 
 def native(variant):

@@ -26,7 +26,7 @@ VARIANTS = {
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    text = (Path(__file__).read_text() + Path(ROOT / "lm" / "model.py").read_text()) * 2
+    text = (Path(__file__).read_text() + Path(ROOT / "lm" / "model" / "transformer.py").read_text()) * 2
     return train_tokenizer(iter([text]), 260)
 
 
