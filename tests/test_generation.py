@@ -75,7 +75,7 @@ def test_cache_bytes_follow_the_kv_heads():
         list(run)
         return run.stats["cache_bytes"]
 
-    mha, gqa, mqa = cache_bytes("mha"), cache_bytes("gqa"), cache_bytes("mqa")
+    mha, gqa, mqa = (cache_bytes(f"softmax-{name}") for name in ("mha", "gqa", "mqa"))
     assert mha == 4 * mqa and mha == 2 * gqa  # n_kv_head / n_head of MHA, byte for byte
 
 
