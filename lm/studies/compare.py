@@ -3,9 +3,9 @@
 For each kind (an attn config such as `gqa`, a registered kind at its defaults, or an entry with
 options), at equal steps and equal model size:
 
-- MQAR (lm/mqar.py) accuracy on held-out examples for each model width x number of pairs;
+- MQAR (lm/data/mqar.py) accuracy on held-out examples for each model width x number of pairs;
 - language modelling on the `data` corpus: validation loss against training time, then loss and
-  bits per byte over the whole validation split (lm/evaluate.py);
+  bits per byte over the whole validation split (lm/studies/evaluate.py);
 - training tokens/s of that run, and greedy decoding tokens/s and cache bytes at each context of
   `speed.contexts`, on a freshly initialised model of the same shape (speed does not depend on the
   weights, and the trained model's context may be shorter).

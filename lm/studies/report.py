@@ -1,4 +1,4 @@
-"""The attention comparison's table and plots, from its records (lm/compare.py)."""
+"""The attention comparison's table and plots, from its records (lm/studies/compare.py)."""
 
 from __future__ import annotations
 
