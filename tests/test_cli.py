@@ -2,6 +2,7 @@
 one line and exit code 2 before any work; a -m sweep runs every arm and lists the failed ones."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -131,3 +132,53 @@ def test_generation_settings_are_checked_before_loading(tmp_path, override, mess
 def test_a_prompt_of_invalid_utf8_is_one_line(tmp_path):
     done = run("generate.py", f"ckpt={tmp_path / 'none.ckpt'}", "prompt=caf\udce9", cwd=tmp_path)
     assert done.returncode == 2 and done.stderr == "error: the prompt is not valid UTF-8 text\n", done.stderr
+
+
+# ------------------------------------------------------------------ run_name and Hydra's run folder
+
+REFUSED_BEFORE_TRAINING = ["trainer.max_steps=0", "logger=none"]  # nothing trains, whatever the run_name
+LEAVES_OUTPUTS = "must name a folder inside checkpoint_dir and outputs/ (not empty, no '..', no leading '/')"
+
+
+def everything_under(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def test_a_run_name_leaving_outputs_is_refused_before_hydra_makes_its_folder(tmp_path):
+    checkout = tmp_path / "above" / "checkout"
+    checkout.mkdir(parents=True)
+    done = run("train.py", "run_name=../../escape", *REFUSED_BEFORE_TRAINING, cwd=checkout)
+    assert (done.returncode, done.stderr) == (2, f"error: run_name='../../escape' {LEAVES_OUTPUTS}\n")
+    assert everything_under(tmp_path) == ["above", "above/checkout"]
+    # A name with a folder in it keeps its Hydra folder, outputs/<run_name>/<time>/, as before.
+    done = run("train.py", "run_name=group/sub", *REFUSED_BEFORE_TRAINING, cwd=checkout)
+    assert done.stderr == "error: trainer.max_steps=0 must be an integer >= 1\n"
+    (hydra_run,) = (checkout / "outputs" / "group" / "sub").iterdir()
+    assert (hydra_run / ".hydra" / "config.yaml").is_file()
+
+
+def test_a_sweep_arm_whose_run_name_leaves_multirun_is_refused_before_hydra_makes_its_folder(tmp_path):
+    checkout = tmp_path / "above" / "checkout"
+    checkout.mkdir(parents=True)
+    # The arm's folder is multirun/<time>/1-<run_name>: four `..` after `1-..` reach above/.
+    done = run("train.py", "-m", "run_name=fine,../../../../../escape", *REFUSED_BEFORE_TRAINING, cwd=checkout)
+    assert done.returncode == 2
+    assert done.stderr.splitlines()[-1] == f"error: run_name='../../../../../escape' {LEAVES_OUTPUTS}"
+    assert [p for p in everything_under(tmp_path) if not p.startswith("above/checkout/")] == ["above", "above/checkout"]
+
+
+@pytest.mark.parametrize("name, refused", [
+    ("mha-tiny", False), ("group/sub", False), ("./here", False),
+    ("../escape", True), ("group/../../escape", True), ("group/../sub", True), ("/tmp/elsewhere", True), ("", True),
+    ("  ", True), (".", True), (None, True),
+])
+def test_run_folder_name_keeps_a_name_below_its_folder_and_refuses_the_rest(name, refused):
+    from lm.util.errors import ConfigError
+    from lm.util.files import run_folder_name
+
+    if refused:
+        with pytest.raises(ConfigError, match=f"^run_name={re.escape('null' if name is None else repr(name))} "
+                                              f"{re.escape(LEAVES_OUTPUTS)}$"):
+            run_folder_name(name)
+    else:
+        assert run_folder_name(name) == name

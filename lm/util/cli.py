@@ -10,12 +10,18 @@ import sys
 from contextlib import contextmanager
 
 from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException, OverrideParseException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from lm.util.errors import USER_ERRORS, RunInterrupted
+from lm.util.files import run_folder_name
 
 FAILED_ARMS: list[str] = []  # arms of a -m sweep that ended in a user error, in order
+
+# Hydra makes its run folder (hydra.run.dir, hydra.sweep.subdir) before the script's main runs, so a
+# run_name that leaves outputs/ is refused while the path is resolved: `${run_folder_name:${run_name}}`
+# in the configs. Registered on import, because every script imports this module before hydra.main.
+OmegaConf.register_new_resolver("run_folder_name", run_folder_name, replace=True)
 
 
 @contextmanager
@@ -110,10 +116,28 @@ def run_script(main) -> int:
     except HydraException as e:
         sys.stderr.write(f"error: {hydra_error_line(e)}\n")
         return 2
+    except OmegaConfBaseException as e:  # resolving Hydra's own settings, before main's code runs
+        refused = user_error_behind(e)
+        sys.stderr.write(f"error: {refused if refused is not None else str(e).strip().splitlines()[0]}\n")
+        return 2
     if FAILED_ARMS:
         sys.stderr.write(f"error: {len(FAILED_ARMS)} arm(s) of the sweep failed: {'; '.join(FAILED_ARMS)}\n")
         return 2
     return 0
+
+
+def user_error_behind(error: BaseException) -> BaseException | None:
+    """The user error (a run_name that the run_folder_name resolver refused) that a resolver
+    raised and OmegaConf re-raised as its own InterpolationResolutionError, or None. OmegaConf
+    keeps the original only as the context of its own exception (its cause is cleared unless
+    OC_CAUSE=1), so both links are followed."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, USER_ERRORS):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def hydra_error_line(error: HydraException) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from pathlib import Path
+from pathlib import Path, PurePath
 
 from lm.util.errors import CheckpointError, ConfigError, one_line
 
@@ -207,10 +207,25 @@ class RunLock:
         self._file = None
 
 
-def run_folder(checkpoint_dir: Path, run_name) -> Path:
-    """checkpoint_dir / run_name, refusing a name that would put the run anywhere else."""
+def run_folder_name(run_name) -> str:
+    """run_name itself, when it names a folder below whichever folder holds it; a ConfigError
+    otherwise. Only the text is judged (not empty, not absolute, no `..`): the `run_folder_name`
+    resolver (lm.util.cli) puts the name into Hydra's outputs/<run_name>/, which Hydra creates
+    before any of the script's code runs."""
     name = str(run_name) if run_name is not None else ""
+    parts = PurePath(name).parts
+    if not name.strip() or PurePath(name).is_absolute() or ".." in parts or not parts:
+        shown = repr(name) if run_name is not None else "null"
+        raise ConfigError(f"run_name={shown} must name a folder inside checkpoint_dir and outputs/ "
+                          "(not empty, no '..', no leading '/')")
+    return name
+
+
+def run_folder(checkpoint_dir: Path, run_name) -> Path:
+    """checkpoint_dir / run_name, refusing a name that would put the run anywhere else (a link
+    inside checkpoint_dir that leads out of it too)."""
+    name = run_folder_name(run_name)
     run_dir = (checkpoint_dir / name).resolve()
-    if not name.strip() or run_dir == checkpoint_dir.resolve() or not run_dir.is_relative_to(checkpoint_dir.resolve()):
+    if run_dir == checkpoint_dir.resolve() or not run_dir.is_relative_to(checkpoint_dir.resolve()):
         raise ConfigError(f"run_name={name!r} must name a folder inside checkpoint_dir ({checkpoint_dir})")
     return checkpoint_dir / name
