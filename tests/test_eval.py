@@ -61,7 +61,14 @@ def test_eval_script_writes_one_line_and_a_record(tmp_path):
     assert run.stdout.strip().startswith("text all: ") and "bits per byte" in run.stdout
     record = json.loads(out.read_text())
     assert record["documents"] == 6 and record["bytes"] == sum(p.stat().st_size for p in corpus.iterdir())
-    assert record["bits_per_byte"] > 0
+    assert record["loss"] == pytest.approx(record["nll_nats"] / record["tokens"])
+    assert record["perplexity"] == pytest.approx(math.exp(record["loss"]))
+    assert record["bits_per_byte"] == pytest.approx(record["nll_nats"] / math.log(2) / record["bytes"])
+    # the same figures as scoring in this process, on the same stream
+    model, tokenizer = lm.load(FIXTURE)
+    texts = [p.read_text() for p in sorted(corpus.iterdir())]
+    here = score(model, *token_stream(iter(texts), tokenizer), progress=False)
+    assert record["tokens"] == here.tokens and record["nll_nats"] == pytest.approx(here.nll_nats, rel=1e-5)
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """Uptraining through the Hydra configs: conversion only, a short uptrain, the study, bad targets."""
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -54,22 +55,43 @@ def test_uptraining_runs_fraction_of_source_steps_and_records_the_conversion(tea
     assert Path(result["run_dir"]).name == "teacher-gqa2-mean"
 
 
-def test_study_writes_json_table_and_plot(teacher, tmp_path):
+def test_study_writes_json_table_and_plot(teacher, tmp_path, capsys):
+    overrides = [f"study.out={tmp_path / 'study'}", "study.decode_tokens=4", "uptrain.limit_val_batches=2"]
     cfg = uptrain_config(teacher, tmp_path, "study.kv_heads=[1]", "study.inits=[mean,random]",
-                         "study.fractions=[0.5]", f"study.out={tmp_path / 'study'}", "study.decode_tokens=4",
-                         "uptrain.limit_val_batches=2", name="uptrain_study")
+                         "study.fractions=[0.5]", *overrides, name="uptrain_study")
     records = run_study(cfg)
     saved = json.loads((tmp_path / "study" / "results.json").read_text())["records"]
     assert [r["arm"] for r in saved] == ["teacher", "mqa-mean-0.5", "mqa-random-0.5", "mqa-scratch-0.5"]
-    assert saved == json.loads(json.dumps(records))
-    for r in saved[1:]:
-        assert {"kv_heads", "init", "fraction", "val_loss_before", "val_loss_after", "decode_tokens_per_s",
-                "cache_bytes_per_token"} <= set(r)
-        assert r["steps"] == 3 and r["cache_bytes_per_token"] * 4 == saved[0]["cache_bytes_per_token"]
+    assert saved == records
+    progress = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert [line[:5] for line in progress] == ["[1/4]", "[2/4]", "[3/4]", "[4/4]"]
+    teacher_record, arms = saved[0], saved[1:]
+    assert teacher_record["steps"] == 6 and teacher_record["kv_heads"] == 4
+    assert teacher_record["settings"]["source_sha256"] == hashlib.sha256(teacher.read_bytes()).hexdigest()
+    for r in arms:
+        assert r["steps"] == 3 and r["cache_bytes_per_token"] * 4 == teacher_record["cache_bytes_per_token"]
+        # the first validation is the converted weights, the last the result
+        assert r["history"][0][:2] == [0, r["val_loss_before"]] and r["history"][-1][:2] == [3, r["val_loss_after"]]
+        assert "study" not in r["settings"] and r["settings"]["decode_tokens"] == 4
+    for r in saved:  # 4 new tokens within the arm's time; a step takes over a microsecond
+        assert 4 / r["seconds"] < r["decode_tokens_per_s"] < 1e6
     # right after conversion, mean-pooled heads keep more of the teacher than random ones
     assert saved[1]["val_loss_before"] < saved[2]["val_loss_before"]
-    assert "| mqa-mean-0.5 |" in (tmp_path / "study" / "results.md").read_text()
+    r = saved[1]
+    assert (f"| mqa-mean-0.5 | 1 | mean | 0.50 | 3 | {r['val_loss_before']:.4f} | {r['val_loss_after']:.4f} | "
+            f"{r['val_loss_after'] / teacher_record['val_loss_after'] - 1:+.1%} |") in \
+        (tmp_path / "study" / "results.md").read_text()
     assert (tmp_path / "study" / "val_loss.png").read_bytes()[:4] == b"\x89PNG"
+
+    # A longer grid reuses what it already holds. Mean-pooling groups of one head changes nothing, so the
+    # training's validation of the converted weights scores exactly what the study's evaluator scored the teacher.
+    more = uptrain_config(teacher, tmp_path, "study.kv_heads=[1,4]", "study.inits=[mean]", "study.fractions=[0.5]",
+                          "study.scratch=false", *overrides, name="uptrain_study")
+    again = run_study(more)
+    progress = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert [line.endswith("(done before)") for line in progress] == [True, True, False]
+    assert again[:2] == saved[:2] and again[2]["arm"] == "gqa4-mean-0.5"
+    assert again[2]["val_loss_before"] == pytest.approx(teacher_record["val_loss_after"], rel=1e-5)
 
 
 @pytest.mark.parametrize("override, message", [

@@ -80,25 +80,38 @@ def token_stream(texts: Iterator[str], tokenizer: Tokenizer) -> tuple[torch.Tens
     return torch.tensor(ids), torch.tensor(counted), n_bytes, documents
 
 
-@torch.no_grad()
+def scoring_windows(ids: torch.Tensor, counted: torch.Tensor, T: int, batch_size: int
+                    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Batches (inputs, targets) of windows of T + 1 tokens that overlap by one, so every token
+    after the first is a target exactly once; targets that do not count (<|endoftext|>, the
+    padding of a short last window) are IGNORE."""
+    from lm.data.mqar import IGNORE  # here, as lm.data.mqar loads Lightning (see score)
+
+    starts = list(range(0, len(ids) - 1, T))
+    for first in range(0, len(starts), batch_size):
+        chosen = starts[first:first + batch_size]
+        windows = [ids[s:s + T + 1] for s in chosen]
+        width = max(len(w) for w in windows)
+        batch = torch.stack([F.pad(w, (0, width - len(w))) for w in windows])  # (b, width)
+        # (b, width - 1): whether each target counts, a short window's padding never
+        weight = torch.stack([F.pad(counted[s + 1:s + T + 1], (0, width - len(w)))
+                              for s, w in zip(chosen, windows, strict=True)])
+        yield batch[:, :-1], batch[:, 1:].masked_fill(~weight, IGNORE)
+
+
 def score(model: Transformer, ids: torch.Tensor, counted: torch.Tensor, n_bytes: int, documents: int,
           batch_size: int = 8, progress: bool = True) -> Score:
     """Sum of -log p over the counted tokens of the stream, in windows of max_seq_len + 1."""
+    # Imported here, not at the top: it loads Lightning, seconds that scripts/eval.py's input checks and
+    # the importers of split_documents/token_stream need not wait for.
+    from lm.training.module import evaluate_loss
+
     T = model.config.max_seq_len
-    device = next(model.parameters()).device
-    starts = list(range(0, len(ids) - 1, T))
-    total = 0.0
-    for first in tqdm(range(0, len(starts), batch_size), desc="scoring", unit="batch", disable=not progress):
-        windows = [ids[s:s + T + 1] for s in starts[first:first + batch_size]]
-        width = max(len(w) for w in windows)
-        batch = torch.stack([F.pad(w, (0, width - len(w))) for w in windows]).to(device)  # (b, width)
-        # (b, width - 1): which targets count; a short last window is padded with targets that do not
-        weight = torch.stack([F.pad(counted[s + 1:s + T + 1], (0, width - len(w)))
-                              for s, w in zip(starts[first:first + batch_size], windows, strict=True)])
-        logits = model(batch[:, :-1]).float()  # (b, width - 1, V)
-        nll = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="none")
-        total += float((nll * weight.flatten().to(device)).sum())
-    return Score(tokens=int(counted.sum()), bytes=n_bytes, nll_nats=total, documents=documents)
+    batches = scoring_windows(ids, counted, T, batch_size)
+    total_batches = math.ceil(math.ceil((len(ids) - 1) / T) / batch_size)
+    shown = tqdm(batches, total=total_batches, desc="scoring", unit="batch", disable=not progress)
+    totals = evaluate_loss(model, shown)
+    return Score(tokens=totals.targets, bytes=n_bytes, nll_nats=totals.nll, documents=documents)
 
 
 def evaluate(cfg) -> dict:

@@ -1,11 +1,65 @@
-"""The attention comparison's table and plots, from its records (lm/studies/compare.py)."""
+"""What the studies write: results.json, results.md and their plots, from the arms' records.
+
+One matplotlib set-up (`pyplot`) for every plot; the attention comparison's tables and plots
+(lm/studies/compare.py), then the uptraining ablation's (lm/studies/uptrain_ablation.py).
+"""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from pathlib import Path
 
+from lm.training.uptraining import variant_name
+from lm.util.files import write_atomically
 
-def _by_kind(records: list[dict], task: str) -> dict[str, list[dict]]:
+STYLE = {"axes.grid": True, "grid.alpha": 0.3, "legend.fontsize": 8, "savefig.dpi": 110}
+MARKERS = "os^Dv<>PX*h"  # with the ten default colours: eleven or more lines stay distinguishable
+
+
+def pyplot():
+    """matplotlib.pyplot with the style of every study plot, on the Agg backend: files only, so
+    no display is needed and a plot looks the same on every machine."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.rcParams.update(STYLE)
+    return plt
+
+
+def line_style(i: int) -> dict:
+    return {"marker": MARKERS[i % len(MARKERS)], "color": f"C{i % 10}"}
+
+
+def save_figure(figure, path: Path) -> None:
+    """Written under a temporary name and renamed, like every file lm writes."""
+    figure.tight_layout()
+    write_atomically(path, lambda tmp: figure.savefig(tmp, format="png"))
+    pyplot().close(figure)
+
+
+def write_results(out: Path, results: dict, table: str, plots: dict[str, Callable[[list[dict]], object]]) -> None:
+    """results.json, results.md and each plot that has something to show, then the table and
+    what was written on the terminal."""
+    text = json.dumps(results, indent=1) + "\n"
+    write_atomically(out / "results.json", lambda tmp: tmp.write_text(text))
+    write_atomically(out / "results.md", lambda tmp: tmp.write_text(table))
+    written = ["results.json", "results.md"]
+    for name, plot in plots.items():
+        figure = plot(results["records"])
+        if figure is not None:
+            save_figure(figure, out / name)
+            written.append(name)
+    print(table)
+    print(f"this command took {results['seconds'] / 60:.1f} min; wrote {', '.join(written)} under {out}")
+
+
+# ---------------------------------------------------------------------------- the attention comparison
+
+
+def by_kind(records: list[dict], task: str) -> dict[str, list[dict]]:
     kinds: dict[str, list[dict]] = {}
     for r in records:
         if r["task"] == task:
@@ -13,7 +67,7 @@ def _by_kind(records: list[dict], task: str) -> dict[str, list[dict]]:
     return kinds
 
 
-def _si_bytes(n: float) -> str:
+def si_bytes(n: float) -> str:
     if n < 1024:
         return f"{n:.0f} B"
     for unit in ("KiB", "MiB", "GiB"):
@@ -23,13 +77,13 @@ def _si_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def markdown(results: dict) -> str:
+def comparison_table(results: dict) -> str:
     records, settings, machine = results["records"], results["settings"], results["machine"]
     lines = [f"Machine: {machine['cpu']} ({machine['threads']} threads)"
              + (f", {machine['gpu']}" if machine["gpu"] else "") + f", torch {machine['torch']}; "
              f"its arms took {sum(r['seconds'] for r in records) / 60:.1f} min of training and measuring in all "
              f"(summed over the records, also those a repeated command reused).", ""]
-    mqar = _by_kind(records, "mqar")
+    mqar = by_kind(records, "mqar")
     if mqar:
         m = settings["mqar"]
         grid = sorted({(r["width"], r["pairs"]) for rs in mqar.values() for r in rs})
@@ -44,7 +98,7 @@ def markdown(results: dict) -> str:
             cell = {(r["width"], r["pairs"]): r["val_accuracy"] for r in rs}
             lines.append(f"| {kind} | " + " | ".join(f"{cell[g]:.3f}" if g in cell else "" for g in grid) + " |")
         lines.append("")
-    lm = _by_kind(records, "lm")
+    lm = by_kind(records, "lm")
     if lm:
         s = settings["lm"]
         contexts = settings["speed"]["contexts"]
@@ -65,72 +119,96 @@ def markdown(results: dict) -> str:
             lines.append(f"| {kind} | {r['params'] / 1e6:.2f}M | {r['eval_loss']:.4f} | {r['bits_per_byte']:.4f} | "
                          f"{r['train_tokens_per_s']:,.0f} | "
                          + " | ".join(f"{speeds[c]['tokens_per_s']:,.0f}" for c in contexts) + " | "
-                         + " | ".join(_si_bytes(speeds[c]["cache_bytes"]) for c in contexts) + " |")
+                         + " | ".join(si_bytes(speeds[c]["cache_bytes"]) for c in contexts) + " |")
         lines.append("")
     return "\n".join(lines)
 
 
-MARKERS = "os^Dv<>PX*h"  # with the ten default colours: eleven or more kinds stay distinguishable
-
-
-def _style(i: int) -> dict:
-    return {"marker": MARKERS[i % len(MARKERS)], "color": f"C{i % 10}"}
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def plot_mqar(records: list[dict], path: Path) -> None:
+def mqar_plot(records: list[dict]):
     """Accuracy against whichever of width and pairs the grid varies more (log2 axis), one panel
-    per value of the other, one line per kind."""
-    mqar = _by_kind(records, "mqar")
+    per value of the other, one line per kind; None without recall records."""
+    mqar = by_kind(records, "mqar")
     if not mqar:
-        return
-    plt = _pyplot()
+        return None
+    plt = pyplot()
     every = [r for rs in mqar.values() for r in rs]
     widths, pairs = sorted({r["width"] for r in every}), sorted({r["pairs"] for r in every})
     x_key, panel_key = ("pairs", "width") if len(pairs) >= len(widths) else ("width", "pairs")
-    panels = pairs if panel_key == "pairs" else widths
+    x_values, panels = (pairs, widths) if x_key == "pairs" else (widths, pairs)
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), sharey=True, squeeze=False)
     for ax, panel in zip(axes[0], panels, strict=True):
         for i, (kind, rs) in enumerate(mqar.items()):
             points = sorted((r[x_key], r["val_accuracy"]) for r in rs if r[panel_key] == panel)
             if points:
-                ax.plot(*zip(*points, strict=True), label=kind, **_style(i))
+                ax.plot(*zip(*points, strict=True), label=kind, **line_style(i))
         ax.set_xscale("log", base=2)
-        ax.set_xticks(pairs if x_key == "pairs" else widths, [str(v) for v in (pairs if x_key == "pairs" else widths)])
+        ax.set_xticks(x_values, [str(v) for v in x_values])
         ax.set_title(f"{'model width' if panel_key == 'width' else 'key-value pairs'} {panel}")
         ax.set_xlabel("key-value pairs" if x_key == "pairs" else "model width (d_model)")
         ax.set_ylim(-0.02, 1.02)
-        ax.grid(True, alpha=0.3)
     axes[0][0].set_ylabel("MQAR accuracy (held-out answers)")
-    axes[0][-1].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    axes[0][-1].legend()
+    return fig
 
 
-def plot_lm_loss(records: list[dict], path: Path) -> None:
-    """Validation loss against training wall-clock, one line per kind."""
-    lm = _by_kind(records, "lm")
+def lm_loss_plot(records: list[dict]):
+    """Validation loss against training wall-clock, one line per kind; None without language
+    modelling records."""
+    lm = by_kind(records, "lm")
     if not lm:
-        return
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+        return None
+    fig, ax = pyplot().subplots(figsize=(7, 4.5))
     for i, (kind, (r, *_)) in enumerate(lm.items()):
-        seconds = [h[3] for h in r["history"]]
+        seconds = [h[3] for h in r["history"]]  # history rows: (step, val loss, val accuracy, training seconds)
         losses = [h[1] for h in r["history"]]
-        ax.plot(seconds, losses, markersize=3, label=kind, **_style(i))
+        ax.plot(seconds, losses, markersize=3, label=kind, **line_style(i))
     ax.set_xlabel("training wall-clock (s, validation excluded)")
     ax.set_ylabel("validation loss")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    ax.legend()
+    return fig
+
+
+# ---------------------------------------------------------------------------- the uptraining ablation
+
+INIT_COLOURS = {"mean": "tab:blue", "first": "tab:orange", "random": "tab:green", "scratch": "tab:gray"}
+
+
+def ablation_table(records: list[dict]) -> str:
+    """One row per arm; the first record is the teacher, which the loss and cache columns compare with."""
+    teacher = records[0]
+    teacher_loss, mha_cache = teacher["val_loss_after"], teacher["cache_bytes_per_token"]
+    lines = ["| arm | K/V heads | init | fraction | steps | val loss after conversion | val loss after | "
+             "vs teacher | decode tokens/s | cache bytes/token (x MHA) |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in records:
+        fraction = "" if r["fraction"] is None else f"{r['fraction']:.2f}"
+        lines.append(
+            f"| {r['arm']} | {r['kv_heads']} | {r['init']} | {fraction} | {r['steps']} | {r['val_loss_before']:.4f} | "
+            f"{r['val_loss_after']:.4f} | {r['val_loss_after'] / teacher_loss - 1:+.1%} | "
+            f"{r['decode_tokens_per_s']:.0f} | {r['cache_bytes_per_token']:,.0f} "
+            f"({r['cache_bytes_per_token'] / mha_cache:.3f}) |")
+    return "\n".join(lines) + "\n"
+
+
+def uptraining_plot(records: list[dict]):
+    """Validation loss against uptraining step, one panel per number of K/V heads, one line per
+    init and fraction (the largest fraction solid), the teacher's loss dotted."""
+    teacher, arms = records[0], records[1:]
+    if not arms:
+        return None
+    kv_values = sorted({r["kv_heads"] for r in arms})
+    largest = max(r["fraction"] for r in arms)
+    fig, axes = pyplot().subplots(1, len(kv_values), figsize=(6 * len(kv_values), 4.5), sharey=True, squeeze=False)
+    for ax, kv_heads in zip(axes[0], kv_values, strict=True):
+        for r in arms:
+            if r["kv_heads"] != kv_heads or not r["history"]:
+                continue
+            steps, losses = [h[0] for h in r["history"]], [h[1] for h in r["history"]]
+            ax.plot(steps, losses, "-" if r["fraction"] == largest else "--", marker="o", markersize=3,
+                    color=INIT_COLOURS.get(r["init"], "black"), label=f"{r['init']}, alpha={r['fraction']}")
+        ax.axhline(teacher["val_loss_after"], color="black", linestyle=":", label="MHA teacher")
+        ax.set_title(f"{variant_name(kv_heads)} ({kv_heads} K/V heads)")
+        ax.set_xlabel("uptraining step")
+        ax.legend()
+    axes[0][0].set_ylabel("validation loss")
+    return fig

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import lightning as L
@@ -61,6 +62,45 @@ def scored_batch(forward, batch, reduction: str = "sum", accuracy: bool = True):
     n = targets.numel() if isinstance(batch, torch.Tensor) else int((targets != IGNORE).sum())
     correct = (logits.argmax(-1) == targets).sum() if accuracy else None  # IGNORE never equals an id
     return loss, n, correct
+
+
+def loss_sums(forward, batch) -> torch.Tensor:
+    """(3,) float on the batch's device: the summed cross-entropy of the targets scored, their
+    number and how many of them the arg-max predicts. A tensor, not numbers, so validation steps
+    queue on the device without waiting for each other."""
+    loss_sum, n, correct = scored_batch(forward, batch)
+    return torch.stack([loss_sum.detach(), torch.tensor(float(n), device=loss_sum.device), correct.float()])
+
+
+@dataclass
+class LossTotals:
+    nll: float  # summed cross-entropy (nats) of the targets scored
+    targets: int
+    correct: int  # targets the arg-max predicts
+
+    @property
+    def loss(self) -> float:
+        return self.nll / self.targets
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.targets
+
+
+@torch.no_grad()
+def evaluate_loss(model: torch.nn.Module, batches: Iterable) -> LossTotals:
+    """The loss of `model` over all the batches, token-weighted: what the studies and
+    scripts/eval.py report, summed from the same `loss_sums` as LitLM's validation (which adds
+    them up itself, across ranks). Each batch is a text batch (B, T + 1) or a pair (inputs,
+    targets) with IGNORE where a target is not scored. Added up in float64 on the host, so a
+    long evaluation loses no precision (and MPS, which has no float64, works too)."""
+    device = next(model.parameters()).device
+    total = torch.zeros(3, dtype=torch.float64)
+    for batch in batches:
+        batch = batch.to(device) if isinstance(batch, torch.Tensor) else [part.to(device) for part in batch]
+        total += loss_sums(model, batch).cpu().double()
+    nll, targets, correct = total.tolist()
+    return LossTotals(nll=nll, targets=int(targets), correct=int(correct))
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
@@ -145,9 +185,7 @@ class LitLM(L.LightningModule):
         self.log("train/grad_norm", torch.nn.utils.get_total_norm(grads))
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
-        loss_sum, n, correct = scored_batch(self._forward, batch)
-        self._val_sums.append(torch.stack([loss_sum.detach(), torch.tensor(float(n), device=loss_sum.device),
-                                           correct.float()]))
+        self._val_sums.append(loss_sums(self._forward, batch))
 
     def on_validation_epoch_end(self) -> None:
         sums = torch.stack(self._val_sums).sum(0)  # (3,): loss, targets, correct

@@ -1,0 +1,172 @@
+"""The studies' engine (lm/studies/engine.py), its loss evaluator, decode-speed measurer and
+report set-up, without training anything."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lm.data.mqar import IGNORE
+from lm.model.config import ModelConfig
+from lm.model.transformer import Transformer
+from lm.studies.decode_speed import decode_speed
+from lm.studies.engine import Arm, run_arms
+from lm.studies.report import pyplot, write_results
+from lm.training.module import evaluate_loss
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+class Counting:
+    """An arm's work: counts its calls, prints what a training run would, returns its figures."""
+
+    def __init__(self, value: float, fail: bool = False):
+        self.value, self.fail, self.calls = value, fail, 0
+
+    def __call__(self) -> dict:
+        self.calls += 1
+        print("epoch 0: lots of training output")
+        if self.fail:
+            raise RuntimeError("loss is nan\nat step 3")
+        return {"loss": self.value, "history": [(1, self.value)]}
+
+
+def arms_of(work: dict[str, Counting], settings: dict[str, dict], logs=None) -> list[Arm]:
+    return [Arm(name, settings[name], run, labels={"group": name[0]}, log=logs / f"{name}.log" if logs else None)
+            for name, run in work.items()]
+
+
+def describe(record: dict) -> str:
+    return f"{record['arm']} loss {record['loss']}"
+
+
+def progress(capsys) -> list[str]:
+    return capsys.readouterr().out.splitlines()
+
+
+def test_each_arm_runs_once_prints_one_line_and_leaves_a_record_with_every_setting(tmp_path, capsys):
+    work = {"a": Counting(1.0), "b": Counting(2.0), "c": Counting(3.0)}
+    settings = {"a": {"lr": 0.1, "steps": [1, 2]}, "b": {"lr": 0.2, "steps": [1, 2]}, "c": {"lr": 0.3, "steps": [1]}}
+    records = run_arms(arms_of(work, settings, tmp_path / "logs"), tmp_path / "records", describe)
+    lines = progress(capsys)
+    assert [line.rsplit("  (", 1)[0] for line in lines] == ["[1/3] a loss 1.0", "[2/3] b loss 2.0", "[3/3] c loss 3.0"]
+    assert all(line.endswith(" s)") for line in lines)  # the arm's own output went to its log instead
+    assert (tmp_path / "logs" / "a.log").read_text() == "epoch 0: lots of training output\n"
+    stored = json.loads((tmp_path / "records" / "b.json").read_text())
+    assert stored == records[1]
+    assert stored["settings"] == settings["b"] and stored["group"] == "b" and stored["history"] == [[1, 2.0]]
+    assert 0 <= stored["seconds"] < 5
+    assert sorted(p.name for p in (tmp_path / "records").iterdir()) == ["a.json", "b.json", "c.json"]  # no temporaries
+
+
+def test_a_repeat_reuses_records_whose_settings_are_equal_and_reruns_the_changed_one(tmp_path, capsys):
+    settings = {"a": {"lr": 0.1}, "b": {"lr": 0.2, "steps": (1, 2)}, "c": {"lr": 0.3}}
+    first = run_arms(arms_of({n: Counting(1.0) for n in settings}, settings, tmp_path), tmp_path, describe)
+    progress(capsys)
+    work = {"a": Counting(9.0), "b": Counting(9.0), "c": Counting(9.0)}
+    changed = {**settings, "c": {"lr": 0.31}}
+    again = run_arms(arms_of(work, changed, tmp_path), tmp_path, describe)
+    lines = progress(capsys)
+    assert [w.calls for w in work.values()] == [0, 0, 1]  # a tuple equals the list its record holds
+    assert [line.endswith("(done before)") for line in lines] == [True, True, False]
+    assert again[:2] == first[:2] and again[2]["loss"] == 9.0 and again[2]["settings"] == {"lr": 0.31}
+
+
+def test_a_damaged_record_is_run_again(tmp_path, capsys):
+    settings = {"a": {"lr": 0.1}}
+    run_arms(arms_of({"a": Counting(1.0)}, settings), tmp_path, describe)
+    (tmp_path / "a.json").write_text('{"arm": "a", "loss"')  # cut short by hand: the engine itself writes atomically
+    work = {"a": Counting(2.0)}
+    assert run_arms(arms_of(work, settings), tmp_path, describe)[0]["loss"] == 2.0 and work["a"].calls == 1
+
+
+def test_a_failing_arm_is_recorded_stops_the_study_and_runs_again_next_time(tmp_path, capsys):
+    settings = {"a": {"lr": 0.1}, "b": {"lr": 0.2}, "c": {"lr": 0.3}}
+    work = {"a": Counting(1.0), "b": Counting(2.0, fail=True), "c": Counting(3.0)}
+    with pytest.raises(RuntimeError, match="loss is nan"):
+        run_arms(arms_of(work, settings, tmp_path / "logs"), tmp_path / "records", describe)
+    lines = progress(capsys)
+    assert len(lines) == 2 and lines[1].startswith("[2/3] b failed after 0 s: loss is nan at step 3 (its log: ")
+    assert work["c"].calls == 0
+    failed = json.loads((tmp_path / "records" / "b.json").read_text())
+    assert failed["error"] == "RuntimeError: loss is nan at step 3" and failed["settings"] == {"lr": 0.2}
+    assert failed["group"] == "b" and "loss" not in failed
+    assert (tmp_path / "records" / "a.json").is_file() and not (tmp_path / "records" / "c.json").exists()
+
+    work = {"a": Counting(1.0), "b": Counting(2.0), "c": Counting(3.0)}
+    run_arms(arms_of(work, settings, tmp_path / "logs"), tmp_path / "records", describe)
+    assert [w.calls for w in work.values()] == [0, 1, 1]
+
+
+def test_two_arms_of_one_name_are_refused_before_either_runs(tmp_path):
+    work = Counting(1.0)
+    arms = [Arm("a", {"x": 1}, work), Arm("a", {"x": 2}, work)]
+    with pytest.raises(ValueError, match=r"arm names \['a'\] more than once"):
+        run_arms(arms, tmp_path, describe)
+    assert work.calls == 0
+
+
+def test_results_hold_the_records_and_only_plots_with_something_to_show_are_written(tmp_path, capsys):
+    def line_plot(records):
+        fig, ax = pyplot().subplots()
+        ax.plot([r["loss"] for r in records])
+        return fig
+
+    results = {"seconds": 90.0, "records": [{"arm": "a", "loss": 1.0}, {"arm": "b", "loss": 0.5}]}
+    write_results(tmp_path, results, "| table |\n", {"loss.png": line_plot, "empty.png": lambda records: None})
+    assert json.loads((tmp_path / "results.json").read_text()) == results
+    assert (tmp_path / "results.md").read_text() == "| table |\n"
+    assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG" and not (tmp_path / "empty.png").exists()
+    assert progress(capsys)[-1] == f"this command took 1.5 min; wrote results.json, results.md, loss.png " \
+                                   f"under {tmp_path}"
+    assert pyplot().get_backend().lower() == "agg"
+
+
+def tiny_model(**changes) -> Transformer:
+    torch.manual_seed(0)
+    settings = {"vocab_size": 50, "n_layer": 2, "d_model": 32, "n_head": 4, "n_kv_head": 2, "d_ff": 64,
+                "max_seq_len": 64} | changes
+    return Transformer(ModelConfig(**settings)).eval()
+
+
+def test_the_loss_evaluator_weights_every_scored_target_alike_over_text_and_recall_batches():
+    model = tiny_model()
+    text = [torch.randint(0, 50, (3, 17)), torch.randint(0, 50, (1, 9))]  # (B, T + 1) each, of different sizes
+    inputs, targets = torch.randint(0, 50, (2, 8)), torch.full((2, 8), IGNORE)
+    targets[0, 3], targets[1, 7] = 4, 11  # two answers scored, the rest not
+    with torch.no_grad():
+        logits = [model(b[:, :-1]) for b in text] + [model(inputs)]
+    scored = list(zip(logits, [b[:, 1:] for b in text] + [targets], strict=True))
+    nll = [F.cross_entropy(lg.flatten(0, 1).double(), t.flatten(), reduction="sum", ignore_index=IGNORE)
+           for lg, t in scored]
+    right = sum(int((lg.argmax(-1) == t).sum()) for lg, t in scored)  # IGNORE is never an arg-max
+    totals = evaluate_loss(model, [*text, (inputs, targets)])
+    assert totals.targets == 3 * 16 + 8 + 2
+    assert totals.nll == pytest.approx(float(sum(nll)), rel=1e-5)
+    assert totals.loss == pytest.approx(float(sum(nll)) / totals.targets, rel=1e-5)
+    assert totals.correct == right and totals.accuracy == right / totals.targets
+
+
+def test_decode_speed_counts_the_prompt_and_new_tokens_and_the_cache_they_fill():
+    measured = decode_speed(tiny_model(), list(range(1, 41)), 8)
+    assert measured.tokens == 48
+    head_dim = 32 // 4
+    # keys and values of 2 K/V heads in 2 layers, float32, for each of the 48 positions
+    assert measured.cache_bytes == 48 * 2 * 2 * 2 * head_dim * 4
+    # a decoding step of a 2-layer model takes more than a microsecond, and under a second even on a loaded machine
+    assert 1 < measured.tokens_per_s < 1e6 and 0 < measured.prefill_s < 60
+
+
+@pytest.mark.parametrize("study", ["compare", "uptrain_study"])
+def test_the_committed_results_still_render_to_their_committed_tables(study):
+    from lm.studies.report import ablation_table, comparison_table, lm_loss_plot, mqar_plot, uptraining_plot
+
+    folder = DOCS / study
+    results = json.loads((folder / "results.json").read_text())
+    table, plots = (comparison_table(results), [mqar_plot, lm_loss_plot]) if study == "compare" else \
+        (ablation_table(results["records"]), [uptraining_plot])
+    assert table == (folder / "results.md").read_text()
+    assert all(plot(results["records"]) is not None for plot in plots)
+    pyplot().close("all")
