@@ -17,5 +17,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    sys.argv = quote_text_overrides(sys.argv, keys=("prompt", "prompt_file"))
+    from lm.generation.text import PROMPT_KEYS
+
+    sys.argv = quote_text_overrides(sys.argv, keys=PROMPT_KEYS)
     sys.exit(run_script(main))

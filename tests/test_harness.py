@@ -39,7 +39,8 @@ def task_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return train_tokenizer(iter([(ROOT / "lm" / "model" / "transformer.py").read_text() * 3 + "import os\nimport sys\n"]), 300)
+    text = (ROOT / "lm" / "model" / "transformer.py").read_text() * 3 + "import os\nimport sys\n"
+    return train_tokenizer(iter([text]), 300)
 
 
 def checkpoint(folder: Path, tokenizer, attention) -> tuple[Path, Transformer]:

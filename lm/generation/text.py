@@ -17,6 +17,9 @@ from lm.generation.quantize import quantize_int8, weight_bytes
 from lm.util.errors import GenerationError
 from lm.util.paths import resolve_path
 
+# Free-text settings: scripts/generate.py quotes them for Hydra (lm.util.cli.quote_text_overrides).
+PROMPT_KEYS = ("prompt", "prompt_file")
+
 
 def read_prompts(cfg: DictConfig) -> list[str]:
     if (cfg.prompt is None) == (cfg.prompt_file is None):

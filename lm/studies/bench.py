@@ -521,7 +521,8 @@ def bench_int8(args) -> None:
           f"(the embedding stays float: {model.embed.weight.numel() * 4:,} bytes)")
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of scripts/bench.py: one subcommand per benchmark."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
     train = sub.add_parser("train", help="training tokens/s and MFU against transformers' Llama")
@@ -561,6 +562,10 @@ def main() -> None:
     q8.add_argument("--tokens", type=int, default=50_000, help="validation tokens scored")
     q8.add_argument("--int8-kernel", choices=["dequant", "int8pack"], default="dequant")
     q8.set_defaults(run=bench_int8)
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     args.run(args)
 
