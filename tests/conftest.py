@@ -61,3 +61,15 @@ def train_config(tmp_path, small_corpus):
         return cfg
 
     return make
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked gpu run only where torch sees a CUDA device."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -5,6 +5,7 @@ writing a model's per-layer list. A new kind joins every table by existing."""
 from lm.attention import LinearSpec, SlidingSpec, SoftmaxSpec, example_rows, layer_specs
 from lm.attention.additive import AdditiveSpec
 from lm.attention.efficient import EfficientSpec
+from lm.attention.gated_delta import GatedDeltaSpec
 from lm.attention.lowrank import LowRankSpec
 
 N_HEAD = 4  # the shared tests' models have 4 query heads
@@ -14,6 +15,7 @@ HYBRIDS = {  # name -> (the model's attention for 2 layers, n_kv_head)
     "hybrid-efficient-softmax": ([EfficientSpec(chunk_size=4), SoftmaxSpec()], 2),
     "hybrid-additive-linear": ([AdditiveSpec(block=4), LinearSpec(chunk_size=4)], 4),
     "hybrid-lowrank-sliding": ([LowRankSpec(block=3, rank=1), SlidingSpec(window=4)], 2),
+    "hybrid-gated-delta-softmax": ([GatedDeltaSpec(chunk_size=4, conv_size=3), SoftmaxSpec()], 2),
     "sliding-per-layer": ([SlidingSpec(window=3), SlidingSpec(window=6, dilation=3)], 4),
     "sliding-global": (layer_specs("sliding", 2, {"window": 5}, global_every=2), 2),
 }

@@ -16,6 +16,7 @@ from lm.attention.efficient import (
 from lm.attention.feature_maps import FEATURE_MAPS, feature_map
 from lm.attention.linear import chunked_linear_attention, quadratic_linear_attention, recurrent_linear_attention
 from lm.attention.lowrank import lowrank_attention, naive_lowrank_attention
+from lm.attention.rope import RotaryEmbedding
 from lm.attention.sinks import causal_with_learned_sink
 from lm.attention.sliding import naive_sliding_window_attention, sliding_window_attention, sliding_with_sinks
 
@@ -217,19 +218,22 @@ KINDS = {name: attention for name, (attention, _) in model_rows().items()}  # 2-
 @pytest.mark.parametrize("row", list(example_rows()))
 @pytest.mark.parametrize("T", [1, 7, 33])
 def test_every_kind_equals_its_naive_twin(row, T):
-    """The layer's training path against the naive twin its kind declares (`naive_attend`), in
-    float64: outputs, and gradients to q, k, v and to the kind's own parameters."""
+    """The layer's training path against the naive twin its kind declares (`naive_forward`, or
+    `naive_attend` under GroupedQKV's projections), in float64: outputs, and gradients to the
+    input and to every parameter."""
     spec, example = example_rows()[row]
     torch.manual_seed(T)
-    layer = spec.build(LayerShape(d_model=32, n_head=N_HEAD, n_kv_head=example.n_kv_head or N_HEAD, head_dim=8))
-    layer = layer.double()
+    shape = LayerShape(d_model=32, n_head=N_HEAD, n_kv_head=example.n_kv_head or N_HEAD, head_dim=8)
+    layer = spec.build(shape).double()
+    layer.reset_own_parameters()
     with torch.no_grad():  # parameters away from their initial values, so no gradient is trivially zero
         for name, p in layer.named_parameters():
             if name not in ("qkv.weight", "out.weight"):
                 p.add_(0.3 * torch.randn_like(p))
-    q, k, v = qkv(N_HEAD, layer.n_kv_head, T, seed=T)
-    own = [p for name, p in layer.named_parameters() if name not in ("qkv.weight", "out.weight")]
-    assert_same_values_and_grads(layer.attend(q, k, v), layer.naive_attend(q, k, v), (q, k, v, *own))
+    x = torch.randn(2, T, 32, dtype=torch.float64, requires_grad=True)
+    cos, sin = (t.double() for t in RotaryEmbedding(8, 10000.0)(torch.arange(T)))  # (T, hs/2) each
+    params = [p for _, p in layer.named_parameters()]
+    assert_same_values_and_grads(layer(x, cos, sin), layer.naive_forward(x, cos, sin), (x, *params))
 
 
 def small_model(attention, n_kv_head=2):

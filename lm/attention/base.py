@@ -73,9 +73,10 @@ class AttentionLayer(Protocol):
         tensor), x is the one position at slot pos, decoded through `cache.decode`."""
         ...
 
-    def naive_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """The same as its training path `attend(q, k, v)`, written plainly (its naive twin): the
-        shared equivalence test compares the two, values and gradients, in float64."""
+    def naive_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The same as its training path `layer(x, cos, sin)`, written plainly (its naive twin):
+        the shared equivalence test compares the two, values and gradients, in float64. Layers
+        built on GroupedQKV (lm.attention.projections) write only `naive_attend(q, k, v)`."""
         ...
 
     def generation_state(self) -> CacheSpec:

@@ -35,6 +35,21 @@ class GroupedQKV(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: LayerCache | None = None, pos: torch.Tensor | None = None) -> torch.Tensor:
+        q, k, v = self.heads(x, cos, sin)
+        if cache is None:
+            y = self.attend(q, k, v)  # (B, nh, T, hs)
+        elif pos is not None:
+            y = cache.decode(q, k, v, pos)  # (B, nh, 1, hs): the fixed-shape step
+        else:  # the next chunk of positions
+            y = cache.attend(q, k, v)
+        return self.merge(y)
+
+    def naive_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The training path with the kind's naive twin in place of `attend`."""
+        return self.merge(self.naive_attend(*self.heads(x, cos, sin)))
+
+    def heads(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x (B, T, C) -> q (B, nh, T, hs), k and v (B, nkv, T, hs), RoPE applied if the kind uses it."""
         B, T, _ = x.shape
         nh, nkv = self.n_head, self.n_kv_head
         # The fused rows are [Q heads | K heads | V heads] (qkv_rows above), so one view splits them.
@@ -42,15 +57,12 @@ class GroupedQKV(nn.Module):
         qk, v = heads[:, : nh + nkv], heads[:, nh + nkv :]  # (B, nh+nkv, T, hs), (B, nkv, T, hs)
         if self.uses_rope:
             qk = apply_rope(qk, cos, sin)  # Q and K rotated in one pass
-        q, k = qk[:, :nh], qk[:, nh:]  # (B, nh, T, hs), (B, nkv, T, hs)
-        if cache is None:
-            y = self.attend(q, k, v)  # (B, nh, T, hs)
-        elif pos is not None:
-            y = cache.decode(q, k, v, pos)  # (B, nh, 1, hs): the fixed-shape step
-        else:  # the next chunk of positions
-            y = cache.attend(q, k, v)
-        y = y.transpose(1, 2).reshape(B, T, nh * self.head_dim)  # (B, T, nh*hs)
-        return self.out(y)
+        return qk[:, :nh], qk[:, nh:], v  # (B, nh, T, hs), (B, nkv, T, hs), (B, nkv, T, hs)
+
+    def merge(self, y: torch.Tensor) -> torch.Tensor:
+        """Attention output y (B, nh, T, hs) -> (B, T, C) through the output projection."""
+        B, _, T, _ = y.shape
+        return self.out(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))  # (B, T, nh*hs) -> (B, T, C)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

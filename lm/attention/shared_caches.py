@@ -82,14 +82,18 @@ class RecurrentCache:
         that count (None: all), and the others (left padding) must add nothing to the state;
       step(q, k, v, state): one position, on fixed shapes and without reading the host.
 
+    The three inputs are whatever per-position tensors the kind's layer passes: q, k and v for
+    most, gated delta's rows before its convolution with its write strengths and decays; `time_dim`
+    is the dimension of the first that counts positions.
+
     The buffers are allocated once and written in place, so a compiled step reads the same tensors.
     """
 
-    def __init__(self, context: GenerationCache, state: State, chunk: Callable, step: Callable):
-        self.context, self.state, self.chunk, self.step = context, state, chunk, step
+    def __init__(self, context: GenerationCache, state: State, chunk: Callable, step: Callable, time_dim: int = 2):
+        self.context, self.state, self.chunk, self.step, self.time_dim = context, state, chunk, step, time_dim
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        context, T = self.context, q.shape[2]
+        context, T = self.context, q.shape[self.time_dim]
         real = context.real(context.seen, T) if context.has_padding else None  # (B, T)
         out, state = self.chunk(q, k, v, self.state, real)
         keep_in_place(self.state, state)

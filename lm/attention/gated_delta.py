@@ -1,0 +1,325 @@
+"""Gated DeltaNet (Yang, Kautz and Hatamizadeh, ICLR 2025) with grouped K/V heads.
+
+Shapes: B batch, T sequence length, nh query heads, nkv K/V heads, g = nh / nkv, hs head size,
+N chunks of C positions, W the short convolution's kernel.
+
+Each K/V head keeps a matrix state S (hs_k x hs_v, key dimension first, as flash-linear-attention
+lays it out). At each position, with a decay a_t = exp(g_t) (g_t <= 0) and a write strength b_t:
+
+    S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T        o_t = S_t^T (scale * q_t)
+
+that is: decay the state, read what it predicts for k_t, and write back b_t of the error
+v_t - S^T k_t (the delta rule). The query heads of a group read their K/V head's state.
+
+The training path is chunkwise (the paper's WY representation, computed as a unit lower-
+triangular solve, the "UT transform"): inside a chunk every position's write u_j depends on the
+earlier writes of the chunk, U = (I + L)^-1 (diag(b) V - diag(b e^gamma) K S) with L the
+strictly lower b_j e^(gamma_j - gamma_l) k_j.k_l, gamma the in-chunk cumulative log decay; the
+chunk's outputs and final state are then products with U. Only the state crosses chunks, so the
+loop over chunks does three small matmuls each, and nothing larger than C x C is formed per chunk.
+Everything accumulates in float32 (float64 stays float64).
+
+The layer around the op (fla's GatedDeltaNet layer): Q, K, V projections through a short causal
+depthwise convolution and SiLU, q and k L2-normalised, b = sigmoid(x W_b), g = -exp(A) softplus(x W_a
++ dt_bias) per K/V head (Mamba2's decay), and the output RMS-normalised per head and gated by
+SiLU(x W_gate) before the output projection. No RoPE: position enters through the decay.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lm.attention.base import AttentionSpec, Example, LayerShape, register
+from lm.attention.cache import CacheSpec, GenerationCache
+from lm.attention.projections import GroupedQKV
+from lm.attention.shared_caches import RecurrentCache, accumulation_dtype
+from lm.util.checks import require_choice, require_int, require_positive
+from lm.util.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("torch", "fla")
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
+                     scale: float | None = None, state: torch.Tensor | None = None,
+                     chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule, chunkwise: q (B, nh, T, hs), k (B, nkv, T, hs), v (B, nkv, T, hv),
+    beta and g (B, nkv, T) -> out (B, nh, T, hv) in q's dtype, final state (B, nkv, hs, hv) in
+    float32 or wider. `scale` multiplies q (None: hs ** -0.5, as fla); `state` is carried in.
+
+    q and k are used as given (the layer L2-normalises them). A position with beta = 0 and g = 0
+    leaves the state unchanged, which is how padding is kept out."""
+    B, nh, T, hs = q.shape
+    nkv, hv, C = k.shape[1], v.shape[-1], chunk_size
+    group, N = nh // nkv, -(-T // chunk_size)
+    pad = N * C - T
+    in_dtype, dtype = q.dtype, accumulation_dtype(q.dtype)
+    scale = hs ** -0.5 if scale is None else scale
+    S = q.new_zeros(B, nkv, hs, hv, dtype=dtype) if state is None else state.to(dtype)
+
+    # Padded tail positions: zero q, k, v, beta and g = 0 write nothing and keep the state.
+    q = F.pad(q.to(dtype) * scale, (0, 0, 0, pad))
+    q = q.view(B, nkv, group, N, C, hs).transpose(2, 3).reshape(B, nkv, N, group * C, hs)  # (B, nkv, N, gC, hs)
+    k = F.pad(k.to(dtype), (0, 0, 0, pad)).view(B, nkv, N, C, hs)  # (B, nkv, N, C, hs)
+    v = F.pad(v.to(dtype), (0, 0, 0, pad)).view(B, nkv, N, C, hv)  # (B, nkv, N, C, hv)
+    beta = F.pad(beta.to(dtype), (0, pad)).view(B, nkv, N, C)  # (B, nkv, N, C)
+    gamma = F.pad(g.to(dtype), (0, pad)).view(B, nkv, N, C).cumsum(-1)  # in-chunk log decay up to each position
+
+    # decay[i, j] = exp(gamma_i - gamma_j) for j <= i, 0 above the diagonal (masked before exp: no overflow).
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(~causal, -math.inf).exp()  # (B, nkv, N, C, C)
+
+    # The UT transform: solve (I + L) [W_v | W_k] = [diag(b) V | diag(b e^gamma) K] for every chunk at once.
+    lower = (beta[..., None] * (k @ k.transpose(-1, -2)) * decay).tril(-1)  # (B, nkv, N, C, C)
+    rhs = torch.cat((beta[..., None] * v, (beta * gamma.exp())[..., None] * k), dim=-1)  # (B, nkv, N, C, hv+hs)
+    # unitriangular: the solver takes the diagonal as ones and never reads it, so L stands for I + L.
+    w = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
+    w_v, w_k = w.split((hv, hs), dim=-1)  # the writes are U = W_v - W_k S for the state S before the chunk
+
+    # The query side: each of a group's query heads sees its K/V head's in-chunk decay.
+    scores = (q @ k.transpose(-1, -2)).view(B, nkv, N, group, C, C) * decay[:, :, :, None]
+    scores = scores.view(B, nkv, N, group * C, C)  # (B, nkv, N, gC, C)
+    q_decayed = (q.view(B, nkv, N, group, C, hs) * gamma.exp()[:, :, :, None, :, None]).view(B, nkv, N, group * C, hs)
+    k_to_end = k * (gamma[..., -1:] - gamma).exp()[..., None]  # (B, nkv, N, C, hs): decayed to the chunk's end
+    chunk_decay = gamma[..., -1].exp()[..., None, None]  # (B, nkv, N, 1, 1)
+
+    outputs = []
+    for n in range(N):  # only the state crosses chunks
+        u = w_v[:, :, n] - w_k[:, :, n] @ S  # (B, nkv, C, hv)
+        outputs.append(q_decayed[:, :, n] @ S + scores[:, :, n] @ u)  # (B, nkv, gC, hv)
+        S = chunk_decay[:, :, n] * S + k_to_end[:, :, n].transpose(-1, -2) @ u  # (B, nkv, hs, hv)
+    out = torch.stack(outputs, dim=2).view(B, nkv, N, group, C, hv)  # (B, nkv, N, g, C, hv)
+    out = out.transpose(2, 3).reshape(B, nh, N * C, hv)[:, :, :T]  # (B, nh, T, hv)
+    return out.to(in_dtype), S
+
+
+def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
+                     scale: float, S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One position: q (B, nh, 1, hs), k (B, nkv, 1, hs), v (B, nkv, 1, hv), beta and g (B, nkv, 1),
+    S (B, nkv, hs, hv) -> out (B, nh, 1, hv), the new S. Fixed shapes, no host reads."""
+    B, nh, _, hs = q.shape
+    nkv = k.shape[1]
+    k, v = k.to(S.dtype)[:, :, 0], v.to(S.dtype)[:, :, 0]  # (B, nkv, hs), (B, nkv, hv)
+    S = S * g.to(S.dtype).exp()[..., None]  # (B, nkv, hs, hv): decayed
+    error = v - (k[..., None] * S).sum(-2)  # (B, nkv, hv): what the state mispredicts for k
+    S = S + k[..., None] * (beta.to(S.dtype) * error)[:, :, None, :]  # the delta rule's write
+    q = q.to(S.dtype).reshape(B, nkv, nh // nkv, hs) * scale  # (B, nkv, g, hs): a group reads one state
+    return (q @ S).reshape(B, nh, 1, -1), S  # (B, nh, 1, hv)
+
+
+# ------------------------------------------------------------------------------------ the kind
+
+
+@register("gated_delta")
+@dataclass(frozen=True)
+class GatedDeltaSpec(AttentionSpec):
+    """Gated DeltaNet: a decaying matrix state per K/V head written by the delta rule."""
+
+    conv_size: int = 4  # kernel of the short causal convolution on q, k and v; 0 turns it off
+    chunk_size: int = 64  # positions per chunk of the chunkwise training path
+    norm_eps: float = 1e-6  # of the L2 norm of q and k and of the output's RMSNorm
+    backend: str = "torch"  # torch: the chunkwise form here; fla: flash-linear-attention's CUDA kernel
+
+    examples = {
+        "": Example({"chunk_size": 8}, n_kv_head=2),
+        "mha-odd-chunk": Example({"chunk_size": 5, "conv_size": 3}),
+        "mqa-no-conv": Example({"chunk_size": 4, "conv_size": 0}, n_kv_head=1),
+    }
+
+    def check(self) -> None:
+        require_int("conv_size", self.conv_size, minimum=0)
+        require_int("chunk_size", self.chunk_size)
+        require_positive("norm_eps", self.norm_eps)
+        require_choice("backend", self.backend, BACKENDS)
+
+    def build(self, shape: LayerShape) -> GatedDeltaNet:
+        return GatedDeltaNet(self, shape)
+
+    def flops(self, T: int, n_head: int, n_kv_head: int, head_dim: int) -> float:
+        """Per chunk of C: k k^T and the decayed q k^T (C x C x hs), the triangular solve for
+        [W_v | W_k] (C^2 x 2hs), the writes U = W_v - W_k S (C hs^2), the outputs from S and U
+        (gC hs^2 + gC^2 hs) and the state update (C hs^2)."""
+        C, hs = self.chunk_size, head_dim
+        per_kv_head = 2 * T * C * hs + T * C * 2 * hs + 2 * T * hs * hs + 2 * T * hs * hs
+        per_q_head = 2 * T * C * hs + 2 * T * hs * hs + 2 * T * C * hs
+        return n_kv_head * per_kv_head + n_head * per_q_head
+
+
+def l2_normalised(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+class GatedDeltaNet(GroupedQKV):
+    uses_rope = False
+    context_limited = False
+
+    def __init__(self, spec: GatedDeltaSpec, shape: LayerShape):
+        super().__init__(shape)
+        self.spec = spec
+        nkv, hs = self.n_kv_head, self.head_dim
+        self.channels = (self.n_head + 2 * nkv) * hs  # the fused Q, K, V rows the convolution runs over
+        # One weight per channel and tap, tap W-1 the current position (a depthwise causal conv1d).
+        self.conv = nn.Parameter(torch.empty(self.channels, spec.conv_size)) if spec.conv_size else None
+        self.decay_and_write = nn.Linear(shape.d_model, 2 * nkv, bias=False)  # x W_a | x W_b
+        self.A_log = nn.Parameter(torch.empty(nkv))
+        self.dt_bias = nn.Parameter(torch.empty(nkv))
+        self.gate = nn.Linear(shape.d_model, self.n_head * hs, bias=False)
+        self.out_norm = nn.Parameter(torch.ones(hs))
+        self.backend = self._chosen_backend(spec.backend)
+
+    @staticmethod
+    def _chosen_backend(backend: str):
+        if backend == "torch":
+            return gated_delta_rule
+        if not torch.cuda.is_available():
+            raise ConfigError("backend='fla' runs flash-linear-attention's CUDA kernel; this torch has no CUDA device")
+        try:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        except ImportError as e:
+            raise ConfigError("backend='fla' needs flash-linear-attention (pip install flash-linear-attention)") from e
+        log.info("gated_delta: flash-linear-attention's chunk_gated_delta_rule (backend=fla)")
+
+        def fla_rule(q, k, v, beta, g, scale=None, state=None, chunk_size=64):
+            group = q.shape[1] // k.shape[1]  # fla shares no state across query heads: repeat K/V per group
+            k, v, beta, g = (t.repeat_interleave(group, dim=1) for t in (k, v, beta, g))
+            state = None if state is None else state.repeat_interleave(group, dim=1)
+            out, final = chunk_gated_delta_rule(  # fla's tensors are (B, T, H, d)
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), g.transpose(1, 2).float(),
+                beta.transpose(1, 2), scale=scale, initial_state=state, output_final_state=True)
+            return out.transpose(1, 2), final[:, ::group]
+
+        return fla_rule
+
+    def reset_own_parameters(self) -> None:
+        """fla's initialisation: A ~ U(0, 16), dt ~ logU(1e-3, 0.1) through an inverse softplus in
+        dt_bias, the convolution as torch's Conv1d default, the output norm's scale one."""
+        with torch.no_grad():
+            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1e-4, 16).log())
+            dt = torch.exp(torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(0.1))).clamp(min=1e-4)
+            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+            if self.conv is not None:
+                bound = 1 / math.sqrt(self.spec.conv_size)
+                self.conv.uniform_(-bound, bound)
+            self.out_norm.fill_(1.0)
+
+    # -------------------------------------------------------------- from x to the op's inputs
+
+    def _rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (B, T, C) -> fused Q, K, V rows before the convolution (B, T, channels), beta and g (B, nkv, T)."""
+        a, b = self.decay_and_write(x).float().transpose(1, 2).chunk(2, dim=1)  # (B, nkv, T) each
+        g = -self.A_log.float().exp()[:, None] * F.softplus(a + self.dt_bias.float()[:, None])  # log decay <= 0
+        return self.qkv(x), torch.sigmoid(b), g
+
+    def _heads(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Convolved rows (B, T, channels) -> q (B, nh, T, hs), k, v (B, nkv, T, hs), q and k L2-normalised."""
+        B, T, _ = rows.shape
+        nh, nkv, eps = self.n_head, self.n_kv_head, self.spec.norm_eps
+        heads = F.silu(rows).view(B, T, nh + 2 * nkv, self.head_dim).transpose(1, 2)  # (B, nh+2nkv, T, hs)
+        qk = l2_normalised(heads[:, : nh + nkv], eps)
+        return qk[:, :nh], qk[:, nh:], heads[:, nh + nkv:]
+
+    def _convolved(self, rows: torch.Tensor, window: torch.Tensor | None) -> torch.Tensor:
+        """The short causal convolution over rows (B, T, channels), after `window` (B, W-1, channels),
+        the rows before them (None: zeros, a sequence's start)."""
+        if self.conv is None:
+            return rows
+        W = self.spec.conv_size
+        before = rows.new_zeros(rows.shape[0], W - 1, rows.shape[2]) if window is None else window.to(rows.dtype)
+        full = torch.cat((before, rows), dim=1).transpose(1, 2)  # (B, channels, W-1+T)
+        return F.conv1d(full, self.conv.to(rows.dtype)[:, None], groups=self.channels).transpose(1, 2)  # (B, T, ch)
+
+    def _output(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """y (B, nh, T, hs) -> RMSNorm per head, times SiLU(x W_gate), through the output projection."""
+        B, _, T, hs = y.shape
+        y = y.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.spec.norm_eps) * self.out_norm.float()
+        y = y.to(x.dtype).transpose(1, 2).reshape(B, T, self.n_head * hs)  # (B, T, nh*hs)
+        return self.out(y * F.silu(self.gate(x)))
+
+    # ---------------------------------------------------------------------------- the contract
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: RecurrentCache | None = None, pos: torch.Tensor | None = None) -> torch.Tensor:
+        rows, beta, g = self._rows(x)
+        if cache is None:
+            q, k, v = self._heads(self._convolved(rows, None))
+            y = self.backend(q, k, v, beta, g, chunk_size=self.spec.chunk_size)[0]
+        elif pos is not None:
+            y = cache.decode(rows, beta, g, pos)
+        else:
+            y = cache.attend(rows, beta, g)
+        return self._output(y.to(x.dtype), x)
+
+    def naive_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The same, the convolution written as a sum over taps and the rule token by token."""
+        rows, beta, g = self._rows(x)
+        if self.conv is not None:
+            W, T = self.spec.conv_size, rows.shape[1]
+            padded = F.pad(rows, (0, 0, W - 1, 0))  # (B, W-1+T, channels)
+            rows = sum(padded[:, tap:tap + T] * self.conv[:, tap] for tap in range(W))
+        q, k, v = self._heads(rows)
+        return self._output(recurrent_gated_delta_rule(q, k, v, beta, g)[0].to(x.dtype), x)
+
+    def generation_state(self) -> CacheSpec:
+        window = max(self.spec.conv_size - 1, 0) * self.channels // self.n_kv_head
+        return CacheSpec("recurrent", self.n_kv_head, self.head_dim, state_numel=self.head_dim ** 2 + window)
+
+    def build_cache(self, context: GenerationCache, max_len: int) -> RecurrentCache:
+        """The state S (B, nkv, hs, hs) in float32 and the last W-1 rows before the convolution
+        (B, W-1, channels), whatever the length."""
+        B, nkv, hs, device = context.batch_size, self.n_kv_head, self.head_dim, context.device
+        state = (torch.zeros(B, nkv, hs, hs, dtype=accumulation_dtype(context.dtype), device=device),
+                 torch.zeros(B, max(self.spec.conv_size - 1, 0), self.channels, dtype=context.dtype, device=device))
+        return RecurrentCache(context, state, self._chunk_from, self._step_from, time_dim=1)  # rows (B, T, ch)
+
+    def _chunk_from(self, rows: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, state, real):
+        S, window = state
+        if real is not None:  # left padding: no input to the convolution, no write, no decay
+            rows = rows * real[..., None]
+            beta, g = beta * real[:, None], g * real[:, None]
+        q, k, v = self._heads(self._convolved(rows, window))
+        y, S = self.backend(q, k, v, beta, g, state=S, chunk_size=self.spec.chunk_size)
+        return y, (S, self._window_after(window, rows))
+
+    def _step_from(self, rows: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, state):
+        S, window = state
+        q, k, v = self._heads(self._convolved(rows, window))
+        y, S = gated_delta_step(q, k, v, beta, g, self.head_dim ** -0.5, S)
+        return y, (S, self._window_after(window, rows))
+
+    def _window_after(self, window: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The last W-1 rows once `rows` (B, T, channels) follow `window` (B, W-1, channels)."""
+        keep = window.shape[1]
+        return torch.cat((window, rows.to(window.dtype)), dim=1)[:, -keep:] if keep else window
+
+
+# ------------------------------------------------------------ naive twin (for tests)
+
+
+def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
+                               g: torch.Tensor, scale: float | None = None, state: torch.Tensor | None = None):
+    """The gated delta rule one position at a time, as the paper writes the recurrence; the
+    shapes and conventions of gated_delta_rule."""
+    B, nh, T, hs = q.shape
+    nkv, hv = k.shape[1], v.shape[-1]
+    group = nh // nkv
+    scale = hs ** -0.5 if scale is None else scale
+    dtype = accumulation_dtype(q.dtype)
+    S = torch.zeros(B, nkv, hs, hv, dtype=dtype) if state is None else state.to(dtype)
+    eye = torch.eye(hs, dtype=dtype)
+    outputs = []
+    for t in range(T):
+        kt, vt, bt = k[:, :, t].to(dtype), v[:, :, t].to(dtype), beta[:, :, t, None, None].to(dtype)
+        at = g[:, :, t, None, None].to(dtype).exp()
+        # S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T
+        S = at * (eye - bt * kt[..., :, None] * kt[..., None, :]) @ S + bt * kt[..., :, None] * vt[..., None, :]
+        qt = q[:, :, t].to(dtype).view(B, nkv, group, hs) * scale  # (B, nkv, g, hs)
+        outputs.append((qt @ S).reshape(B, nh, hv))  # o_t = S_t^T q_t for each query head of the group
+    return torch.stack(outputs, dim=2).to(q.dtype), S
