@@ -134,7 +134,7 @@ def test_a_kind_from_a_temporary_folder_runs_every_shared_test_row_and_benchmark
         assert bench.returncode == 0, bench.stderr[-2000:]
         assert any(line.startswith("prefix_mean") for line in bench.stdout.splitlines())
     train = run_with_outside_kind(outside_kind, "scripts/train.py", "attn=prefix_mean", f"hydra.searchpath=[file://{outside_kind}]",
-                                  "model=tiny", "trainer.max_steps=2", "trainer.val_check_interval=2", "logger=none",
+                                  "model=tiny", "trainer.max_steps=2", "trainer.val_every_n_steps=2", "logger=none",
                                   f"checkpoint_dir={tmp_path / 'ckpt'}", "run_name=outside", "sample.max_new_tokens=4")
     assert train.returncode == 0, train.stderr[-2000:]
     assert "prefix_mean" in train.stdout + train.stderr

@@ -24,7 +24,7 @@ def run_ddp(cfg, tmp_path, *overrides):
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:]
     # Rank 0 alone speaks: its lines once, Lightning's per-process line only for rank 0.
-    lines = result.stdout.splitlines()
+    lines = [line.removeprefix("INFO: ") for line in result.stdout.splitlines()]  # Lightning prefixes its level
     for start in ("run ddp:", "attention:", "GPU available", "Initializing distributed", "== run ddp finished =="):
         assert sum(line.startswith(start) for line in lines) == 1, start
     return Path(cfg.checkpoint_dir) / "ddp" / "last.ckpt"

@@ -2,6 +2,7 @@
 report set-up, without training anything."""
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -85,8 +86,11 @@ def test_a_damaged_record_is_run_again(tmp_path, capsys):
 def test_a_failing_arm_is_recorded_stops_the_study_and_runs_again_next_time(tmp_path, capsys):
     settings = {"a": {"lr": 0.1}, "b": {"lr": 0.2}, "c": {"lr": 0.3}}
     work = {"a": Counting(1.0), "b": Counting(2.0, fail=True), "c": Counting(3.0)}
+    lightning = logging.getLogger("lightning.pytorch")
+    level = lightning.level
     with pytest.raises(RuntimeError, match="loss is nan"):
         run_arms(arms_of(work, settings, tmp_path / "logs"), tmp_path / "records", describe)
+    assert lightning.level == level  # quieted while the arms ran, not for what the process runs next
     lines = progress(capsys)
     assert len(lines) == 2 and lines[1].startswith("[2/3] b failed after 0 s: loss is nan at step 3 (its log: ")
     assert work["c"].calls == 0

@@ -280,11 +280,9 @@ def print_whole_layer_times(args) -> None:
 
 
 def plot_attention(rows: list[dict], heads: int, path: Path) -> Path:
-    import matplotlib
+    from lm.studies.report import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=False)
     for ax, key, title in ((axes[0], "forward_s", "forward"), (axes[1], "forward_backward_s", "forward + backward")):
         for name in dict.fromkeys(r["kind"] for r in rows):

@@ -60,11 +60,20 @@ def write_record(path: Path, record: dict) -> None:
     write_atomically(path, lambda tmp: tmp.write_text(text))
 
 
-def quiet_lightning() -> None:
+@contextlib.contextmanager
+def quiet_lightning():
     """Lightning logs through handlers bound to the terminal, which redirecting an arm's output
-    does not reach; below WARNING they would break the one line per arm."""
-    for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    does not reach; below WARNING they would break the one line per arm. The levels are put
+    back afterwards, so a run started later in the same process speaks as usual."""
+    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric", "lightning")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
 
 
 def run_logged(arm: Arm) -> dict:
@@ -83,7 +92,11 @@ def run_arms(arms: list[Arm], records: Path, describe: Callable[[dict], str]) ->
     if repeated:
         raise ValueError(f"arm names {repeated} more than once: their records would overwrite each other")
     make_folder(records)
-    quiet_lightning()
+    with quiet_lightning():
+        return _run_each(arms, records, describe)
+
+
+def _run_each(arms: list[Arm], records: Path, describe: Callable[[dict], str]) -> list[dict]:
     done = []
     for i, arm in enumerate(arms, 1):
         prefix = f"[{i:>{len(str(len(arms)))}}/{len(arms)}]"
