@@ -9,7 +9,7 @@ import pytest
 
 from lm.attention import LayerShape, SlidingSpec, SoftmaxSpec, available_kinds
 from lm.attention.lowrank import LowRankSpec
-from lm.studies.bench import attention_rows
+from lm.studies.bench import attention_layer, attention_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,6 +73,19 @@ def test_every_kind_has_benchmark_rows_and_a_flop_count():
     assert {spec.kind for spec, _ in rows.values()} == set(available_kinds())
     for spec, _ in rows.values():  # more positions, more work: a count, not a constant
         assert 0 < spec.flops(64, 4, 2, 16) < spec.flops(128, 4, 2, 16)
+
+
+@pytest.mark.parametrize("row", list(attention_rows()))
+def test_every_benchmark_row_times_its_op_on_the_inputs_it_names(row):
+    """What the attention benchmark runs for a row, at N = 96: the op's output has a query head's
+    shape at every position, and the backward reaches every input."""
+    spec, example = attention_rows()[row]
+    module, shape = attention_layer(spec, example.kv_heads(4, 4), 64, 4)
+    op, inputs = module.benchmark_op(96, requires_grad=True)
+    out = op(*inputs)
+    assert out.shape == (1, 4, 96, 16)
+    out.sum().backward()
+    assert all(t.grad is not None and t.grad.abs().sum() > 0 for t in inputs)
 
 
 @pytest.mark.slow

@@ -79,6 +79,11 @@ class AttentionLayer(Protocol):
         built on GroupedQKV (lm.attention.projections) write only `naive_attend(q, k, v)`."""
         ...
 
+    def benchmark_op(self, seq_len: int, requires_grad: bool = False) -> tuple[Any, list[torch.Tensor]]:
+        """Its attention op, projections excluded, and random inputs for it at batch 1 and length
+        seq_len: what the attention benchmark times (GroupedQKV's: `attend` on q, k, v)."""
+        ...
+
     def generation_state(self) -> CacheSpec:
         """What its cache keeps, as a size anyone can compute without building it; the shared
         cache test holds it equal to the built cache's `nbytes()`, and the benchmarks report it."""

@@ -245,6 +245,23 @@ class GatedDeltaNet(GroupedQKV):
 
     # ---------------------------------------------------------------------------- the contract
 
+    def benchmark_op(self, seq_len: int, requires_grad: bool = False):
+        """The rule alone on what the layer would give it: L2-normalised q and k, beta in (0, 1),
+        g from the layer's own decay on random inputs."""
+        nh, nkv, hs = self.n_head, self.n_kv_head, self.head_dim
+        with torch.no_grad():
+            _, beta, g = self._rows(torch.randn(1, seq_len, self.gate.in_features))
+        q = l2_normalised(torch.randn(1, nh, seq_len, hs), self.spec.norm_eps)
+        k = l2_normalised(torch.randn(1, nkv, seq_len, hs), self.spec.norm_eps)
+        inputs = [q, k, torch.randn(1, nkv, seq_len, hs), beta, g]
+        for t in inputs:
+            t.requires_grad_(requires_grad)
+
+        def op(q, k, v, beta, g):
+            return self.backend(q, k, v, beta, g, chunk_size=self.spec.chunk_size)[0]
+
+        return op, inputs
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: RecurrentCache | None = None, pos: torch.Tensor | None = None) -> torch.Tensor:
         rows, beta, g = self._rows(x)

@@ -64,6 +64,12 @@ class GroupedQKV(nn.Module):
         B, _, T, _ = y.shape
         return self.out(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))  # (B, T, nh*hs) -> (B, T, C)
 
+    def benchmark_op(self, seq_len: int, requires_grad: bool = False):
+        """The attention op alone and random inputs for it at batch 1: `attend` on q (1, nh, N, hs)
+        and k, v (1, nkv, N, hs)."""
+        shapes = [(1, heads, seq_len, self.head_dim) for heads in (self.n_head, self.n_kv_head, self.n_kv_head)]
+        return self.attend, [torch.randn(shape, requires_grad=requires_grad) for shape in shapes]
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 

@@ -157,13 +157,16 @@ def peak_memory_of(fn) -> tuple[float, int]:
 def attention_layer(spec: AttentionSpec, n_kv_head: int | None, d_model: int, n_head: int):
     """The spec's layer alone, built from its sizes: no model around it."""
     shape = LayerShape(d_model, n_head, n_kv_head or n_head, d_model // n_head)
-    return spec.build(shape), shape
+    layer = spec.build(shape)
+    layer.reset_own_parameters()  # what the Transformer does after building it: e.g. gated delta's decay
+    return layer, shape
 
 
 def time_attention(module, shape: LayerShape, seq_len: int, backward: bool, repeats: int,
                    whole_module: bool = False) -> tuple[float, int]:
     """Best time and peak memory of one forward (or forward + backward) of the kind's attention
-    op, `module.attend(q, k, v)` on q (1, nh, N, hs) and k, v (1, nkv, N, hs); with
+    op on the inputs it names (`module.benchmark_op`: for most, `attend` on q (1, nh, N, hs) and
+    k, v (1, nkv, N, hs)); with
     `whole_module`, of the layer with its projections (and RoPE) on x (1, N, C)."""
     from lm.attention.rope import RotaryEmbedding
 
@@ -172,9 +175,7 @@ def time_attention(module, shape: LayerShape, seq_len: int, backward: bool, repe
         inputs = [torch.randn(1, seq_len, shape.d_model, requires_grad=backward)]
         op = lambda x: module(x, cos, sin)  # noqa: E731
     else:
-        shapes = [(1, h, seq_len, shape.head_dim) for h in (shape.n_head, shape.n_kv_head, shape.n_kv_head)]
-        inputs = [torch.randn(shape, requires_grad=backward) for shape in shapes]
-        op = module.attend
+        op, inputs = module.benchmark_op(seq_len, requires_grad=backward)
 
     def run() -> None:
         if backward:
