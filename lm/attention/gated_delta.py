@@ -272,7 +272,7 @@ class GatedDeltaNet(GroupedQKV):
             y = cache.decode(rows, beta, g, pos)
         else:
             y = cache.attend(rows, beta, g)
-        return self._output(y.to(x.dtype), x)
+        return self._output(y, x)  # y is already in x's dtype: the rule and the cache return their inputs'
 
     def naive_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The same, the convolution written as a sum over taps and the rule token by token."""
@@ -282,7 +282,7 @@ class GatedDeltaNet(GroupedQKV):
             padded = F.pad(rows, (0, 0, W - 1, 0))  # (B, W-1+T, channels)
             rows = sum(padded[:, tap:tap + T] * self.conv[:, tap] for tap in range(W))
         q, k, v = self._heads(rows)
-        return self._output(recurrent_gated_delta_rule(q, k, v, beta, g)[0].to(x.dtype), x)
+        return self._output(recurrent_gated_delta_rule(q, k, v, beta, g)[0], x)
 
     def generation_state(self) -> CacheSpec:
         window = max(self.spec.conv_size - 1, 0) * self.channels // self.n_kv_head
@@ -329,8 +329,8 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     group = nh // nkv
     scale = hs ** -0.5 if scale is None else scale
     dtype = accumulation_dtype(q.dtype)
-    S = torch.zeros(B, nkv, hs, hv, dtype=dtype) if state is None else state.to(dtype)
-    eye = torch.eye(hs, dtype=dtype)
+    S = q.new_zeros(B, nkv, hs, hv, dtype=dtype) if state is None else state.to(dtype)
+    eye = torch.eye(hs, dtype=dtype, device=q.device)
     outputs = []
     for t in range(T):
         kt, vt, bt = k[:, :, t].to(dtype), v[:, :, t].to(dtype), beta[:, :, t, None, None].to(dtype)
