@@ -45,8 +45,9 @@ def test_checkpoints_are_written_in_format_2_and_a_newer_format_is_refused(tmp_p
     entry = read_checkpoint(path)["lm"]
     assert entry["format_version"] == FORMAT_VERSION == 2
     assert [layer["kind"] for layer in entry["model_config"]["attention"]] == ["linear", "sliding", "linear", "softmax"]
-    assert entry["model_config"]["attention"][1] == {"kind": "sliding", "window": 4, "dilation": 1, "sink_tokens": 0,
-                                                     "learned_sink": False}
+    assert entry["model_config"]["attention"][1] == {"kind": "sliding", "gate": "none", "qk_norm": False, "window": 4,
+                                                     "dilation": 1, "sink_tokens": 0, "learned_sink": False,
+                                                     "softcap": None}
     again, _ = lm.load(path)
     with torch.no_grad():
         logits = again(torch.load(V1 / "input.pt", weights_only=True))

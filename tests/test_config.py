@@ -74,7 +74,8 @@ def test_every_way_of_writing_the_attention_gives_one_spec_per_layer():
 def test_stored_config_holds_every_option_of_every_layer():
     stored = ModelConfig(n_layer=2, attention=["linear", "sliding"]).to_dict()["attention"]
     assert stored == [{"kind": "linear", "feature_map": "elu", "chunk_size": 64, "eps": 1e-6},
-                      {"kind": "sliding", "window": 128, "dilation": 1, "sink_tokens": 0, "learned_sink": False}]
+                      {"kind": "sliding", "gate": "none", "qk_norm": False, "window": 128, "dilation": 1,
+                       "sink_tokens": 0, "learned_sink": False, "softcap": None}]
     assert json.loads(json.dumps(stored)) == stored  # plain data
 
 
@@ -106,8 +107,9 @@ def test_config_round_trips_through_a_plain_dict():
     ("model.d_model=abc", "error: d_model='abc' must be an integer >= 1"),
     ("attn=sliding attn.window=0", "error: window=0 must be an integer >= 1"),
     ("attn=hybrid attn.pattern=[linear,softmax]", "error: pattern=['linear', 'softmax'] has 2 entries but n_layer=4"),
-    ("attn=hybrid attn.window=8", "error: option(s) ['window'] are taken by no layer's kind (linear, softmax); "
-                                  "they take ['chunk_size', 'eps', 'feature_map', 'learned_sink']"),
+    ("attn=hybrid attn.window=8",
+     "error: option(s) ['window'] are taken by no layer's kind (linear, softmax); "
+     "they take ['chunk_size', 'eps', 'feature_map', 'gate', 'learned_sink', 'qk_norm', 'softcap']"),
 ])
 def test_train_script_rejects_bad_config_in_one_line(override, message, tmp_path):
     result = subprocess.run(

@@ -21,7 +21,18 @@ VARIANTS = {
     "gqa-untied": dict(n_head=6, n_kv_head=2, tie_embeddings=False, vocab_size=317),
     "mqa-tied": dict(n_head=4, n_kv_head=1, tie_embeddings=True, vocab_size=263),
     "sliding-gqa": dict(n_head=4, n_kv_head=2, tie_embeddings=False, vocab_size=289, attention=SlidingSpec(window=5)),
+    "qk-norm-gqa": dict(n_head=4, n_kv_head=2, tie_embeddings=False, vocab_size=271,
+                        attention=SoftmaxSpec(qk_norm=True)),
 }
+ARCHITECTURES = {"sliding-gqa": "MistralForCausalLM", "qk-norm-gqa": "Qwen3ForCausalLM"}  # others: Llama
+
+
+def scramble_norm_gains(model: torch.nn.Module) -> None:
+    """Norm gains away from their initial ones, so a gain read from the wrong place shows in the logits."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and "norm" in name:
+                p.uniform_(0.5, 1.5)
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +45,9 @@ def native_model(variant):
     torch.manual_seed(0)
     fields = {"n_layer": 2, "d_ff": 80, "max_seq_len": 64, "init_std": 0.1, **VARIANTS[variant]}
     fields["d_model"] = 8 * fields["n_head"]
-    return Transformer(ModelConfig(**fields)).eval()
+    model = Transformer(ModelConfig(**fields)).eval()
+    scramble_norm_gains(model)
+    return model
 
 
 def compare(ours: Transformer, theirs, vocab: int):
@@ -43,8 +56,9 @@ def compare(ours: Transformer, theirs, vocab: int):
         ours_logits, their_logits = ours(idx), theirs(input_ids=idx).logits
     assert (ours_logits - their_logits).abs().max().item() < 1e-4
     prompt = idx[:1, :7]
+    theirs.generation_config.eos_token_id = None  # ours does not stop at EOT; min_new_tokens would forbid it instead
     with torch.no_grad():
-        their_tokens = theirs.generate(prompt, max_new_tokens=16, min_new_tokens=16, do_sample=False)[0].tolist()
+        their_tokens = theirs.generate(prompt, max_new_tokens=16, do_sample=False)[0].tolist()
     assert generate(ours, prompt, 16)[0] == their_tokens
 
 
@@ -53,8 +67,7 @@ def test_export_loads_in_transformers_with_the_same_logits_and_tokens(variant, t
     model = native_model(variant)
     export_hf(model, tokenizer, tmp_path)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
-    expected = "MistralForCausalLM" if variant.startswith("sliding") else "LlamaForCausalLM"
-    assert type(theirs).__name__ == expected
+    assert type(theirs).__name__ == ARCHITECTURES.get(variant, "LlamaForCausalLM")
     assert theirs.config.num_key_value_heads == model.config.n_kv_head
     compare(model, theirs, model.config.vocab_size)
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
@@ -71,10 +84,13 @@ def test_import_of_a_transformers_folder_matches_it(variant, tokenizer, tmp_path
                   num_attention_heads=n_head, num_key_value_heads=fields["n_kv_head"], max_position_embeddings=64,
                   tie_word_embeddings=fields["tie_embeddings"], initializer_range=0.1)
     torch.manual_seed(2)
-    if "attention" in fields:
+    if variant == "sliding-gqa":
         theirs = transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=5, **common))
+    elif variant == "qk-norm-gqa":
+        theirs = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=8, rms_norm_eps=1e-5, **common))
     else:
         theirs = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    scramble_norm_gains(theirs)
     theirs.eval().save_pretrained(tmp_path)
     hf_tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>")
     hf_tokenizer.save_pretrained(tmp_path)
@@ -85,15 +101,19 @@ def test_import_of_a_transformers_folder_matches_it(variant, tokenizer, tmp_path
 
 @pytest.mark.parametrize("attention, message", [
     ("linear", "attention 2 x linear(feature_map=elu, chunk_size=64, eps=1e-06) has no transformers equivalent"),
-    (["linear", "softmax"], "1 x linear(feature_map=elu, chunk_size=64, eps=1e-06), 1 x softmax(learned_sink=False)"),
-    (SlidingSpec(window=4, dilation=2), "2 x sliding(window=4, dilation=2, sink_tokens=0, learned_sink=False) has no"),
+    (["linear", "softmax"], "1 x linear(feature_map=elu, chunk_size=64, eps=1e-06), 1 x softmax(gate=none, "),
+    (SlidingSpec(window=4, dilation=2), "2 x sliding(gate=none, qk_norm=False, window=4, dilation=2, sink_tokens=0, "),
     ([SlidingSpec(window=4), SlidingSpec(window=8)], "one undilated sliding window in every layer"),
     (layer_specs("sliding", 2, global_every=2), "one undilated sliding window in every layer"),
     ("efficient", "attention 2 x efficient(chunk_size=64) has no transformers equivalent"),
     ("additive", "attention 2 x additive(block=64) has no transformers equivalent"),
     ("lowrank", "attention 2 x lowrank(block=64, rank=8) has no transformers equivalent"),
-    (SlidingSpec(window=4, sink_tokens=2), "sliding(window=4, dilation=1, sink_tokens=2, learned_sink=False) has no"),
-    (SoftmaxSpec(learned_sink=True), "attention 2 x softmax(learned_sink=True) has no transformers equivalent"),
+    (SlidingSpec(window=4, sink_tokens=2), "window=4, dilation=1, sink_tokens=2, learned_sink=False, softcap=None) "),
+    (SoftmaxSpec(learned_sink=True), "qk_norm=False, learned_sink=True, softcap=None) has no transformers equivalent"),
+    (SlidingSpec(window=4, qk_norm=True), "qk_norm=True, window=4, dilation=1, sink_tokens=0, learned_sink=False, "),
+    (SoftmaxSpec(gate="headwise"), "attn.gate=headwise cannot be exported to transformers: no transformers "
+                                   "architecture gates the attention output alone"),
+    (["softmax", SoftmaxSpec(softcap=30.0)], "attn.softcap=30.0 cannot be exported to transformers: Gemma 2"),
 ])
 def test_kinds_without_an_equivalent_are_refused(attention, message, tokenizer, tmp_path):
     model = Transformer(ModelConfig(vocab_size=300, n_layer=2, d_model=32, n_head=4, d_ff=48, attention=attention))

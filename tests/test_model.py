@@ -7,7 +7,7 @@ import torch
 from lm import ModelConfig, Transformer
 from lm.attention import LayerShape
 from lm.attention.reference import causal_softmax_attention
-from lm.attention.softmax import SoftmaxAttention
+from lm.attention.softmax import SoftmaxAttention, SoftmaxSpec
 from lm.formats.weights import split_qkv
 
 SMALL = dict(vocab_size=97, n_layer=2, d_model=64, n_head=4, d_ff=96, max_seq_len=32)
@@ -105,7 +105,7 @@ def test_changing_a_future_token_leaves_earlier_logits_unchanged(n_kv_head):
 @pytest.mark.parametrize("n_head, n_kv_head", [(4, 4), (4, 2), (4, 1), (6, 3)])
 @pytest.mark.parametrize("T", [1, 7, 33])
 def test_sdpa_path_equals_naive_softmax_in_values_and_gradients(n_head, n_kv_head, T):
-    attn = SoftmaxAttention(LayerShape(8 * n_head, n_head, n_kv_head, 8)).double()
+    attn = SoftmaxAttention(SoftmaxSpec(), LayerShape(8 * n_head, n_head, n_kv_head, 8)).double()
     torch.manual_seed(T)
     q = torch.randn(2, n_head, T, 8, dtype=torch.float64, requires_grad=True)
     k = torch.randn(2, n_kv_head, T, 8, dtype=torch.float64, requires_grad=True)

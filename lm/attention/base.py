@@ -38,6 +38,7 @@ class LayerShape:
     n_kv_head: int
     head_dim: int
     layer_idx: int = 0
+    norm_eps: float = 1e-5  # the model's RMSNorm epsilon, for norms inside the layer (QK-norm)
 
 
 @runtime_checkable

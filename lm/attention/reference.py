@@ -12,14 +12,17 @@ import torch
 
 
 def masked_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
-                             sink_logit: torch.Tensor | None = None) -> torch.Tensor:
+                             sink_logit: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """Full masked softmax: q (B, nh, T, hs), k and v (B, nkv, T, hs), visible (T, T) -> (B, nh, T, hs).
-    A `sink_logit` (nh,) joins every row's softmax as one more logit with no value attached."""
+    A `sink_logit` (nh,) joins every row's softmax as one more logit with no value attached; a
+    `softcap` c turns each score s into c tanh(s / c) first (Gemma 2)."""
     group = q.shape[1] // k.shape[1]
     # Copy each K/V head out to the query heads of its group, the plain way.
     k = k.repeat_interleave(group, dim=1)  # (B, nh, T, hs)
     v = v.repeat_interleave(group, dim=1)  # (B, nh, T, hs)
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, nh, T, T)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~visible, float("-inf"))
     if sink_logit is None:
         return scores.softmax(dim=-1) @ v
@@ -29,6 +32,6 @@ def masked_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 
 def causal_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                             sink_logit: torch.Tensor | None = None) -> torch.Tensor:
+                             sink_logit: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     T = q.shape[2]
-    return masked_softmax_attention(q, k, v, torch.ones(T, T, dtype=torch.bool).tril(), sink_logit)
+    return masked_softmax_attention(q, k, v, torch.ones(T, T, dtype=torch.bool).tril(), sink_logit, softcap)

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from lm.attention.cache import GenerationCache, keep_in_place, tensor_bytes, visibility_mask
+from lm.attention.scores import softmax_attention
 from lm.attention.sinks import masked_attention
 
 State = tuple[torch.Tensor, ...]
@@ -27,9 +27,9 @@ class KVCache:
     """Preallocated K and V of every position, n_kv_head heads only: (B, nkv, max_len, hs) each."""
 
     def __init__(self, context: GenerationCache, n_kv_head: int, head_dim: int, max_len: int,
-                 sink_logit: torch.Tensor | None = None):
+                 sink_logit: torch.Tensor | None = None, softcap: float | None = None):
         shape = (context.batch_size, n_kv_head, max_len, head_dim)
-        self.context, self.sink_logit = context, sink_logit
+        self.context, self.sink_logit, self.softcap = context, sink_logit, softcap
         self.k = torch.zeros(shape, dtype=context.dtype, device=context.device)
         self.v = torch.zeros(shape, dtype=context.dtype, device=context.device)
 
@@ -53,11 +53,10 @@ class KVCache:
         """q (B, nh, T, hs) of the next T slots over every slot so far; k, v (B, nkv, T, hs) are stored."""
         start, T = self.context.seen, q.shape[2]
         keys, values = self.store(k, v)  # (B, nkv, end, hs)
-        gqa = keys.shape[1] != q.shape[1]
         if self.sink_logit is None and not self.context.has_padding and (T == 1 or start == 0):
             # One new token sees every cached one; a first chunk is plain causal attention.
-            return F.scaled_dot_product_attention(q, keys, values, is_causal=T > 1, enable_gqa=gqa)
-        return masked_attention(q, keys, values, self.causal_mask(T), self.sink_logit)
+            return softmax_attention(q, keys, values, causal=T > 1, softcap=self.softcap)
+        return masked_attention(q, keys, values, self.causal_mask(T), self.sink_logit, self.softcap)
 
     def store_at(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
         """Write k, v (B, nkv, 1, hs) into slot `pos` (0-dim tensor) in place."""
@@ -67,7 +66,8 @@ class KVCache:
     def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """One query (B, nh, 1, hs) at slot `pos` over the whole buffer, slots after it masked."""
         self.store_at(k, v, pos)
-        return masked_attention(q, self.k, self.v, self.context.decode_mask(pos), self.sink_logit)  # mask (B, 1, 1, L)
+        mask = self.context.decode_mask(pos)  # (B, 1, 1, L)
+        return masked_attention(q, self.k, self.v, mask, self.sink_logit, self.softcap)
 
     def nbytes(self) -> int:
         return tensor_bytes(self.k, self.v)

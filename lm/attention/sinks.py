@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lm.attention.scores import softmax_attention
+
 SINK_DIMS = 8  # a multiple of 8 keeps the widened heads aligned for SDPA's kernels
 
 
@@ -71,9 +73,10 @@ def masked_with_learned_sink(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                     sink_logit: torch.Tensor | None) -> torch.Tensor:
+                     sink_logit: torch.Tensor | None, softcap: float | None = None) -> torch.Tensor:
     """Attention of q (B, nh, T, hs) over k, v (B, nkv, S, hs) under a boolean mask (..., T, S),
-    with the learned sink when the layer has one: what every cache's masked path calls."""
+    with the learned sink or the softcap when the layer has one (never both: lm.attention.scores):
+    what every cache's masked path calls."""
     if sink_logit is not None:
         return masked_with_learned_sink(q, k, v, mask, sink_logit)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+    return softmax_attention(q, k, v, mask=mask, softcap=softcap)

@@ -9,6 +9,8 @@ blocks of W queries; block b attends the keys of blocks b-1 and b (2W keys) unde
 (W, 2W) band mask, which SDPA's CPU/GPU kernels take directly. With dilation d, positions
 sharing a residue mod d form an undilated sequence of their own (i - k*d stays in the same
 residue class), so the d subsequences are folded into the batch and solved as above.
+Options besides the window: an output gate and QK-norm (lm.attention.projections), logit
+softcapping (lm.attention.scores, which every softmax here goes through), sinks (lm.attention.sinks).
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from lm.attention.base import AttentionSpec, Example, LayerShape, register
+from lm.attention.base import Example, LayerShape, register
 from lm.attention.cache import CacheSpec, GenerationCache, tensor_bytes, visibility_mask
-from lm.attention.projections import GroupedQKV
+from lm.attention.projections import GroupedQKV, ProjectionOptions
 from lm.attention.reference import masked_softmax_attention
+from lm.attention.scores import check_softcap, softmax_attention
 from lm.attention.sinks import SINK_DIMS, learned_sink_logit, masked_attention, widen_for_sink
 from lm.util.checks import require_bool, require_int
 
@@ -34,41 +37,42 @@ def band_mask(window: int, device: torch.device) -> torch.Tensor:
 
 
 def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
-                             dilation: int = 1) -> torch.Tensor:
-    """q (B, nh, T, hs), k and v (B, nkv, T, hs) -> (B, nh, T, hs)."""
+                             dilation: int = 1, softcap: float | None = None) -> torch.Tensor:
+    """q (B, nh, T, hs), k and v (B, nkv, T, hs) -> (B, nh, T, hs); scores capped at `softcap` if given."""
     if dilation > 1:
-        return _dilated(q, k, v, window, dilation)
+        return _dilated(q, k, v, window, dilation, softcap)
     B, nh, T, hs = q.shape
-    gqa = k.shape[1] != nh
     if window >= T:  # the window covers every earlier position: plain causal attention
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return softmax_attention(q, k, v, causal=True, softcap=softcap)
     W = window
     n_blocks = -(-T // W)
     if n_blocks * W != T:  # padded positions come after every real one, so causality hides them
         q, k, v = (F.pad(t, (0, 0, 0, n_blocks * W - T)) for t in (q, k, v))
     # Block 0 has no previous block; inside it the window reaches back to position 0.
-    first = F.scaled_dot_product_attention(q[:, :, :W], k[:, :, :W], v[:, :, :W], is_causal=True, enable_gqa=gqa)
+    first = softmax_attention(q[:, :, :W], k[:, :, :W], v[:, :, :W], causal=True, softcap=softcap)
     if n_blocks == 1:
         return first[:, :, :T]
     rest = n_blocks - 1
     q_blocks = q[:, :, W:].unflatten(2, (rest, W)).transpose(1, 2).flatten(0, 1)  # (B*rest, nh, W, hs)
     k_pairs, v_pairs = _block_pairs(k, W), _block_pairs(v, W)  # (B*rest, nkv, 2W, hs) each
-    out = F.scaled_dot_product_attention(q_blocks, k_pairs, v_pairs, attn_mask=band_mask(W, q.device), enable_gqa=gqa)
+    out = softmax_attention(q_blocks, k_pairs, v_pairs, mask=band_mask(W, q.device), softcap=softcap)
     out = out.unflatten(0, (B, rest)).transpose(1, 2).flatten(2, 3)  # (B, nh, T - W, hs)
     return torch.cat((first, out), dim=2)[:, :, :T]
 
 
 def sliding_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, dilation: int,
-                       sink_tokens: int, sink_logit: torch.Tensor | None) -> torch.Tensor:
+                       sink_tokens: int, sink_logit: torch.Tensor | None,
+                       softcap: float | None = None) -> torch.Tensor:
     """The window plus sinks: the first `sink_tokens` positions stay visible to every query, and a
-    learned per-head `sink_logit` (nh,) joins each softmax (lm.attention.sinks).
+    learned per-head `sink_logit` (nh,) joins each softmax (lm.attention.sinks); scores capped at
+    `softcap` if given (never with a learned sink: lm.attention.scores).
 
     Every residue class of the dilation becomes a row of the batch, cut into blocks of W queries;
     block n attends [the extra keys | block n-1 | block n] (a zero block stands before block 0)
     under a mask from absolute positions, so a sink already inside a query's window counts once.
     Costs O(T (W + sinks)), like the plain window."""
     B, nh, T, hs = q.shape
-    nkv, W, d = k.shape[1], window, dilation
+    W, d = window, dilation
     S = min(sink_tokens, T)
     extra_k, extra_v = k[:, :, :S], v[:, :, :S]  # (B, nkv, S, hs): the sink tokens' own keys
     scale = None
@@ -108,8 +112,7 @@ def sliding_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window
         sink_mask = F.pad(sink_mask, (1, 0), value=True)
     mask = torch.cat((sink_mask, window_mask), dim=-1).flatten(0, 1)  # (d*n, W, E + 2W)
     mask = mask[None].expand(B, d * n, W, E + 2 * W).flatten(0, 1)[:, None]  # (B*d*n, 1, W, E + 2W)
-    out = F.scaled_dot_product_attention(q_blocks, keys, values, attn_mask=mask, scale=scale,
-                                         enable_gqa=nkv != nh)  # (B*d*n, nh, W, hs)
+    out = softmax_attention(q_blocks, keys, values, mask=mask, scale=scale, softcap=softcap)  # (B*d*n, nh, W, e)
     out = out.unflatten(0, (B, d, n)).permute(0, 3, 2, 4, 1, 5).reshape(B, nh, m * d, -1)  # (B, nh, m*d, e)
     return out[:, :, :T, :hs]
 
@@ -122,7 +125,8 @@ def _block_pairs(x: torch.Tensor, W: int) -> torch.Tensor:
     return pairs.transpose(-1, -2).transpose(1, 2).flatten(0, 1)  # (B*(n-1), h, 2W, hs)
 
 
-def _dilated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, d: int) -> torch.Tensor:
+def _dilated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, d: int,
+             softcap: float | None) -> torch.Tensor:
     B, nh, T, hs = q.shape
     pad = -T % d
     q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
@@ -132,14 +136,14 @@ def _dilated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, d: 
         h = x.shape[1]
         return x.view(B, h, m, d, hs).permute(0, 3, 1, 2, 4).reshape(B * d, h, m, hs)
 
-    out = sliding_window_attention(fold(q), fold(k), fold(v), window, 1)  # (B*d, nh, m, hs)
+    out = sliding_window_attention(fold(q), fold(k), fold(v), window, 1, softcap)  # (B*d, nh, m, hs)
     out = out.view(B, d, nh, m, hs).permute(0, 2, 3, 1, 4).reshape(B, nh, m * d, hs)  # (B, nh, T + pad, hs)
     return out[:, :, :T]
 
 
 @register("sliding")
 @dataclass(frozen=True)
-class SlidingSpec(AttentionSpec):
+class SlidingSpec(ProjectionOptions):
     """Each query sees the last `window` positions, `dilation` apart (so a span of window*dilation),
     and the first `sink_tokens` positions of the sequence."""
 
@@ -147,6 +151,7 @@ class SlidingSpec(AttentionSpec):
     dilation: int = 1
     sink_tokens: int = 0  # the first positions stay visible to every query (StreamingLLM's sinks)
     learned_sink: bool = False  # a per-head logit in the denominator with no value (gpt-oss)
+    softcap: float | None = None  # c: scores become c tanh(s / c) (Gemma 2); the explicit path
 
     examples = {
         "": Example({"window": 3}, n_kv_head=2),  # 3 divides none of the test lengths
@@ -154,14 +159,19 @@ class SlidingSpec(AttentionSpec):
         "sinks": Example({"window": 4, "sink_tokens": 3}, n_kv_head=2),
         "sinks-dilated-learned": Example({"window": 3, "dilation": 2, "sink_tokens": 2, "learned_sink": True},
                                          n_kv_head=1),
+        "gated-qk-norm-softcap": Example({"window": 3, "dilation": 2, "sink_tokens": 1, "gate": "elementwise",
+                                          "qk_norm": True, "softcap": 2.0}, n_kv_head=2),
     }
-    benchmarks = {"": Example({"window": 512}), "sinks": Example({"window": 512, "sink_tokens": 4})}
+    benchmarks = {"": Example({"window": 512}), "sinks": Example({"window": 512, "sink_tokens": 4}),
+                  "softcap": Example({"window": 512, "softcap": 30.0})}
 
     def check(self) -> None:
+        super().check()
         require_int("window", self.window)
         require_int("dilation", self.dilation)
         require_int("sink_tokens", self.sink_tokens, minimum=0)
         require_bool("learned_sink", self.learned_sink)
+        check_softcap(self.softcap, self.learned_sink)
 
     def build(self, shape: LayerShape) -> SlidingWindowAttention:
         return SlidingWindowAttention(self, shape)
@@ -176,17 +186,20 @@ class SlidingWindowAttention(GroupedQKV):
     context_limited = False
 
     def __init__(self, spec: SlidingSpec, shape: LayerShape):
-        super().__init__(shape)
+        super().__init__(shape, **spec.projection_options())
         self.window, self.dilation, self.sink_tokens = spec.window, spec.dilation, spec.sink_tokens
         self.sink_logit = learned_sink_logit(self.n_head, spec.learned_sink)
+        self.softcap = spec.softcap
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.sink_tokens or self.sink_logit is not None:
-            return sliding_with_sinks(q, k, v, self.window, self.dilation, self.sink_tokens, self.sink_logit)
-        return sliding_window_attention(q, k, v, self.window, self.dilation)
+            return sliding_with_sinks(q, k, v, self.window, self.dilation, self.sink_tokens, self.sink_logit,
+                                      self.softcap)
+        return sliding_window_attention(q, k, v, self.window, self.dilation, self.softcap)
 
     def naive_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return naive_sliding_window_attention(q, k, v, self.window, self.dilation, self.sink_tokens, self.sink_logit)
+        return naive_sliding_window_attention(q, k, v, self.window, self.dilation, self.sink_tokens, self.sink_logit,
+                                              self.softcap)
 
     def generation_state(self) -> CacheSpec:
         # Query i reaches back to i - (W-1)*d, so the last (W-1)*d + 1 <= W*d positions suffice;
@@ -210,7 +223,7 @@ class RingKVCache:
 
     def __init__(self, context: GenerationCache, layer: SlidingWindowAttention):
         self.context, self.window, self.dilation = context, layer.window, layer.dilation
-        self.sink_logit = layer.sink_logit
+        self.sink_logit, self.softcap = layer.sink_logit, layer.softcap
         size = layer.window * layer.dilation
         shape = (context.batch_size, layer.n_kv_head, size, layer.head_dim)
         self.k = torch.zeros(shape, dtype=context.dtype, device=context.device)
@@ -237,7 +250,7 @@ class RingKVCache:
             self._keep_sinks(k, v, q_slots)
             keys, values = torch.cat((self.sink_k, keys), dim=2), torch.cat((self.sink_v, values), dim=2)
             mask = torch.cat((self._sink_mask(q_slots), mask.expand(q.shape[0], 1, *visible.shape)), dim=-1)
-        out = masked_attention(q, keys, values, mask, self.sink_logit)
+        out = masked_attention(q, keys, values, mask, self.sink_logit, self.softcap)
         keep = min(T, self.k.shape[2])
         index = q_slots[-keep:] % self.k.shape[2]
         self.k[:, :, index] = k[:, :, -keep:]
@@ -260,7 +273,7 @@ class RingKVCache:
             self._keep_sinks(k, v, pos.view(1))
             keys, values = torch.cat((self.sink_k, keys), dim=2), torch.cat((self.sink_v, values), dim=2)
             mask = torch.cat((self._sink_mask(pos.view(1)), mask), dim=-1)  # (B, 1, 1, S + W*d)
-        return masked_attention(q, keys, values, mask, self.sink_logit)
+        return masked_attention(q, keys, values, mask, self.sink_logit, self.softcap)
 
     def _keep_sinks(self, k: torch.Tensor, v: torch.Tensor, q_slots: torch.Tensor) -> None:
         """Copy the sink tokens among the new slots q_slots (T,) into the sink buffer, in place and
@@ -286,12 +299,12 @@ class RingKVCache:
 
 
 def naive_sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
-                             dilation: int = 1, sink_tokens: int = 0,
-                             sink_logit: torch.Tensor | None = None) -> torch.Tensor:
+                                   dilation: int = 1, sink_tokens: int = 0, sink_logit: torch.Tensor | None = None,
+                                   softcap: float | None = None) -> torch.Tensor:
     """Full masked softmax where query i sees keys j = i - m*dilation, 0 <= m < window, and the
     first `sink_tokens` positions (j <= i)."""
     T = q.shape[2]
     back = torch.arange(T)[:, None] - torch.arange(T)[None, :]  # (T, T): i - j
     visible = (back >= 0) & (back % dilation == 0) & (back // dilation < window)
     visible |= (back >= 0) & (torch.arange(T)[None, :] < sink_tokens)
-    return masked_softmax_attention(q, k, v, visible, sink_logit)
+    return masked_softmax_attention(q, k, v, visible, sink_logit, softcap)

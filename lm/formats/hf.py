@@ -1,11 +1,12 @@
 """Hugging Face `transformers` folders <-> native models.
 
-Softmax MHA/GQA/MQA models are Llama (`LlamaForCausalLM`, `num_key_value_heads`); uniform
-sliding-window models are Mistral (`sliding_window`). The layouts already agree where it
-matters: RoPE uses the rotate-half pairing (i, i + hs/2) in both, and Mistral's window
-(q - W < k <= q) is ours. What differs is only packaging: our fused QKV and gate/up
-projections are split into Llama's separate ones on export and fused again on import
-(lm.formats.weights holds that map).
+Softmax MHA/GQA/MQA models are Llama (`LlamaForCausalLM`, `num_key_value_heads`); with QK-norm
+in every layer they are Qwen3 (its q_norm and k_norm are ours: RMSNorm over the head dimension
+before RoPE, with the model's epsilon); uniform sliding-window models are Mistral
+(`sliding_window`). The layouts already agree where it matters: RoPE uses the rotate-half
+pairing (i, i + hs/2) in all three, and Mistral's window (q - W < k <= q) is ours. What differs
+is only packaging: our fused QKV and gate/up projections are split into Llama's separate ones on
+export and fused again on import (lm.formats.weights holds that map).
 
 Shapes: nh query heads, nkv K/V heads, hs head size, C d_model, F d_ff.
 """
@@ -42,16 +43,34 @@ CONFIG_KEYS = {
 }
 
 
+# Options of ours that change what a layer computes, and why no transformers architecture takes
+# them: naming the option is the whole refusal.
+UNEXPORTABLE = {
+    "gate": "no transformers architecture gates the attention output alone (Qwen3-Next's gated layers "
+            "also bring zero-centred norms and partial RoPE)",
+    "softcap": "Gemma 2, the transformers architecture that caps attention logits, also norms after each "
+               "sublayer, scales the embeddings and caps the final logits, so it computes another model",
+}
+
+
 def hf_architecture(config: ModelConfig) -> tuple[str, int | None]:
-    """('llama', None), ('mistral', window), or a ConfigError naming what transformers lacks."""
+    """('llama', None), ('qwen3', None), ('mistral', window), or a ConfigError naming what
+    transformers lacks."""
     specs = set(config.attention)
+    for spec in specs:
+        for option, why in UNEXPORTABLE.items():
+            if getattr(spec, option, None) not in (None, "none"):
+                raise ConfigError(f"attn.{option}={getattr(spec, option)} cannot be exported to transformers: {why}")
     if specs == {SoftmaxSpec()}:
         return "llama", None
+    if specs == {SoftmaxSpec(qk_norm=True)}:
+        return "qwen3", None
     spec = specs.pop() if len(specs) == 1 else None
     if isinstance(spec, SlidingSpec) and spec == SlidingSpec(window=spec.window):
         return "mistral", spec.window  # undilated, no sinks: exactly Mistral's window
     raise ConfigError(f"attention {config.describe_attention()} has no transformers equivalent; export takes "
-                      "softmax (Llama) and one undilated sliding window in every layer (Mistral)")
+                      "softmax (Llama; with qk_norm, Qwen3) and one undilated sliding window in every layer "
+                      "(Mistral)")
 
 
 def hf_config(config: ModelConfig, **extra):
@@ -64,6 +83,9 @@ def hf_config(config: ModelConfig, **extra):
     if arch == "llama":
         hf = transformers.LlamaConfig(mlp_bias=False, **values)
         hf.architectures = ["LlamaForCausalLM"]
+    elif arch == "qwen3":
+        hf = transformers.Qwen3Config(use_sliding_window=False, **values)
+        hf.architectures = ["Qwen3ForCausalLM"]
     else:
         hf = transformers.MistralConfig(sliding_window=window, **values)
         hf.architectures = ["MistralForCausalLM"]
@@ -106,8 +128,11 @@ def is_hf_folder(path: str | Path) -> bool:
 
 def check_model_type(values: dict, folder: Path) -> str:
     kind = values.get("model_type")
-    if kind not in ("llama", "mistral"):
-        raise CheckpointError(f"{str(folder)!r} holds model_type={kind!r}; import reads llama and mistral")
+    if kind not in ("llama", "mistral", "qwen3"):
+        raise CheckpointError(f"{str(folder)!r} holds model_type={kind!r}; import reads llama, mistral and qwen3")
+    if kind == "qwen3" and values.get("use_sliding_window"):
+        raise CheckpointError(f"{str(folder)!r} is a Qwen3 with use_sliding_window=true; import reads Qwen3 "
+                              "with full attention in every layer")
     return kind
 
 
@@ -135,8 +160,9 @@ def config_from_hf(values: dict, folder: Path) -> ModelConfig:
     fields["rope_theta"] = float(rope.get("rope_theta", values.get("rope_theta", 10000.0)))
     fields["tie_embeddings"] = bool(values.get("tie_word_embeddings", False))
     window = values.get("sliding_window") if kind == "mistral" else None
+    attention = SlidingSpec(window=window) if window else SoftmaxSpec(qk_norm=kind == "qwen3")
     try:
-        return ModelConfig(**fields, attention=SlidingSpec(window=window) if window else SoftmaxSpec())
+        return ModelConfig(**fields, attention=attention)
     except (ValueError, TypeError) as e:
         raise CheckpointError(f"{str(folder)!r} has an unusable config.json: {e}") from None
 
@@ -163,7 +189,7 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
 
 def load_hf(folder: str | Path, device: str | torch.device = "cpu",
             values: dict | None = None) -> tuple[Transformer, Tokenizer]:
-    """(model in eval mode, tokenizer) from a local Llama or Mistral folder (`values`: its
+    """(model in eval mode, tokenizer) from a local Llama, Mistral or Qwen3 folder (`values`: its
     config.json when the caller has read it already). The config is checked against the
     weights before anything is built from it."""
 

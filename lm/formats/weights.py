@@ -42,6 +42,8 @@ LAYER_KEYS: dict[str, str | tuple[str, ...]] = {
     "attn_norm.weight": "input_layernorm.weight",
     "mlp_norm.weight": "post_attention_layernorm.weight",
 }
+# Qwen3's per-head norms of q and k, for layers with QK-norm (lm.attention.projections).
+QK_NORM_KEYS = {"attn.q_norm": "self_attn.q_norm.weight", "attn.k_norm": "self_attn.k_norm.weight"}
 MODEL_KEYS = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
               "head.weight": "lm_head.weight"}
 
@@ -57,8 +59,9 @@ def key_map(config: ModelConfig) -> dict[str, str | tuple[str, ...]]:
     names = dict(MODEL_KEYS)
     if config.tie_embeddings:
         del names["head.weight"]  # transformers ties lm_head to the embedding itself
-    for i in range(config.n_layer):
-        for ours, theirs in LAYER_KEYS.items():
+    for i, spec in enumerate(config.attention):
+        layer_keys = {**LAYER_KEYS, **QK_NORM_KEYS} if getattr(spec, "qk_norm", False) else LAYER_KEYS
+        for ours, theirs in layer_keys.items():
             prefix = f"model.layers.{i}."
             names[f"blocks.{i}.{ours}"] = (tuple(prefix + t for t in theirs) if isinstance(theirs, tuple)
                                            else prefix + theirs)
@@ -66,7 +69,7 @@ def key_map(config: ModelConfig) -> dict[str, str | tuple[str, ...]]:
 
 
 def to_hf_state_dict(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our state dict -> transformers' Llama/Mistral state dict (fused weights cut apart)."""
+    """Our state dict -> transformers' Llama/Mistral/Qwen3 state dict (fused weights cut apart)."""
     out = {}
     for ours, theirs in key_map(config).items():
         if isinstance(theirs, tuple):
@@ -77,7 +80,7 @@ def to_hf_state_dict(state: dict[str, torch.Tensor], config: ModelConfig) -> dic
 
 
 def from_hf_state_dict(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """transformers' Llama/Mistral state dict -> ours (separate matrices fused in row order).
+    """transformers' Llama/Mistral/Qwen3 state dict -> ours (separate matrices fused in row order).
     A missing weight raises KeyError naming transformers' key."""
     state = {}
     for ours, theirs in key_map(config).items():

@@ -70,7 +70,7 @@ class ModelConfig:
         return self.n_head // self.n_kv_head
 
     def layer_shape(self, layer_idx: int) -> LayerShape:
-        return LayerShape(self.d_model, self.n_head, self.n_kv_head, self.head_dim, layer_idx)
+        return LayerShape(self.d_model, self.n_head, self.n_kv_head, self.head_dim, layer_idx, self.norm_eps)
 
     def kinds(self) -> list[str]:
         return [spec.kind for spec in self.attention]

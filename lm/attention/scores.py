@@ -1,0 +1,65 @@
+"""The softmax over scores every softmax-based kind calls, and the options that change it.
+
+Shapes: B batch, T queries, S keys, nh query heads, nkv K/V heads, g = nh / nkv, hs head size.
+
+`softmax_attention` is PyTorch's fused scaled_dot_product_attention (SDPA: no T x S scores in
+memory on its flash kernels) unless the layer caps its logits. **Logit softcapping** (Gemma 2,
+Team Gemma 2024) turns each score s into c tanh(s / c) before the softmax, which SDPA cannot
+express, so those layers take the explicit path below: the scores of one K/V group at a time are
+formed, capped, masked and normalised in float32. It is chosen by the option, never detected,
+and its cost shows in `scripts/bench.py attention` as the `softcap` rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from lm.util.checks import require_positive
+from lm.util.errors import ConfigError
+
+
+def check_softcap(softcap: float | None, learned_sink: bool = False) -> None:
+    """None (no cap) or a positive number; a learned sink's logit would be capped with the scores."""
+    if softcap is None:
+        return
+    require_positive("softcap", softcap)
+    if not math.isfinite(softcap):
+        raise ConfigError(f"softcap={softcap!r} must be finite; null turns capping off")
+    if learned_sink:
+        raise ConfigError(f"softcap={softcap!r} with learned_sink=true: the sink's logit would be capped "
+                          "with the scores; choose one")
+
+
+def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                      causal: bool = False, scale: float | None = None,
+                      softcap: float | None = None) -> torch.Tensor:
+    """q (B, nh, T, hs) over k, v (B, nkv, S, hs) -> (B, nh, T, hs), with SDPA's arguments: a boolean
+    `mask` broadcastable to (B, 1, T, S) (True: seen), or `causal` (query t sees keys 0..t), and
+    `scale` (None: 1/sqrt(hs)). With `softcap` the scores are capped first (the explicit path)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                              enable_gqa=k.shape[1] != q.shape[1])
+    return softcapped_attention(q, k, v, softcap, mask, causal, scale)
+
+
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softcap: float,
+                         mask: torch.Tensor | None = None, causal: bool = False,
+                         scale: float | None = None) -> torch.Tensor:
+    """softmax(c tanh(q.k scale / c)) v, the query heads of each K/V group sharing its keys by
+    broadcasting (no copies of K and V). Scores (B, nkv, g, T, S) are held: memory grows as T x S."""
+    B, nh, T, hs = q.shape
+    nkv, S = k.shape[1], k.shape[2]
+    scale = 1 / math.sqrt(hs) if scale is None else scale
+    grouped = q.unflatten(1, (nkv, nh // nkv))  # (B, nkv, g, T, hs)
+    scores = (grouped @ k[:, :, None].transpose(-2, -1)).to(torch.promote_types(q.dtype, torch.float32))
+    scores = softcap * torch.tanh(scores * (scale / softcap))  # (B, nkv, g, T, S)
+    if causal:  # SDPA's rule: the top-left triangle, query t sees keys 0..t
+        scores = scores.masked_fill(~torch.ones(T, S, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+    if mask is not None:
+        seen = mask.unsqueeze(2) if mask.dim() == 4 else mask  # (B, 1, T, S) -> (B, 1, 1, T, S): every head of a group
+        scores = scores.masked_fill(~seen, float("-inf"))
+    out = scores.softmax(dim=-1).to(v.dtype) @ v[:, :, None]  # (B, nkv, g, T, hs)
+    return out.flatten(1, 2)  # (B, nh, T, hs)
