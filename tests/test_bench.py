@@ -9,7 +9,7 @@ import pytest
 
 from lm.attention import LayerShape, SlidingSpec, SoftmaxSpec, available_kinds
 from lm.attention.lowrank import LowRankSpec
-from lm.studies.bench import attention_layer, attention_rows
+from lm.studies.bench import attention_layer, attention_rows, build_parser, variant_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -100,3 +100,14 @@ def test_bench_decode_prints_every_contender_with_the_same_tokens():
     # transformers and lm decode the same weights: the same greedy tokens, eager and compiled
     assert all(rows[name][-1] == "True" for name in ("transformers eager", "transformers static+compile",
                                                      "lm compiled"))
+
+
+def test_train_variants_are_softmax_options_checked_before_any_model_is_built(capsys):
+    assert variant_spec("gate=elementwise,qk_norm=true,softcap=30") == SoftmaxSpec(gate="elementwise", qk_norm=True,
+                                                                                   softcap=30)
+    assert variant_spec("softcap=2.5").softcap == 2.5
+    for bad, message in [("gate=sigmoid", "gate='sigmoid' is not one of"), ("qk_norm", "must be option=value"),
+                         ("window=8", "attention kind 'softmax' does not take option(s) ['window']")]:
+        with pytest.raises(SystemExit) as exit_:
+            build_parser().parse_args(["train", "--variants", bad])
+        assert exit_.value.code == 2 and message in capsys.readouterr().err

@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from lm import ModelConfig, Transformer
-from lm.attention import AttentionSpec, Example, LayerShape, LinearSpec, SoftmaxSpec, example_rows
+from lm.attention import AttentionSpec, Example, LayerShape, LinearSpec, SoftmaxSpec, example_rows, spec_from_dict
+from lm.util.errors import ConfigError
 
 # The reference shape named in the README and the issues.
 REFERENCE = dict(vocab_size=8192, n_layer=6, d_model=384, n_head=6, n_kv_head=2, d_ff=1024,
@@ -66,10 +67,38 @@ def train_step_fn(model: torch.nn.Module, logits_of):
     return step
 
 
+def option_value(text: str):
+    """A `--variants` value as the Hydra override would read it: true/false, a number, or a word."""
+    if text in ("true", "false"):
+        return text == "true"
+    try:
+        return float(text) if any(c in text for c in ".e") else int(text)
+    except ValueError:
+        return text
+
+
+def variant_spec(variant: str) -> SoftmaxSpec:
+    """'gate=elementwise,qk_norm=true' -> the reference's softmax spec with those options."""
+    pairs = [item.partition("=") for item in variant.split(",")]
+    if any(not key or not sep for key, sep, _ in pairs):
+        raise ConfigError(f"--variants entry {variant!r} must be option=value[,option=value...]")
+    return spec_from_dict({"kind": "softmax", **{key: option_value(value) for key, _, value in pairs}})
+
+
+def checked_variant(variant: str) -> str:
+    """argparse's type for --variants: refused at parsing, before any model is built."""
+    try:
+        variant_spec(variant)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return variant
+
+
 def bench_train(args) -> None:
     torch.manual_seed(0)
     cfg = ModelConfig(**REFERENCE)
     ours = Transformer(cfg)
+    models = {"lm": ours}
     contenders = {
         "lm": train_step_fn(ours, lambda m, x: m(x)),
         "transformers": train_step_fn(hf_llama(cfg), lambda m, x: m(input_ids=x).logits),
@@ -79,6 +108,9 @@ def bench_train(args) -> None:
         twin.load_state_dict(ours.state_dict())
         compiled = torch.compile(twin)
         contenders["lm compiled"] = train_step_fn(twin, lambda m, x: compiled(x))
+    for variant in args.variants:  # the same shape with attention options: gate, qk_norm, softcap ...
+        models[variant] = Transformer(ModelConfig(**REFERENCE, attention=variant_spec(variant)))
+        contenders[variant] = train_step_fn(models[variant], lambda m, x: m(x))
     batch = torch.randint(0, cfg.vocab_size, (args.batch, cfg.max_seq_len + 1))
     first_step = {}
     for name, step in contenders.items():
@@ -94,19 +126,22 @@ def bench_train(args) -> None:
 
     peak = matmul_peak_flops()
     tokens = args.batch * cfg.max_seq_len
-    flops_per_step = ours.flops_per_token(cfg.max_seq_len) * tokens
+    flops_per_step = {name: models.get(name, ours).flops_per_token(cfg.max_seq_len) * tokens for name in contenders}
     print(f"training step, fp32, {torch.get_num_threads()} threads: vocab {cfg.vocab_size}, {cfg.n_layer} layers, "
           f"d_model {cfg.d_model}, {cfg.n_head} heads / {cfg.n_kv_head} KV, SwiGLU {cfg.d_ff}, "
           f"seq {cfg.max_seq_len}, batch {args.batch}, tied embeddings; {args.steps} steps each")
     print(f"measured fp32 matmul peak: {peak / 1e9:.0f} GFLOP/s")
-    print(f"{'':14}{'median step s':>14}{'tokens/s':>10}{'MFU':>7}{'first step s':>14}")
+    width = max(14, *(len(name) + 2 for name in contenders))
+    print(f"{'':{width}}{'median step s':>14}{'tokens/s':>10}{'MFU':>7}{'first step s':>14}")
     medians = {name: statistics.median(t) for name, t in times.items()}
     for name, seconds in medians.items():
-        print(f"{name:14}{seconds:14.3f}{tokens / seconds:10.0f}{flops_per_step / seconds / peak:7.1%}"
+        print(f"{name:{width}}{seconds:14.3f}{tokens / seconds:10.0f}{flops_per_step[name] / seconds / peak:7.1%}"
               f"{first_step[name]:14.1f}")
     for name in medians:
-        if name != "transformers":
+        if name in ("lm", "lm compiled"):
             print(f"{name} / transformers tokens/s: {medians['transformers'] / medians[name]:.2f}x")
+    for variant in args.variants:
+        print(f"{variant} / lm tokens/s: {medians['lm'] / medians[variant]:.2f}x")
 
 
 # ---------------------------------------------------------------------------- attention
@@ -529,6 +564,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--warmup", type=int, default=2, help="unmeasured steps per contender first")
     train.add_argument("--batch", type=int, default=8)
     train.add_argument("--no-compile", dest="compile", action="store_false", help="skip the compiled contender")
+    train.add_argument("--variants", nargs="+", type=checked_variant, default=[], metavar="OPTIONS",
+                       help="more contenders: the same model with softmax options, e.g. gate=elementwise,qk_norm=true")
     train.set_defaults(run=bench_train)
     attention = sub.add_parser("attention", help="time and peak memory of each attention kind against N")
     attention.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
