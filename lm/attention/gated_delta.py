@@ -91,10 +91,13 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: to
     chunk_decay = gamma[..., -1].exp()[..., None, None]  # (B, nkv, N, 1, 1)
 
     outputs = []
-    for n in range(N):  # only the state crosses chunks
-        u = w_v[:, :, n] - w_k[:, :, n] @ S  # (B, nkv, C, hv)
-        outputs.append(q_decayed[:, :, n] @ S + scores[:, :, n] @ u)  # (B, nkv, gC, hv)
-        S = chunk_decay[:, :, n] * S + k_to_end[:, :, n].transpose(-1, -2) @ u  # (B, nkv, hs, hv)
+    # Chunks taken apart once with unbind: indexing chunk n inside the loop would give each index
+    # its own full-size gradient in the backward pass, N times the memory traffic of the whole.
+    per_chunk = (t.unbind(2) for t in (w_v, w_k, q_decayed, scores, k_to_end, chunk_decay))
+    for w_v_n, w_k_n, q_n, scores_n, k_end_n, decay_n in zip(*per_chunk, strict=True):  # only S crosses chunks
+        u = w_v_n - w_k_n @ S  # (B, nkv, C, hv)
+        outputs.append(q_n @ S + scores_n @ u)  # (B, nkv, gC, hv)
+        S = decay_n * S + k_end_n.transpose(-1, -2) @ u  # (B, nkv, hs, hv)
     out = torch.stack(outputs, dim=2).view(B, nkv, N, group, C, hv)  # (B, nkv, N, g, C, hv)
     out = out.transpose(2, 3).reshape(B, nh, N * C, hv)[:, :, :T]  # (B, nh, T, hv)
     return out.to(in_dtype), S
