@@ -38,6 +38,7 @@ class SoftmaxSpec(ProjectionOptions):
                 "headwise-softcap": Example({"gate": "headwise", "softcap": 2.0}, n_kv_head=1)}
     benchmarks = {"mha": Example(n_kv_head=ALL_HEADS), "gqa": Example(n_kv_head=2), "mqa": Example(n_kv_head=1),
                   "learned-sink": Example({"learned_sink": True}),
+                  "gated-qk-norm": Example({"gate": "elementwise", "qk_norm": True}, n_kv_head=2, longest=4096),
                   "softcap": Example({"softcap": 30.0}, longest=8192)}  # scores T x T in memory
 
     def check(self) -> None:
