@@ -242,7 +242,7 @@ def bench_attention(args) -> None:
           f"batch 1, d_model {args.d_model}; measured fp32 matmul peak {peak / 1e9:.0f} GFLOP/s")
     # Times first, with the allocator as every program has it; then the memory peaks, with the
     # allocator made to map and unmap every block (exact_resident_memory), which costs page faults.
-    print(f"{'kind':18}{'N':>7}{'fwd s':>9}{'fwd+bwd s':>11}{'fwd GFLOP/s':>13}{'of peak':>9}")
+    print(f"{'kind':24}{'N':>7}{'fwd s':>9}{'fwd+bwd s':>11}{'fwd GFLOP/s':>13}{'of peak':>9}")
     for name, spec, n_kv_head, heads, n in cases:
         torch.manual_seed(0)
         module, shape = attention_layer(spec, n_kv_head, args.d_model, heads)
@@ -251,15 +251,15 @@ def bench_attention(args) -> None:
         gflops = spec.flops(n, heads, shape.n_kv_head, shape.head_dim) / fwd_s / 1e9
         rows.append({"kind": name, "n_head": heads, "n_kv_head": shape.n_kv_head, "seq_len": n, "forward_s": fwd_s,
                      "forward_backward_s": bwd_s, "forward_gflops": gflops, "forward_of_peak": gflops * 1e9 / peak})
-        print(f"{name:18}{n:7}{fwd_s:9.4f}{bwd_s:11.4f}{gflops:13.1f}{gflops * 1e9 / peak:9.1%}", flush=True)
+        print(f"{name:24}{n:7}{fwd_s:9.4f}{bwd_s:11.4f}{gflops:13.1f}{gflops * 1e9 / peak:9.1%}", flush=True)
     exact_resident_memory()
-    print(f"{'kind':18}{'N':>7}{'fwd MB':>9}{'fwd+bwd MB':>12}   (peak resident memory above the inputs)")
+    print(f"{'kind':24}{'N':>7}{'fwd MB':>9}{'fwd+bwd MB':>12}   (peak resident memory above the inputs)")
     for row, (name, spec, n_kv_head, heads, n) in zip(rows, cases, strict=True):
         torch.manual_seed(0)
         module, shape = attention_layer(spec, n_kv_head, args.d_model, heads)
         row["forward_peak_mb"] = time_attention(module, shape, n, backward=False, repeats=1)[1] / 2**20
         row["forward_backward_peak_mb"] = time_attention(module, shape, n, backward=True, repeats=1)[1] / 2**20
-        print(f"{name:18}{n:7}{row['forward_peak_mb']:9.1f}{row['forward_backward_peak_mb']:12.1f}", flush=True)
+        print(f"{name:24}{n:7}{row['forward_peak_mb']:9.1f}{row['forward_backward_peak_mb']:12.1f}", flush=True)
     csv_path = out_dir / "attention.csv"
     with open(csv_path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -394,7 +394,7 @@ def bench_generate(args) -> None:
     header = "".join(f"{f'tok/s @{n}':>12}" for n in args.new_tokens)
     header += "".join(f"{f'ms @pos {p}':>13}" for p in args.positions)
     header += f"{'latency ratio':>15}{'cache bytes/token':>19}{'cache @' + str(max_len - 1):>14}"
-    print(f"{'kind':18}{'kv heads':>9}{header}")
+    print(f"{'kind':24}{'kv heads':>9}{header}")
     rates: dict[str, dict[int, float]] = {}
     rows_of = attention_rows()
     for name in args.kinds:
@@ -411,7 +411,7 @@ def bench_generate(args) -> None:
         per_token = total / tokens
         cells = "".join(f"{rates[name][n]:12.1f}" for n in args.new_tokens)
         cells += "".join(f"{t * 1e3:13.2f}" for t in latency)
-        print(f"{name:18}{n_kv_head:9}{cells}{latency[-1] / latency[0]:15.2f}{per_token:19,.0f}{total:14,}", flush=True)
+        print(f"{name:24}{n_kv_head:9}{cells}{latency[-1] / latency[0]:15.2f}{per_token:19,.0f}{total:14,}", flush=True)
     if args.compare:
         hf = hf_llama(ModelConfig(**{**REFERENCE, "max_seq_len": max_len})).eval()
         hf.generation_config.eos_token_id = None
@@ -423,7 +423,7 @@ def bench_generate(args) -> None:
 
         hf_rates = {n: n / decode_seconds(lambda n=n: hf_generate(n), args.repeats) for n in args.new_tokens}
         cells = "".join(f"{hf_rates[n]:12.1f}" for n in args.new_tokens)
-        print(f"{'transformers':18}{2:9}{cells}   (LlamaForCausalLM.generate, gqa shape, SDPA, cache on)")
+        print(f"{'transformers':24}{2:9}{cells}   (LlamaForCausalLM.generate, gqa shape, SDPA, cache on)")
         for n in args.new_tokens:
             if GQA in rates:
                 print(f"lm gqa / transformers decode tokens/s at {n} new tokens: {rates[GQA][n] / hf_rates[n]:.2f}x")
