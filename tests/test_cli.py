@@ -110,6 +110,8 @@ def test_hydras_console_does_not_repeat_what_a_library_printed_itself(capsys):
 def test_stop_strings_typed_as_in_the_readme_mean_newlines():
     # The shell hands `stop=["\n\n"]` over as backslash-n; Hydra keeps it so.
     assert read_stop_strings(["\\n\\n", "a\\tb", "c\\\\n"]) == ["\n\n", "a\tb", "c\\n"]
+    assert read_stop_strings("ef") == ["ef"]  # stop=ef typed without brackets: one string, not 'e' and 'f'
+    assert read_stop_strings(None) == []
     with pytest.raises(GenerationError, match="empty string"):
         read_stop_strings(["x", ""])
 

@@ -153,6 +153,8 @@ def test_an_unknown_kind_is_one_line_before_any_work(tmp_path):
     (["mqar.widths=[30]"], "d_model=30"),
     (["kinds=[mha,mha]"], "kinds names \\['mha'\\] more than once"),
     (["extra_kinds=[{name: x, attn: linear, feature_map: cosine}]"], "cosine"),
+    (["extra_kinds=[5]"], "extra_kinds entry 5 must be a kind's name or {name: ..., attn: ..., option: ...}"),
+    (["kinds={a: 1}"], "kinds={'a': 1} must be a list, e.g. kinds=\\[a,b\\]"),
 ])
 def test_bad_settings_are_refused_before_training(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -168,3 +170,8 @@ def test_registered_kinds_join_the_default_list_and_yaml_kinds_keep_their_config
     # the decoding figures depend on `speed` as well as on the run: an lm record's settings hold both
     assert all(s["speed"] == {"contexts": [128, 256], "new_tokens": 8} for s in lm_arms.values())
     assert all(arm.settings["run_name"] == arm.name for arm in arms)
+
+
+def test_a_kind_typed_without_brackets_is_one_kind_not_its_letters():
+    arms = planned("preset=quick", "kinds=mha", "extra_kinds=linear")
+    assert {arm.labels["kind"] for arm in arms} == {"mha", "linear"}

@@ -14,6 +14,7 @@ from lm.data.tokenizer import EOT
 from lm.formats.checkpoint import load
 from lm.generation.decode import Generation, Sampling
 from lm.generation.quantize import quantize_int8, weight_bytes
+from lm.util.checks import as_list
 from lm.util.errors import GenerationError
 from lm.util.paths import resolve_path
 
@@ -47,7 +48,7 @@ ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
 def read_stop_strings(stop) -> list[str]:
     """The stop strings as the user meant them: `stop=["\\n\\n"]` reaches us as backslash, n
     (Hydra keeps escapes literal), so \\n, \\t, \\r and \\\\ are read as the characters they name."""
-    strings = [re.sub(r"\\([ntr\\])", lambda m: ESCAPES[m.group(1)], str(s)) for s in stop or []]
+    strings = [re.sub(r"\\([ntr\\])", lambda m: ESCAPES[m.group(1)], str(s)) for s in as_list("stop", stop)]
     if any(not s for s in strings):
         raise GenerationError("stop=[...] holds an empty string, which would stop before the first token")
     return strings

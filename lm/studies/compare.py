@@ -37,6 +37,7 @@ from lm.studies.engine import Arm, machine, run_arms
 from lm.studies.evaluate import score, split_documents, token_stream
 from lm.studies.report import comparison_table, lm_loss_plot, mqar_plot, write_results
 from lm.training.run import model_config_from, train
+from lm.util.checks import as_list
 from lm.util.paths import resolve_path
 
 PEERS = ["mha", "mqa", "gqa"]  # the softmax kind at three K/V head counts
@@ -63,9 +64,13 @@ def study_entries(cfg: DictConfig) -> list[Entry]:
     """The kinds to compare: `kinds` (null: MHA, MQA, GQA, then every other registered kind at its
     defaults) followed by `extra_kinds`. A kind registered later joins without an edit here."""
     configs = attn_configs()
-    names = list(cfg.kinds) if cfg.kinds is not None else PEERS + [k for k in available_kinds() if k != "softmax"]
+    default = PEERS + [k for k in available_kinds() if k != "softmax"]
+    names = as_list("kinds", cfg.kinds) if cfg.kinds is not None else default
     entries = [_entry(name, {}, configs) for name in names]
-    for extra in cfg.get("extra_kinds") or []:
+    for extra in as_list("extra_kinds", cfg.get("extra_kinds")):
+        if not isinstance(extra, (str, DictConfig)):
+            raise ConfigError(f"extra_kinds entry {extra!r} must be a kind's name or "
+                              "{name: ..., attn: ..., option: ...}")
         extra = OmegaConf.to_container(extra, resolve=True) if not isinstance(extra, str) else {"attn": extra}
         base = extra.pop("attn", None)
         name = extra.pop("name", None) or base

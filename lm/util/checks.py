@@ -3,7 +3,7 @@ naming the field and the value it got."""
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from lm.util.errors import ConfigError
@@ -32,3 +32,15 @@ def require_bool(name: str, value: Any) -> None:
 def require_choice(name: str, value: Any, choices: Collection[str]) -> None:
     if value not in choices:
         raise ConfigError(f"{name}={value!r} is not one of {sorted(choices)}")
+
+
+def as_list(name: str, value: Any) -> list:
+    """A setting that takes a list, as the user meant it: null is empty, and a bare value typed
+    without brackets (`stop=ef`, `kinds=mha`) is a list of that one value, never its characters."""
+    if value is None:
+        return []
+    if isinstance(value, (str, int, float, bool)):
+        return [value]
+    if isinstance(value, Mapping) or not hasattr(value, "__iter__"):
+        raise ConfigError(f"{name}={value!r} must be a list, e.g. {name}=[a,b]")
+    return list(value)
