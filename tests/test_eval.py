@@ -81,3 +81,56 @@ def test_eval_script_bad_input_is_one_line(args, message, tmp_path):
                           f"out={tmp_path / 'x.json'}"], capture_output=True, text=True, timeout=180)
     assert run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1 and message in run.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("batch_size=-1", "batch_size=-1 must be an integer >= 1"),  # once scored nothing and wrote loss 0
+    ("batch_size=0", "batch_size=0 must be an integer >= 1"),
+    ("batch_size=1.5", "batch_size=1.5 must be an integer >= 1"),
+    ("batch_size=abc", "batch_size='abc' must be an integer >= 1"),
+    ("data.val_fraction=abc", "data.val_fraction='abc' must be a number between 0 and 1"),
+    ("data.val_fraction=1.5", "data.val_fraction=1.5 must be a number between 0 and 1"),
+    ("device=tpu", "device='tpu' is not cpu, cuda or mps"),
+])
+def test_eval_settings_are_refused_before_the_checkpoint_loads(override, message, tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from lm.studies.evaluate import evaluate
+    from lm.util.errors import ConfigError
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="eval", overrides=[f"ckpt={tmp_path / 'none.ckpt'}", override])
+    with pytest.raises(ConfigError) as error:  # the checkpoint does not exist: the check came first
+        evaluate(cfg)
+    assert str(error.value) == message
+
+
+def test_weights_too_large_for_float32_are_refused_at_load(tmp_path):
+    """Finite weights of 1e30 once loaded, gave all-zero logits and a loss of exactly ln(vocab)."""
+    from lm.formats.checkpoint import save_checkpoint
+    from lm.util.errors import CheckpointError
+
+    model, tokenizer = lm.load(FIXTURE)
+    state = {name: t * 1e30 if t.dim() == 2 else t for name, t in model.state_dict().items()}
+    ckpt = save_checkpoint(tmp_path / "run" / "last.ckpt", state, model.config, tokenizer.to_str())
+    with pytest.raises(CheckpointError, match=r"with a weight of magnitude .*e\+29, beyond 1e\+06"):
+        lm.load(ckpt)
+
+
+def test_a_non_finite_loss_is_refused_and_nothing_is_written(tmp_path, monkeypatch):
+    from hydra import compose, initialize_config_dir
+
+    import lm.studies.evaluate as evaluation
+    from lm.util.errors import DataError
+
+    overflowing = evaluation.Score(tokens=10, bytes=40, nll_nats=float("inf"), documents=1)
+    monkeypatch.setattr(evaluation, "score", lambda *args, **kwargs: overflowing)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.py").write_text("def f(x):\n    return x + 1\n" * 20)
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="eval", overrides=[f"ckpt={FIXTURE}", "data=text", f"data.paths=[{corpus}]",
+                                                     "split=all", f"out={tmp_path / 'x.json'}", "progress_bar=false"])
+    with pytest.raises(DataError, match="is inf: the model's outputs overflow"):
+        evaluation.evaluate(cfg)
+    assert not (tmp_path / "x.json").exists()

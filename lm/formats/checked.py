@@ -41,10 +41,15 @@ def check_size_against_weights(values: dict, weights: dict, what: str, layer_pre
                               f"{embedding} has shape {shape}")
 
 
+# Trained weights stay within a few hundred; a product of two layers' weights of 1e6 is already 1e12,
+# and a few more overflow float32 (3.4e38), leaving a model whose every output is 0 or NaN.
+MAX_WEIGHT = 1e6
+
+
 def build_checked(config: ModelConfig, state: dict[str, torch.Tensor], what: str) -> Transformer:
     """The model with `state` loaded, after comparing every name and shape with the config's
     (the model is laid out on the meta device first, which allocates nothing) and refusing
-    weights that are not finite."""
+    weights that are not finite or too large to compute with in float32."""
     with torch.device("meta"):
         skeleton = Transformer(config)
     expected = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
@@ -60,6 +65,10 @@ def build_checked(config: ModelConfig, state: dict[str, torch.Tensor], what: str
             raise CheckpointError(f"{what} holds {name} as {tensor.dtype}, not floating point")
         if not torch.isfinite(tensor).all():
             raise CheckpointError(f"{what} holds NaN or infinite values in {name}")
+        largest = tensor.abs().max().item() if tensor.numel() else 0.0
+        if largest > MAX_WEIGHT:
+            raise CheckpointError(f"{what} holds {name} with a weight of magnitude {largest:.3g}, beyond "
+                                  f"{MAX_WEIGHT:g}: its activations would overflow float32")
     model = Transformer(config)
     model.load_state_dict(state)
     return model

@@ -7,14 +7,13 @@ import re
 import sys
 from typing import TextIO
 
-import torch
 from omegaconf import DictConfig
 
 from lm.data.tokenizer import EOT
 from lm.formats.checkpoint import load
 from lm.generation.decode import Generation, Sampling
 from lm.generation.quantize import quantize_int8, weight_bytes
-from lm.util.checks import as_list
+from lm.util.checks import as_list, check_device
 from lm.util.errors import GenerationError
 from lm.util.paths import resolve_path
 
@@ -59,11 +58,7 @@ def check_run_settings(cfg: DictConfig) -> None:
     seed = cfg.seed
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
         raise GenerationError(f"seed={seed!r} must be null or an integer from 0 to 2**63-1")
-    device = str(cfg.device)
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise GenerationError(f"device={device!r}: this torch has no CUDA device; use device=cpu")
-    if device.split(":")[0] not in ("cpu", "cuda", "mps"):
-        raise GenerationError(f"device={device!r} is not cpu, cuda or mps")
+    check_device(cfg.device)
     if cfg.quantize not in (None, "int8"):
         raise GenerationError(f"quantize={cfg.quantize!r} must be null or int8")
     if not isinstance(cfg.compile, bool):

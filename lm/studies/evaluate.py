@@ -120,16 +120,24 @@ def evaluate(cfg) -> dict:
 
     from lm.data.corpora import build_corpus
     from lm.formats.checkpoint import load
+    from lm.util.checks import check_device, require_fraction, require_int
     from lm.util.files import write_atomically
     from lm.util.paths import resolve_path
 
     if cfg.split not in SPLITS:
         raise DataError(f"split={cfg.split!r} is not one of {list(SPLITS)}")
+    require_int("batch_size", cfg.batch_size)
+    val_fraction = cfg.data.get("val_fraction", 0.05)
+    require_fraction("data.val_fraction", val_fraction)
+    check_device(cfg.device)
     path = resolve_path(cfg.ckpt)
     model, tokenizer = load(path, device=cfg.device)
     corpus = build_corpus(cfg.data)
-    texts = split_documents(corpus, cfg.split, float(cfg.data.get("val_fraction", 0.05)))
+    texts = split_documents(corpus, cfg.split, float(val_fraction))
     result = score(model, *token_stream(texts, tokenizer), batch_size=cfg.batch_size, progress=cfg.progress_bar)
+    if not math.isfinite(result.loss):  # weights that overflow in fp32: no number to report
+        raise DataError(f"the loss on {corpus.name} is {result.loss}: the model's outputs overflow, so there is "
+                        "no perplexity to write")
     record = {"checkpoint": str(path), "corpus": corpus.name, "split": cfg.split, **result.record()}
     out = resolve_path(cfg.out) if cfg.out else (path if path.is_dir() else path.parent) / \
         f"eval-{corpus.name.replace(':', '_').replace('/', '_')}-{cfg.split}.json"

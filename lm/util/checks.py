@@ -44,3 +44,23 @@ def as_list(name: str, value: Any) -> list:
     if isinstance(value, Mapping) or not hasattr(value, "__iter__"):
         raise ConfigError(f"{name}={value!r} must be a list, e.g. {name}=[a,b]")
     return list(value)
+
+
+def require_fraction(name: str, value: Any) -> None:
+    """A number strictly between 0 and 1."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+        raise ConfigError(f"{name}={value!r} must be a number between 0 and 1")
+
+
+def check_device(device: Any) -> None:
+    """cpu, cuda[:n] where this torch has CUDA, or mps where it has MPS, before anything loads."""
+    import torch
+
+    name = str(device)
+    kind = name.split(":")[0]
+    if kind not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"device={name!r} is not cpu, cuda or mps")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={name!r}: this torch has no CUDA device; use device=cpu")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"device={name!r}: this torch has no MPS device; use device=cpu")
