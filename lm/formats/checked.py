@@ -5,6 +5,7 @@ with one-line errors. Shared by the native checkpoint and the transformers reade
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -63,9 +64,9 @@ def build_checked(config: ModelConfig, state: dict[str, torch.Tensor], what: str
     for name, tensor in state.items():
         if not tensor.is_floating_point():
             raise CheckpointError(f"{what} holds {name} as {tensor.dtype}, not floating point")
-        if not torch.isfinite(tensor).all():
+        largest = tensor.abs().max().item() if tensor.numel() else 0.0  # NaN propagates through max
+        if not math.isfinite(largest):
             raise CheckpointError(f"{what} holds NaN or infinite values in {name}")
-        largest = tensor.abs().max().item() if tensor.numel() else 0.0
         if largest > MAX_WEIGHT:
             raise CheckpointError(f"{what} holds {name} with a weight of magnitude {largest:.3g}, beyond "
                                   f"{MAX_WEIGHT:g}: its activations would overflow float32")

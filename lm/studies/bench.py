@@ -67,22 +67,20 @@ def train_step_fn(model: torch.nn.Module, logits_of):
     return step
 
 
-def option_value(text: str):
-    """A `--variants` value as the Hydra override would read it: true/false, a number, or a word."""
-    if text in ("true", "false"):
-        return text == "true"
-    try:
-        return float(text) if any(c in text for c in ".e") else int(text)
-    except ValueError:
-        return text
-
-
 def variant_spec(variant: str) -> SoftmaxSpec:
-    """'gate=elementwise,qk_norm=true' -> the reference's softmax spec with those options."""
-    pairs = [item.partition("=") for item in variant.split(",")]
-    if any(not key or not sep for key, sep, _ in pairs):
+    """'gate=elementwise,qk_norm=true' -> the reference's softmax spec with those options, each value
+    read by Hydra's override parser, as `attn.<option>=<value>` would be on a training command."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    items = variant.split(",")
+    if any("=" not in item or item.startswith("=") for item in items):
         raise ConfigError(f"--variants entry {variant!r} must be option=value[,option=value...]")
-    return spec_from_dict({"kind": "softmax", **{key: option_value(value) for key, _, value in pairs}})
+    try:
+        overrides = OverridesParser.create().parse_overrides(items)
+    except HydraException as e:
+        raise ConfigError(f"--variants entry {variant!r}: {str(e).strip().splitlines()[0]}") from None
+    return spec_from_dict({"kind": "softmax", **{o.key_or_group: o.value() for o in overrides}})
 
 
 def checked_variant(variant: str) -> str:
