@@ -80,10 +80,10 @@ def test_every_benchmark_row_times_its_op_on_the_inputs_it_names(row):
     """What the attention benchmark runs for a row, at N = 96: the op's output has a query head's
     shape at every position, and the backward reaches every input."""
     spec, example = attention_rows()[row]
-    module, shape = attention_layer(spec, example.kv_heads(4, 4), 64, 4)
+    module, shape = attention_layer(spec, example.kv_heads(4, 4), 128, 4)  # head size 32: room for MLA's defaults
     op, inputs = module.benchmark_op(96, requires_grad=True)
     out = op(*inputs)
-    assert out.shape == (1, 4, 96, 16)
+    assert out.shape == (1, 4, 96, 32)
     out.sum().backward()
     assert all(t.grad is not None and t.grad.abs().sum() > 0 for t in inputs)
 

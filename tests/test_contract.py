@@ -27,7 +27,7 @@ from lm.attention import (
 )
 from lm.attention.cache import GenerationCache
 
-SHAPE = LayerShape(d_model=32, n_head=4, n_kv_head=2, head_dim=8, layer_idx=0)
+SHAPE = LayerShape(d_model=128, n_head=4, n_kv_head=2, head_dim=32, layer_idx=0)  # room for every kind's defaults
 
 
 @pytest.mark.parametrize("kind", available_kinds())
@@ -36,12 +36,12 @@ def test_every_kind_builds_its_layer_and_cache_from_sizes_alone(kind):
     assert spec_from_dict(spec.to_dict()) == spec  # every option is plain data and comes back
     layer = spec.build(SHAPE)
     assert isinstance(layer, AttentionLayer) and isinstance(layer, torch.nn.Module)
-    model = Transformer(ModelConfig(vocab_size=11, n_layer=1, d_model=32, n_head=4, n_kv_head=2, attention=spec))
+    model = Transformer(ModelConfig(vocab_size=11, n_layer=1, d_model=128, n_head=4, n_kv_head=2, attention=spec))
     context = GenerationCache(model, pad=torch.zeros(2, dtype=torch.long), max_len=8)
     assert isinstance(context.layers[0], LayerCache)
-    x = torch.randn(2, 5, 32)
+    x = torch.randn(2, 5, 128)
     cos, sin = model.rope(torch.arange(5))
-    assert layer(x, cos, sin).shape == (2, 5, 32)
+    assert layer(x, cos, sin).shape == (2, 5, 128)
 
 
 def test_a_spec_must_be_a_frozen_dataclass_registered_once():

@@ -9,6 +9,7 @@ import torch
 
 from lm import ConfigError, ModelConfig, Transformer, generate
 from lm.attention import SlidingSpec
+from lm.attention.mla import LatentSpec
 from lm.data.tokenizer import train_tokenizer
 from lm.formats.gguf import export_gguf
 
@@ -78,7 +79,7 @@ def test_gguf_tokenizer_encodes_as_ours(tokenizer, tmp_path):
     assert theirs.eos_token == "<|endoftext|>"
 
 
-@pytest.mark.parametrize("attention", ["linear", SlidingSpec(window=8)], ids=str)
+@pytest.mark.parametrize("attention", ["linear", SlidingSpec(window=8), LatentSpec(kv_rank=12, rope_dim=4)], ids=str)
 def test_kinds_llama_cpp_cannot_run_are_refused(attention, tokenizer, tmp_path):
     model = Transformer(ModelConfig(vocab_size=301, n_layer=2, d_model=32, n_head=4, d_ff=48, attention=attention))
     with pytest.raises(ConfigError, match="has no GGUF equivalent"):

@@ -61,6 +61,10 @@ def hf_architecture(config: ModelConfig) -> tuple[str, int | None]:
         for option, why in UNEXPORTABLE.items():
             if getattr(spec, option, None) not in (None, "none"):
                 raise ConfigError(f"attn.{option}={getattr(spec, option)} cannot be exported to transformers: {why}")
+    if any(spec.kind == "mla" for spec in specs):
+        raise ConfigError("attn=mla cannot be exported to transformers: DeepSeek-V2/V3, its MLA architectures, "
+                          "normalise the latent (kv_a_layernorm) and use mixture-of-experts blocks; this layer's "
+                          "latent is linear, so that an MHA model converts into it exactly")
     if specs == {SoftmaxSpec()}:
         return "llama", None
     if specs == {SoftmaxSpec(qk_norm=True)}:

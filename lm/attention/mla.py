@@ -1,0 +1,268 @@
+"""Multi-head latent attention (DeepSeek-V2, 2024) with an absorbed latent cache.
+
+Shapes: B batch, T new positions, L cached positions, C d_model, nh query heads, hs head size,
+r kv_rank (the latent), dR rope_dim (the shared RoPE key), dn = hs - dR (the part without RoPE).
+
+Every head's key is [k_nope; k_rope] and its query [q_nope; q_rope], each hs wide:
+- the latent c = x W_DKV (r numbers per position) decompresses into each head's k_nope = W_UK,h c
+  and value v = W_UV,h c (hs wide);
+- k_rope = x W_KR (dR numbers per position) is one key part shared by every head, and the only
+  part RoPE rotates ("decoupled RoPE": a rotation between W_UK and the query would stop W_UK from
+  being absorbed, below);
+- queries come from x directly, or through a low-rank bottleneck x W_DQ W_UQ (`q_rank`).
+Training decompresses K and V and runs SDPA (scale 1/sqrt(hs), as MHA of the same head size).
+
+The cache holds only (c, k_rope): (r + dR) numbers per position and layer, whatever nh. Decoding
+never decompresses them; it absorbs the up-projections instead (DeepSeek-V3's `attn_impl="absorb"`):
+    q_nope . (W_UK,h c) = (W_UK,h^T q_nope) . c       and       sum_t p_t W_UV,h c_t = W_UV,h sum_t p_t c_t
+so each head's query moves into the latent space (r numbers plus its q_rope), attends over the
+cached [c; k_rope] rows as one shared K/V head (MQA-like), and its latent output goes through W_UV,h.
+
+RoPE frequencies: the dR/2 rotated pairs of the shared key are chosen among the hs/2 frequencies
+of a head (`rope_pairs`, pair i rotating by theta^(-2i/hs)): by default evenly spaced, i * hs/dR,
+which is DeepSeek's own table theta^(-2j/dR); a conversion from MHA keeps the pairs that matter
+most (lm/formats/to_latent.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lm.attention.base import AttentionSpec, Example, LayerShape, register
+from lm.attention.cache import CacheSpec, GenerationCache, tensor_bytes, visibility_mask
+from lm.attention.rope import apply_rope
+from lm.util.checks import require_int
+from lm.util.errors import ConfigError
+
+
+@register("mla")
+@dataclass(frozen=True)
+class LatentSpec(AttentionSpec):
+    """Keys and values from a cached latent of `kv_rank` numbers, plus one RoPE key of `rope_dim`."""
+
+    kv_rank: int = 96  # r: the latent per position, the cache's main part
+    rope_dim: int = 16  # dR: the RoPE key shared by every head, and the RoPE part of each query
+    q_rank: int = 0  # queries through a rank-q_rank bottleneck (DeepSeek's q_lora_rank); 0: a full projection
+    rope_pairs: tuple[int, ...] | None = None  # the head's RoPE frequency pairs the shared key uses; None: spaced
+
+    examples = {"": Example({"kv_rank": 12, "rope_dim": 4}),
+                "low-rank-queries": Example({"kv_rank": 7, "rope_dim": 2, "q_rank": 10}),
+                "chosen-pairs": Example({"kv_rank": 9, "rope_dim": 4, "rope_pairs": [3, 1]})}
+    benchmarks = {"": Example()}
+
+    def check(self) -> None:
+        require_int("kv_rank", self.kv_rank)
+        require_int("rope_dim", self.rope_dim, minimum=2)
+        require_int("q_rank", self.q_rank, minimum=0)
+        if self.rope_dim % 2:
+            raise ConfigError(f"rope_dim={self.rope_dim} must be even: RoPE rotates pairs of dimensions")
+        if self.rope_pairs is not None:
+            pairs = self.rope_pairs
+            if isinstance(pairs, (str, bytes)) or not hasattr(pairs, "__iter__") or not all(
+                    isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in pairs):
+                raise ConfigError(f"rope_pairs={pairs!r} must be a list of frequency pair indices (integers >= 0)")
+            if len(set(pairs)) != len(list(pairs)) or len(list(pairs)) != self.rope_dim // 2:
+                raise ConfigError(f"rope_pairs={list(pairs)} must be rope_dim/2 = {self.rope_dim // 2} distinct pairs")
+            object.__setattr__(self, "rope_pairs", tuple(pairs))  # hashable and comparable, from a list too
+
+    def build(self, shape: LayerShape) -> LatentAttention:
+        return LatentAttention(self, shape)
+
+    def flops(self, T: int, n_head: int, n_kv_head: int, head_dim: int) -> float:
+        return 4 * n_head * head_dim * T * (T + 1) / 2  # as MHA of the same head size, over the decompressed K/V
+
+    def pairs(self, head_dim: int) -> tuple[int, ...]:
+        """The frequency pairs (of head_dim/2) the RoPE part rotates with."""
+        if self.rope_pairs is not None:
+            return self.rope_pairs
+        return tuple(j * head_dim // self.rope_dim for j in range(self.rope_dim // 2))
+
+
+@dataclass(frozen=True)
+class LatentCacheSpec(CacheSpec):
+    """(c, k_rope) of every position: `head_dim` is their width r + dR, held once for all heads."""
+
+    def numel(self, seq_len: int, batch: int = 1) -> int:
+        return batch * seq_len * self.head_dim
+
+
+class LatentAttention(nn.Module):
+    context_limited = True
+
+    def __init__(self, spec: LatentSpec, shape: LayerShape):
+        super().__init__()
+        C, nh, hs = shape.d_model, shape.n_head, shape.head_dim
+        r, dR = spec.kv_rank, spec.rope_dim
+        if dR >= hs:
+            raise ConfigError(f"rope_dim={dR} must be less than the head size {hs}: the rest of each key comes "
+                              "from the latent")
+        widest = nh * (2 * hs - dR)  # every head's k_nope and v: a wider latent compresses nothing
+        if r > widest:
+            raise ConfigError(f"kv_rank={r} is more than the {widest} numbers it decompresses into "
+                              f"(n_head={nh} x (k_nope {hs - dR} + v {hs})); choose at most {widest}")
+        pairs = spec.pairs(hs)
+        if max(pairs) >= hs // 2:
+            raise ConfigError(f"rope_pairs={list(pairs)} names a pair past the head's {hs // 2} frequency pairs")
+        self.layer_idx = shape.layer_idx
+        self.n_head, self.head_dim, self.kv_rank, self.rope_dim = nh, hs, r, dR
+        self.nope_dim = hs - dR
+        # Rows of every query head: [q_nope (dn) | q_rope (dR)].
+        self.q_down = nn.Linear(C, spec.q_rank, bias=False) if spec.q_rank else None
+        self.q_up = nn.Linear(spec.q_rank or C, nh * hs, bias=False)
+        # [c (r) | k_rope (dR)] in one GEMM, DeepSeek's wkv_a.
+        self.kv_down = nn.Linear(C, r + dR, bias=False)
+        # Rows of every head: [k_nope (dn) | v (hs)], DeepSeek's wkv_b.
+        self.kv_up = nn.Linear(r, nh * (self.nope_dim + hs), bias=False)
+        self.out = nn.Linear(nh * hs, C, bias=False)
+        self.register_buffer("rope_pairs", torch.tensor(pairs), persistent=False)  # (dR/2,)
+
+    # ---------------------------------------------------------------- projections
+
+    def rope_angles(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head's angles (..., T, hs/2) -> those of the chosen pairs (..., T, dR/2)."""
+        return cos[..., self.rope_pairs], sin[..., self.rope_pairs]
+
+    def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x (B, T, C) -> q (B, nh, T, hs) as [q_nope | q_rope], the RoPE part rotated."""
+        B, T, _ = x.shape
+        q = self.q_up(self.q_down(x) if self.q_down is not None else x)  # (B, T, nh*hs)
+        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        q_nope, q_rope = q.split((self.nope_dim, self.rope_dim), dim=-1)
+        return torch.cat((q_nope, apply_rope(q_rope, *self.rope_angles(cos, sin))), dim=-1)
+
+    def latent(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x (B, T, C) -> what the cache keeps, (B, 1, T, r + dR): [c | k_rope], k_rope rotated."""
+        rows = self.kv_down(x)[:, None]  # (B, 1, T, r + dR): one row shared by every head
+        c, k_rope = rows.split((self.kv_rank, self.rope_dim), dim=-1)
+        return torch.cat((c, apply_rope(k_rope, *self.rope_angles(cos, sin))), dim=-1)
+
+    def up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK (nh, dn, r) and W_UV (nh, hs, r), views of kv_up's weight."""
+        w = self.kv_up.weight.view(self.n_head, self.nope_dim + self.head_dim, self.kv_rank)  # (nh, dn + hs, r)
+        return w[:, : self.nope_dim], w[:, self.nope_dim :]
+
+    def decompress(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[c | k_rope] (B, 1, T, r + dR) -> every head's key (B, nh, T, hs) and value (B, nh, T, hs)."""
+        B, _, T, _ = latent.shape
+        c, k_rope = latent[:, 0].split((self.kv_rank, self.rope_dim), dim=-1)  # (B, T, r), (B, T, dR)
+        kv = self.kv_up(c).view(B, T, self.n_head, self.nope_dim + self.head_dim).transpose(1, 2)  # (B, nh, T, dn+hs)
+        k_nope, v = kv.split((self.nope_dim, self.head_dim), dim=-1)
+        k = torch.cat((k_nope, k_rope[:, None].expand(B, self.n_head, T, self.rope_dim)), dim=-1)  # (B, nh, T, hs)
+        return k, v
+
+    def absorbed_query(self, q: torch.Tensor) -> torch.Tensor:
+        """q (B, nh, T, hs) -> its latent-space form (B, nh, T, r + dR): [W_UK,h^T q_nope | q_rope]."""
+        w_uk, _ = self.up_projections()
+        q_nope, q_rope = q.split((self.nope_dim, self.rope_dim), dim=-1)
+        return torch.cat((torch.einsum("bhtd,hdr->bhtr", q_nope, w_uk), q_rope), dim=-1)
+
+    def absorbed_output(self, y_latent: torch.Tensor) -> torch.Tensor:
+        """Attention-weighted latents (B, nh, T, r) -> each head's output W_UV,h y (B, nh, T, hs)."""
+        _, w_uv = self.up_projections()
+        return torch.einsum("bhtr,hvr->bhtv", y_latent, w_uv)
+
+    # ---------------------------------------------------------------- the layer
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: LatentCache | None = None, pos: torch.Tensor | None = None) -> torch.Tensor:
+        q, latent = self.queries(x, cos, sin), self.latent(x, cos, sin)
+        if cache is None:
+            y = self.attend(q, latent)  # (B, nh, T, hs)
+        elif pos is not None:
+            y = cache.decode(q, latent, None, pos)  # the fixed-shape step, in the latent space
+        else:
+            y = cache.attend(q, latent, None)
+        return self.merge(y)
+
+    def merge(self, y: torch.Tensor) -> torch.Tensor:
+        B, _, T, _ = y.shape
+        return self.out(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))  # (B, T, nh*hs) -> (B, T, C)
+
+    def attend(self, q: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
+        """Training: q (B, nh, T, hs) over the decompressed keys and values of latent (B, 1, T, r + dR)."""
+        k, v = self.decompress(latent)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def naive_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Head by head from the weights, a full score matrix under a causal mask."""
+        B, T, _ = x.shape
+        nh, hs, dn, dR, r = self.n_head, self.head_dim, self.nope_dim, self.rope_dim, self.kv_rank
+        w_q = self.q_up.weight if self.q_down is None else self.q_up.weight @ self.q_down.weight  # (nh*hs, C)
+        pair_cos, pair_sin = self.rope_angles(cos, sin)  # (T, dR/2) each
+        c = x @ self.kv_down.weight[:r].T  # (B, T, r)
+        k_rope = apply_rope((x @ self.kv_down.weight[r:].T)[:, None], pair_cos, pair_sin)[:, 0]  # (B, T, dR)
+        visible = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        heads = []
+        for h in range(nh):
+            q = x @ w_q[h * hs:(h + 1) * hs].T  # (B, T, hs)
+            q = torch.cat((q[..., :dn], apply_rope(q[:, None, :, dn:], pair_cos, pair_sin)[:, 0]), dim=-1)
+            rows = self.kv_up.weight[h * (dn + hs):(h + 1) * (dn + hs)]  # (dn + hs, r)
+            k = torch.cat((c @ rows[:dn].T, k_rope), dim=-1)  # (B, T, hs)
+            v = c @ rows[dn:].T  # (B, T, hs)
+            scores = (q @ k.transpose(-1, -2) / math.sqrt(hs)).masked_fill(~visible, float("-inf"))  # (B, T, T)
+            heads.append(scores.softmax(-1) @ v)  # (B, T, hs)
+        return self.merge(torch.stack(heads, dim=1))  # (B, nh, T, hs)
+
+    def benchmark_op(self, seq_len: int, requires_grad: bool = False):
+        """The attention op at batch 1, decompression included: q (1, nh, N, hs), latent (1, 1, N, r + dR)."""
+        inputs = [torch.randn(1, self.n_head, seq_len, self.head_dim, requires_grad=requires_grad),
+                  torch.randn(1, 1, seq_len, self.kv_rank + self.rope_dim, requires_grad=requires_grad)]
+        return self.attend, inputs
+
+    def generation_state(self) -> CacheSpec:
+        return LatentCacheSpec("latent", 1, self.kv_rank + self.rope_dim)
+
+    def build_cache(self, context: GenerationCache, max_len: int) -> LatentCache:
+        return LatentCache(context, self, max_len)
+
+    def reset_own_parameters(self) -> None:
+        """Nothing beyond the model's normal(0, init_std) of every matrix."""
+
+
+class LatentCache:
+    """[c | k_rope] of every position, (B, 1, max_len, r + dR), written in place; attention runs in
+    the latent space (the layer's absorbed query and output), never on decompressed K/V."""
+
+    def __init__(self, context: GenerationCache, layer: LatentAttention, max_len: int):
+        self.context, self.layer = context, layer
+        width = layer.kv_rank + layer.rope_dim
+        self.rows = torch.zeros(context.batch_size, 1, max_len, width, dtype=context.dtype, device=context.device)
+
+    def latent_attention(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None,
+                         causal: bool = False) -> torch.Tensor:
+        """q (B, nh, T, hs) over cached rows keys (B, 1, S, r + dR) -> (B, nh, T, hs). The values
+        are the latents themselves (the first r numbers of each row); the scale stays 1/sqrt(hs),
+        the width of the scores' decompressed form."""
+        layer = self.layer
+        y_latent = F.scaled_dot_product_attention(layer.absorbed_query(q), keys, keys[..., : layer.kv_rank],
+                                                  attn_mask=mask, is_causal=causal,
+                                                  scale=1 / math.sqrt(layer.head_dim), enable_gqa=True)
+        return layer.absorbed_output(y_latent)  # (B, nh, T, r) -> (B, nh, T, hs)
+
+    def attend(self, q: torch.Tensor, latent: torch.Tensor, _unused=None) -> torch.Tensor:
+        """The next T positions: latent (B, 1, T, r + dR) is stored, q (B, nh, T, hs) attends over every row so far."""
+        start, T = self.context.seen, q.shape[2]
+        end = start + T
+        if end > self.rows.shape[2]:
+            raise ValueError(f"the latent cache holds {self.rows.shape[2]} positions; {end} were asked for")
+        self.rows[:, :, start:end] = latent
+        keys = self.rows[:, :, :end]
+        if not self.context.has_padding and (T == 1 or start == 0):
+            return self.latent_attention(q, keys, None, causal=T > 1)
+        q_slots = torch.arange(start, end, device=q.device)
+        k_slots = torch.arange(end, device=q.device)
+        mask = visibility_mask(self.context, q_slots, k_slots, k_slots[None, :] <= q_slots[:, None])
+        return self.latent_attention(q, keys, mask)
+
+    def decode(self, q: torch.Tensor, latent: torch.Tensor, _unused, pos: torch.Tensor) -> torch.Tensor:
+        """One position at slot `pos` (0-dim tensor) over the whole buffer, later slots masked."""
+        self.rows.index_copy_(2, pos.view(1), latent)
+        return self.latent_attention(q, self.rows, self.context.decode_mask(pos))
+
+    def nbytes(self) -> int:
+        return tensor_bytes(self.rows)
