@@ -191,7 +191,7 @@ class LatentAttention(nn.Module):
     def naive_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Head by head from the weights, a full score matrix under a causal mask."""
         B, T, _ = x.shape
-        nh, hs, dn, dR, r = self.n_head, self.head_dim, self.nope_dim, self.rope_dim, self.kv_rank
+        nh, hs, dn, r = self.n_head, self.head_dim, self.nope_dim, self.kv_rank
         w_q = self.q_up.weight if self.q_down is None else self.q_up.weight @ self.q_down.weight  # (nh*hs, C)
         pair_cos, pair_sin = self.rope_angles(cos, sin)  # (T, dR/2) each
         c = x @ self.kv_down.weight[:r].T  # (B, T, r)
