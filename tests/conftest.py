@@ -73,3 +73,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def uptrain_teacher(tmp_path_factory, small_corpus) -> Path:
+    """A 4-head MHA run of 6 steps on the small corpus: the parent the uptraining tests convert."""
+    return train_small_run(tmp_path_factory.mktemp("teacher"), small_corpus, "attn=mha", "trainer.max_steps=6",
+                           "trainer.val_every_n_steps=6", "trainer.limit_val_batches=2", "run_name=teacher")

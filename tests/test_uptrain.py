@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import compose_config, train_small_run
+from conftest import compose_config
 
 import lm
 from lm.formats.checkpoint import read_checkpoint
@@ -17,11 +17,10 @@ from lm.training.uptraining import uptrain
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def teacher(tmp_path_factory, small_corpus) -> Path:
-    """A 4-head MHA run of 6 steps on the small corpus."""
-    return train_small_run(tmp_path_factory.mktemp("teacher"), small_corpus, "attn=mha", "trainer.max_steps=6",
-                           "trainer.val_every_n_steps=6", "trainer.limit_val_batches=2", "run_name=teacher")
+@pytest.fixture
+def teacher(uptrain_teacher) -> Path:
+    """A 4-head MHA run of 6 steps on the small corpus (conftest.py)."""
+    return uptrain_teacher
 
 
 def uptrain_config(teacher, tmp_path, *overrides, name="uptrain"):
@@ -37,7 +36,7 @@ def test_conversion_only_writes_a_normal_checkpoint_with_provenance(teacher, tmp
     assert model.config.n_kv_head == 1 and tokenizer.get_vocab_size() == 512
     provenance = read_checkpoint(result["last"])["lm"]["provenance"]
     assert provenance == {"source": str(teacher), "source_step": 6, "init": "first", "fraction": None, "steps": 0,
-                          "n_kv_head_from": 4, "n_kv_head_to": 1}
+                          "n_kv_head_from": 4, "n_kv_head_to": 1, "target": "mqa", "distill": 0.0}
     assert (tmp_path / "mqa" / "tokenizer.json").is_file()
     assert len(lm.generate(model, [[1, 2, 3]], 5)[0]) == 8  # it decodes
 
@@ -96,7 +95,7 @@ def test_study_writes_json_table_and_plot(teacher, tmp_path, capsys):
 
 @pytest.mark.parametrize("override, message", [
     ("attn.n_kv_head=3", "error: n_head=4 is not divisible by n_kv_head=3"),
-    ("uptrain.init=median", "error: init='median' is not one of ['mean', 'first', 'random']"),
+    ("uptrain.init=median", "error: init='median' is not one of ['mean', 'first', 'random', 'aligned']"),
 ])
 def test_invalid_target_exits_2_in_one_line(teacher, tmp_path, override, message):
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "uptrain.py"), f"ckpt={teacher}",

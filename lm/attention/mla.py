@@ -142,8 +142,8 @@ class LatentAttention(nn.Module):
         return torch.cat((c, apply_rope(k_rope, *self.rope_angles(cos, sin))), dim=-1)
 
     def up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """W_UK (nh, dn, r) and W_UV (nh, hs, r), views of kv_up's weight."""
-        w = self.kv_up.weight.view(self.n_head, self.nope_dim + self.head_dim, self.kv_rank)  # (nh, dn + hs, r)
+        """W_UK (nh, dn, r) and W_UV (nh, hs, r), from kv_up's weight."""
+        w = float_weight(self.kv_up).view(self.n_head, self.nope_dim + self.head_dim, self.kv_rank)  # (nh, dn+hs, r)
         return w[:, : self.nope_dim], w[:, self.nope_dim :]
 
     def decompress(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,16 +192,18 @@ class LatentAttention(nn.Module):
         """Head by head from the weights, a full score matrix under a causal mask."""
         B, T, _ = x.shape
         nh, hs, dn, r = self.n_head, self.head_dim, self.nope_dim, self.kv_rank
-        w_q = self.q_up.weight if self.q_down is None else self.q_up.weight @ self.q_down.weight  # (nh*hs, C)
+        w_q = float_weight(self.q_up)  # (nh*hs, C or q_rank)
+        w_q = w_q if self.q_down is None else w_q @ float_weight(self.q_down)  # (nh*hs, C)
+        w_down, w_up = float_weight(self.kv_down), float_weight(self.kv_up)  # (r + dR, C), (nh*(dn+hs), r)
         pair_cos, pair_sin = self.rope_angles(cos, sin)  # (T, dR/2) each
-        c = x @ self.kv_down.weight[:r].T  # (B, T, r)
-        k_rope = apply_rope((x @ self.kv_down.weight[r:].T)[:, None], pair_cos, pair_sin)[:, 0]  # (B, T, dR)
+        c = x @ w_down[:r].T  # (B, T, r)
+        k_rope = apply_rope((x @ w_down[r:].T)[:, None], pair_cos, pair_sin)[:, 0]  # (B, T, dR)
         visible = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
         heads = []
         for h in range(nh):
             q = x @ w_q[h * hs:(h + 1) * hs].T  # (B, T, hs)
             q = torch.cat((q[..., :dn], apply_rope(q[:, None, :, dn:], pair_cos, pair_sin)[:, 0]), dim=-1)
-            rows = self.kv_up.weight[h * (dn + hs):(h + 1) * (dn + hs)]  # (dn + hs, r)
+            rows = w_up[h * (dn + hs):(h + 1) * (dn + hs)]  # (dn + hs, r)
             k = torch.cat((c @ rows[:dn].T, k_rope), dim=-1)  # (B, T, hs)
             v = c @ rows[dn:].T  # (B, T, hs)
             scores = (q @ k.transpose(-1, -2) / math.sqrt(hs)).masked_fill(~visible, float("-inf"))  # (B, T, T)
@@ -222,6 +224,14 @@ class LatentAttention(nn.Module):
 
     def reset_own_parameters(self) -> None:
         """Nothing beyond the model's normal(0, init_std) of every matrix."""
+
+
+def float_weight(linear: nn.Module) -> torch.Tensor:
+    """A projection's weight (out, in) as floats: an nn.Linear's own, or a weight-only int8 one's
+    (lm.generation.quantize keeps int8 rows and one scale per row) dequantized, since absorbing
+    multiplies by the matrix itself rather than calling the layer."""
+    scales = getattr(linear, "scales", None)
+    return linear.weight if scales is None else linear.weight.to(scales.dtype) * scales[:, None]
 
 
 class LatentCache:

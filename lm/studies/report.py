@@ -170,7 +170,8 @@ def lm_loss_plot(records: list[dict]):
 
 # ---------------------------------------------------------------------------- the uptraining ablation
 
-INIT_COLOURS = {"mean": "tab:blue", "first": "tab:orange", "random": "tab:green", "scratch": "tab:gray"}
+INIT_COLOURS = {"mean": "tab:blue", "first": "tab:orange", "random": "tab:green", "scratch": "tab:gray",
+                "aligned": "tab:purple", "mean + distill": "tab:cyan", "svd": "tab:red", "svd + distill": "tab:pink"}
 
 
 def ablation_table(records: list[dict]) -> str:
@@ -190,25 +191,32 @@ def ablation_table(records: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def target_name(r: dict) -> str:
+    """gqaN, mqa or the MLA arm's target (records before MLA arms existed hold only kv_heads)."""
+    return r.get("target") or variant_name(r["kv_heads"])
+
+
 def uptraining_plot(records: list[dict]):
-    """Validation loss against uptraining step, one panel per number of K/V heads, one line per
-    init and fraction (the largest fraction solid), the teacher's loss dotted."""
+    """Validation loss against uptraining step, one panel per cache size (arms that keep as many
+    bytes per token side by side: GQA-2 beside an MLA of the same cache), one line per arm (the
+    largest fraction solid), the teacher's loss dotted."""
     teacher, arms = records[0], records[1:]
     if not arms:
         return None
-    kv_values = sorted({r["kv_heads"] for r in arms})
+    caches = sorted({r["cache_bytes_per_token"] for r in arms})
     largest = max(r["fraction"] for r in arms)
-    fig, axes = pyplot().subplots(1, len(kv_values), figsize=(6 * len(kv_values), 4.5), sharey=True, squeeze=False)
-    for ax, kv_heads in zip(axes[0], kv_values, strict=True):
-        for r in arms:
-            if r["kv_heads"] != kv_heads or not r["history"]:
-                continue
+    fig, axes = pyplot().subplots(1, len(caches), figsize=(6 * len(caches), 4.5), sharey=True, squeeze=False)
+    for ax, cache in zip(axes[0], caches, strict=True):
+        in_panel = [r for r in arms if r["cache_bytes_per_token"] == cache and r["history"]]
+        for r in in_panel:
             steps, losses = [h[0] for h in r["history"]], [h[1] for h in r["history"]]
             ax.plot(steps, losses, "-" if r["fraction"] == largest else "--", marker="o", markersize=3,
-                    color=INIT_COLOURS.get(r["init"], "black"), label=f"{r['init']}, alpha={r['fraction']}")
+                    color=INIT_COLOURS.get(r["init"], "black"),
+                    label=f"{target_name(r)} {r['init']}, alpha={r['fraction']}")
         ax.axhline(teacher["val_loss_after"], color="black", linestyle=":", label="MHA teacher")
-        ax.set_title(f"{variant_name(kv_heads)} ({kv_heads} K/V heads)")
+        targets = sorted({target_name(r) for r in in_panel})
+        ax.set_title(f"{cache:,.0f} cache bytes/token: {', '.join(targets)}")
         ax.set_xlabel("uptraining step")
-        ax.legend()
+        ax.legend(fontsize=8)
     axes[0][0].set_ylabel("validation loss")
     return fig

@@ -1,7 +1,8 @@
-"""The uptraining ablation of Ainslie et al. 2023 from one multi-head teacher.
+"""The uptraining ablation of Ainslie et al. 2023 from one multi-head teacher, and the methods since.
 
 Arms: the teacher itself, every (K/V heads, init, fraction) uptrained from it, plus GQA trained
-from random weights for each fraction's number of steps. For each: val loss right after
+from random weights for each fraction's number of steps, plus `study.methods`: named conversions
+(a target such as attn=mla, an init, a distillation weight) at each fraction. For each: val loss right after
 conversion and after uptraining (the same validation batches for all, and for the teacher),
 decode tokens/s and cache bytes per token. lm/studies/engine.py runs the arms and keeps their
 records in <study.out>/records/, reused while their settings (the teacher's bytes among them)
@@ -27,7 +28,8 @@ from lm.studies.engine import Arm, machine, run_arms
 from lm.studies.report import ablation_table, uptraining_plot, write_results
 from lm.training.module import evaluate_loss
 from lm.training.run import train
-from lm.training.uptraining import continued_run_config, uptrain, variant_name
+from lm.training.uptraining import continued_run_config, conversion_target, uptrain, variant_name
+from lm.util.errors import ConfigError
 from lm.util.paths import resolve_path
 
 PROMPT_TOKENS = 32  # of the first validation sequence, at most a quarter of the context: the decoding prompt
@@ -109,8 +111,12 @@ def plan(cfg: DictConfig) -> list[Arm]:
                 del settings["study"]  # the grid: a longer list must not rerun the arms already in it
                 arms.append(Arm(name, {**settings, **measured_with},
                                 lambda c=arm_cfg: trained_figures(uptrain(c), measuring),
-                                labels={"kv_heads": kv_heads, "init": init, "fraction": fraction},
+                                labels={"kv_heads": kv_heads, "target": variant_name(kv_heads), "init": init,
+                                        "fraction": fraction},
                                 log=runs / f"study-{name}" / "train.log"))
+    for method in cfg.study.get("methods") or []:
+        for fraction in cfg.study.fractions:
+            arms.append(method_arm(cfg, method, fraction, runs, measured_with, measuring))
     if cfg.study.scratch:
         kv_heads = max(cfg.study.kv_heads)
         for fraction in cfg.study.fractions:
@@ -124,13 +130,46 @@ def plan(cfg: DictConfig) -> list[Arm]:
             arms.append(Arm(name, {**OmegaConf.to_container(run, resolve=True), **measured_with},
                             lambda r=run: trained_figures(train(r, tokenizer_json=tokenizer_json, validate_first=True),
                                                           measuring),
-                            labels={"kv_heads": kv_heads, "init": "scratch", "fraction": fraction},
+                            labels={"kv_heads": kv_heads, "target": variant_name(kv_heads), "init": "scratch",
+                                    "fraction": fraction},
                             log=runs / f"study-{name}" / "train.log"))
     return arms
 
 
+METHOD_KEYS = {"name", "attn", "init", "distill", "temperature"}
+
+
+def method_arm(cfg: DictConfig, method, fraction: float, runs: Path, measured_with: dict, measuring: Measuring) -> Arm:
+    """One `study.methods` entry at one fraction: {name, attn (the target's attn settings), init
+    (GQA/MQA pooling), distill, temperature}."""
+    method = OmegaConf.to_container(method, resolve=True)
+    unknown = sorted(set(method) - METHOD_KEYS) if isinstance(method, dict) else None
+    if not isinstance(method, dict) or unknown or "name" not in method or "attn" not in method:
+        raise ConfigError(f"study.methods entry {method!r} must be a mapping with name and attn, and at most "
+                          f"{sorted(METHOD_KEYS)}" + (f" (not {unknown})" if unknown else ""))
+    distill = method.get("distill", 0.0)
+    name = f"{method['name']}-{fraction}"
+    base = cfg.copy()
+    OmegaConf.set_struct(base, False)  # a target brings attn keys the base lacks (kind, kv_rank, ...)
+    arm_cfg = OmegaConf.merge(base, {"attn": method["attn"], "run_name": f"study-{name}", "checkpoint_dir": str(runs),
+                                    "uptrain": {"init": method.get("init", "mean"), "distill": distill,
+                                                "temperature": method.get("temperature", 1.0),
+                                                "fraction": fraction, "steps": None}})
+    target = conversion_target(arm_cfg)
+    init = "svd" if target.latent is not None else arm_cfg.uptrain.init
+    settings = OmegaConf.to_container(arm_cfg, resolve=True)
+    del settings["study"]
+    kv_heads = target.n_kv_head if target.latent is None else \
+        f"latent {target.latent.kv_rank}+{target.latent.rope_dim}"
+    return Arm(name, {**settings, **measured_with}, lambda: trained_figures(uptrain(arm_cfg), measuring),
+               labels={"kv_heads": kv_heads, "target": target.name,
+                       "init": f"{init} + distill" if distill else init, "fraction": fraction},
+               log=runs / f"study-{name}" / "train.log")
+
+
 def describe(r: dict) -> str:
-    return (f"{r['arm']:>22}: {r['kv_heads']} K/V heads, val loss {r['val_loss_before']:.4f} -> "
+    heads = f"{r['kv_heads']} K/V heads" if isinstance(r["kv_heads"], int) else r["kv_heads"]
+    return (f"{r['arm']:>22}: {heads}, val loss {r['val_loss_before']:.4f} -> "
             f"{r['val_loss_after']:.4f} in {r['steps']} steps, {r['decode_tokens_per_s']:.0f} tokens/s, "
             f"{r['cache_bytes_per_token']:,.0f} cache bytes/token")
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from lm.data.mqar import IGNORE
 from lm.formats.checkpoint import FORMAT_VERSION
 from lm.model.transformer import Transformer
-from lm.util.errors import TrainingError
+from lm.util.errors import ConfigError, TrainingError
 from lm.util.files import write_atomically
 
 
@@ -103,6 +103,33 @@ def evaluate_loss(model: torch.nn.Module, batches: Iterable) -> LossTotals:
     return LossTotals(nll=nll, targets=int(targets), correct=int(correct))
 
 
+def distillation_kl(logits: torch.Tensor, teacher_logits: torch.Tensor, targets: torch.Tensor,
+                    temperature: float) -> torch.Tensor:
+    """KL(p_teacher || p_student) of the softmaxes at `temperature`, a mean over the positions
+    scored (targets not IGNORE): logits (B, T, V) each, targets (B, T)."""
+    student = F.log_softmax(logits.float().flatten(0, 1) / temperature, dim=-1)  # (B*T, V)
+    teacher = F.log_softmax(teacher_logits.float().flatten(0, 1) / temperature, dim=-1)  # (B*T, V)
+    per_position = F.kl_div(student, teacher, log_target=True, reduction="none").sum(-1)  # (B*T,)
+    scored = (targets.flatten() != IGNORE).to(per_position.dtype)  # a mask, not an index: no host sync
+    return (per_position * scored).sum() / scored.sum().clamp(min=1)
+
+
+def check_distillation(distill: float, temperature: float, teacher: Transformer | None) -> None:
+    """One ConfigError line unless the weight, temperature and teacher make a distillation (or none)."""
+    if isinstance(distill, bool) or not isinstance(distill, (int, float)) or not distill >= 0:
+        raise ConfigError(f"uptrain.distill={distill!r} must be a number >= 0")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise ConfigError(f"uptrain.temperature={temperature!r} must be a positive number")
+    if distill > 0 and teacher is None:
+        raise ConfigError(f"uptrain.distill={distill!r} needs a teacher (the parent model); none was given")
+
+
+def check_teacher(model: Transformer, teacher: Transformer | None) -> None:
+    if teacher is not None and teacher.config.vocab_size != model.config.vocab_size:
+        raise ConfigError(f"the teacher's vocab_size={teacher.config.vocab_size} differs from the model's "
+                          f"{model.config.vocab_size}: distillation compares their next-token distributions")
+
+
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
     """LR multiplier: linear warm-up to 1, then cosine decay to min_ratio at total_steps."""
     if step < warmup_steps:
@@ -122,8 +149,14 @@ class AtomicCheckpointIO(L.pytorch.plugins.TorchCheckpointIO):
 class LitLM(L.LightningModule):
     def __init__(self, model: Transformer, optim: OptimConfig, total_steps: int,
                  tokenizer_json: str | None = None, run_config: dict | None = None, compile: bool = False,
-                 provenance: dict | None = None, skip_nonfinite: bool = False, corpus_fingerprint: str | None = None):
+                 provenance: dict | None = None, skip_nonfinite: bool = False, corpus_fingerprint: str | None = None,
+                 teacher: Transformer | None = None, distill: float = 0.0, temperature: float = 1.0):
+        """With `distill` > 0 the training loss adds distill * T^2 * KL(teacher || model) at temperature
+        T (Hinton et al. 2015: T^2 keeps the gradient's scale as T changes) to the cross-entropy;
+        validation stays plain cross-entropy, so runs with and without it compare."""
         super().__init__()
+        check_distillation(distill, temperature, teacher)
+        check_teacher(model, teacher)
         self.model = model
         self.optim = optim
         self.total_steps = total_steps
@@ -142,6 +175,12 @@ class LitLM(L.LightningModule):
         # nn.Module's registration), so checkpoints hold the plain model's parameter names once,
         # loadable with or without compile.
         object.__setattr__(self, "_forward", torch.compile(model) if compile else model)
+        # The frozen teacher is kept out of the module tree the same way: no teacher weights in the
+        # checkpoints, the optimizer or the DDP/FSDP wrapping, and Lightning's train() leaves it in eval mode.
+        if teacher is not None:
+            teacher.eval().requires_grad_(False)
+        object.__setattr__(self, "_teacher", teacher)
+        self.distill, self.temperature = float(distill), float(temperature)
         self._batch_start = 0.0
         self._val_sums: list[torch.Tensor] = []
         self.last_val_step = -1
@@ -149,8 +188,21 @@ class LitLM(L.LightningModule):
     def loss(self, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
         return next_token_loss(self._forward, batch)
 
+    def training_losses(self, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(loss to minimise, cross-entropy, KL to the teacher or None without distillation)."""
+        if not self.distill:
+            ce, _ = self.loss(batch)
+            return ce, ce, None
+        inputs, targets = inputs_and_targets(batch)  # (B, T) each
+        logits = self._forward(inputs)  # (B, T, V)
+        ce = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE)
+        with torch.no_grad():
+            teacher_logits = self._teacher(inputs)  # (B, T, V)
+        kl = distillation_kl(logits, teacher_logits, targets, self.temperature)
+        return ce + self.distill * self.temperature**2 * kl, ce, kl
+
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor | None:
-        loss, _ = self.loss(batch)
+        loss, ce, kl = self.training_losses(batch)
         if not torch.isfinite(loss):
             if not self.skip_nonfinite:
                 # Raised before any checkpoint of this step exists: last.ckpt stays the last good one.
@@ -165,8 +217,15 @@ class LitLM(L.LightningModule):
             return None  # Lightning skips backward and the optimizer step
         self.skipped_in_a_row = 0
         self.log("train/loss", loss, prog_bar=True)
+        self.log("train/ce", ce)
+        if kl is not None:
+            self.log("train/kl", kl)
         self.log("train/lr", self.optimizers().param_groups[0]["lr"])
         return loss
+
+    def on_fit_start(self) -> None:
+        if self._teacher is not None:
+            self._teacher.to(self.device)  # not a submodule, so Lightning does not move it
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         self._batch_start = time.perf_counter()

@@ -26,7 +26,7 @@ from lm.generation.decode import generate
 from lm.model.config import ConfigError, ModelConfig
 from lm.model.transformer import Transformer
 from lm.training.interrupt import StopOnSignal
-from lm.training.module import AtomicCheckpointIO, LitLM, OptimConfig
+from lm.training.module import AtomicCheckpointIO, LitLM, OptimConfig, check_distillation
 from lm.util.checks import require_choice, require_int, require_positive
 from lm.util.distributed import is_main_process, quiet_other_ranks, say
 from lm.util.files import RunLock, remove_stale_temporaries, run_folder, write_atomically
@@ -167,6 +167,15 @@ def check_run_settings(cfg: DictConfig) -> None:
         require_int("checkpoint.every_n_steps", every)
 
 
+def distillation_settings(cfg: DictConfig, teacher: Transformer | None) -> tuple[float, float]:
+    """(weight, temperature) of distillation from `teacher`: `uptrain.distill` and `uptrain.temperature`
+    when the run has an uptrain section, else (0, 1.0): none."""
+    uptrain = cfg.get("uptrain") or {}
+    distill, temperature = uptrain.get("distill", 0), uptrain.get("temperature", 1.0)
+    check_distillation(distill, temperature, teacher)
+    return float(distill), float(temperature)
+
+
 def weights_from(path: str) -> tuple[ModelConfig, dict, str]:
     """(config, weights, tokenizer JSON) of a checkpoint or transformers folder to start from."""
     from lm.formats.checkpoint import load
@@ -193,16 +202,19 @@ def progress_bar(trainer_cfg: DictConfig) -> list:
 
 
 def train(cfg: DictConfig, model_config: ModelConfig | None = None, init_state: dict | None = None,
-          tokenizer_json: str | None = None, provenance: dict | None = None, validate_first: bool = False) -> dict:
+          tokenizer_json: str | None = None, provenance: dict | None = None, validate_first: bool = False,
+          teacher: Transformer | None = None) -> dict:
     """Fit the configured model; returns the final val loss and where the checkpoints are.
 
     Uptraining passes the converted `model_config` and its weights (`init_state`), the source
     run's tokenizer and the conversion's `provenance`; `validate_first` measures the starting
-    weights (`val_loss_before`).
+    weights (`val_loss_before`); `teacher`, the frozen parent, is distilled from with the weight
+    and temperature of `uptrain.distill` and `uptrain.temperature` (lm.training.module.LitLM).
     """
     started = time.perf_counter()
     quiet_other_ranks()
     check_run_settings(cfg)
+    distill, temperature = distillation_settings(cfg, teacher)
     if cfg.get("init_from") and model_config is None:
         model_config, init_state, tokenizer_json = weights_from(cfg.init_from)
     # Validate the model settings before spending time on data; the tokenizer fixes the
@@ -216,12 +228,12 @@ def train(cfg: DictConfig, model_config: ModelConfig | None = None, init_state: 
     with lock:
         remove_stale_temporaries(run_dir)
         return _train_locked(cfg, run_dir, model_config, init_state, tokenizer_json, provenance, validate_first,
-                             started)
+                             started, dict(teacher=teacher, distill=distill, temperature=temperature))
 
 
 def _train_locked(cfg: DictConfig, run_dir: Path, model_config: ModelConfig | None, init_state: dict | None,
                   tokenizer_json: str | None, provenance: dict | None, validate_first: bool,
-                  started: float) -> dict:
+                  started: float, distillation: dict) -> dict:
     ckpt_path, resumed = resume_path(cfg, run_dir)
     if resumed and tokenizer_json is None:
         # A resumed run keeps the ids its weights were trained with, whatever the corpus is now.
@@ -247,7 +259,7 @@ def _train_locked(cfg: DictConfig, run_dir: Path, model_config: ModelConfig | No
     lit = LitLM(model, OptimConfig(**cfg.optim), total_steps=cfg.trainer.max_steps,
                 tokenizer_json=data.tokenizer.to_str(), run_config=run_config, compile=cfg.compile,
                 provenance=provenance, skip_nonfinite=bool(cfg.trainer.get("skip_nonfinite", False)),
-                corpus_fingerprint=corpus_fingerprint)
+                corpus_fingerprint=corpus_fingerprint, **distillation)
 
     precision = pick_precision(cfg.trainer)
     say(f"run {cfg.run_name}: {model.num_params() / 1e6:.2f}M parameters, n_head={model.config.n_head} "

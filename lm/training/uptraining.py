@@ -1,15 +1,23 @@
-"""Uptraining (Ainslie et al. 2023): convert a checkpoint to fewer K/V heads, then continue
-training it briefly on the source run's data and tokenizer with a fresh optimizer.
+"""Uptraining (Ainslie et al. 2023): convert a checkpoint to fewer K/V heads (GQA, MQA) or to
+multi-head latent attention (MHA2MLA, lm/formats/to_latent.py), then continue training it briefly
+on the source run's data and tokenizer with a fresh optimizer, optionally distilling the frozen
+parent's next-token distribution into it.
 
-`uptrain(cfg)` is what scripts/uptrain.py runs; lm.studies.uptrain_ablation runs the paper's ablation with it.
+`uptrain(cfg)` is what scripts/uptrain.py runs; lm.studies.uptrain_ablation runs the ablation with it.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
+from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from lm.attention.mla import LatentSpec
+from lm.data.modules import TokenDataModule
+from lm.formats.calibration import attention_inputs
 from lm.formats.checkpoint import (
     build_checked,
     model_state_dict,
@@ -18,13 +26,48 @@ from lm.formats.checkpoint import (
     stored_model_config,
 )
 from lm.formats.convert import to_grouped
+from lm.formats.to_latent import check_parent, to_latent
+from lm.model.config import ModelConfig
+from lm.model.transformer import Transformer
+from lm.training.module import check_distillation, evaluate_loss, inputs_and_targets
 from lm.training.run import train
+from lm.util.checks import require_int
 from lm.util.errors import ConfigError
 from lm.util.paths import resolve_path
 
 
+@dataclass(frozen=True)
+class Target:
+    """What the checkpoint converts to: `n_kv_head` softmax K/V heads, or `latent` (MLA)."""
+
+    n_kv_head: int | None = None
+    latent: LatentSpec | None = None
+
+    @property
+    def name(self) -> str:
+        if self.latent is not None:
+            return f"mla-r{self.latent.kv_rank}-d{self.latent.rope_dim}"
+        return variant_name(self.n_kv_head)
+
+
 def variant_name(n_kv_head: int) -> str:
     return "mqa" if n_kv_head == 1 else f"gqa{n_kv_head}"
+
+
+def conversion_target(cfg: DictConfig) -> Target:
+    """The `attn` settings as a target: attn=mla (with its attn.* options), or attn.n_kv_head=N."""
+    attn = OmegaConf.to_container(cfg.attn, resolve=False)
+    kind = attn.get("kind")
+    if kind == "mla":
+        options = {k: v for k, v in attn.items() if k not in ("name", "kind", "n_kv_head", "global_every")
+                   and v is not None}
+        return Target(latent=LatentSpec(**options))
+    if kind not in (None, "softmax"):
+        raise ConfigError(f"attn={attn.get('name', kind)} is not a conversion target; uptraining converts to "
+                          "softmax GQA/MQA (attn.n_kv_head=N) or to multi-head latent attention (attn=mla)")
+    if attn.get("n_kv_head") is None:
+        raise ConfigError("give the target: attn.n_kv_head=N (GQA; 1 is MQA) or attn=mla [attn.kv_rank=R]")
+    return Target(n_kv_head=attn["n_kv_head"])
 
 
 def budget(cfg: DictConfig, source_steps: int) -> int:
@@ -40,7 +83,8 @@ def budget(cfg: DictConfig, source_steps: int) -> int:
     return math.ceil(fraction * source_steps)
 
 
-def continued_run_config(source_run: dict, cfg: DictConfig, steps: int, n_kv_head: int, run_name: str) -> DictConfig:
+def continued_run_config(source_run: dict, cfg: DictConfig, steps: int, target: Target | int,
+                         run_name: str) -> DictConfig:
     """The source run's config with what uptraining changes: its length, warm-up, name, logger
     and the conversion, so the run's config records what was done."""
     run = OmegaConf.create(source_run)
@@ -50,8 +94,13 @@ def continued_run_config(source_run: dict, cfg: DictConfig, steps: int, n_kv_hea
         run.seed = cfg.seed
         run.resume, run.ckpt_path = False, None
         run.checkpoint_dir = cfg.checkpoint_dir
-        run.attn.n_kv_head = n_kv_head
-        run.attn.name = variant_name(n_kv_head)
+        if isinstance(target, int):
+            target = Target(n_kv_head=target)
+        if target.latent is not None:
+            run.attn = {"name": target.name, **target.latent.to_dict()}
+        else:
+            run.attn.n_kv_head = target.n_kv_head
+            run.attn.name = target.name
         run.trainer.max_steps = steps
         run.trainer.val_every_n_steps = every
         if cfg.uptrain.limit_val_batches is not None:
@@ -66,39 +115,88 @@ def continued_run_config(source_run: dict, cfg: DictConfig, steps: int, n_kv_hea
     return run
 
 
+class Calibration:
+    """The source run's data, read once: a few training batches to fit a conversion to (MHA2MLA's
+    RoPE ranking, aligned pooling) and the validation batches training reports on."""
+
+    def __init__(self, source_run: dict, tokenizer_json: str, cfg: DictConfig):
+        self.data = TokenDataModule.from_config(OmegaConf.create(source_run["data"]),
+                                                source_run["model"]["max_seq_len"], tokenizer_json=tokenizer_json)
+        self.data.setup()
+        self.batches = cfg.uptrain.get("calibration_batches", 4)
+        require_int("uptrain.calibration_batches", self.batches)
+        limit = cfg.uptrain.limit_val_batches
+        if limit is None:
+            limit = source_run.get("trainer", {}).get("limit_val_batches")
+        self.val_batches = limit if isinstance(limit, int) and not isinstance(limit, bool) else None
+
+    def layer_inputs(self, model: Transformer) -> list:
+        loader = self.data.train_dataloader()
+        return attention_inputs(model, (inputs_and_targets(b)[0] for b in itertools.islice(loader, self.batches)))
+
+    def val_loss(self, model: Transformer) -> float:
+        return evaluate_loss(model, itertools.islice(self.data.val_dataloader(), self.val_batches)).loss
+
+
+def convert(parent: Transformer, source_state: dict, target: Target, cfg: DictConfig,
+            calibration) -> tuple[dict, ModelConfig]:
+    """The converted (state dict, config); `calibration()` reads data only when the method fits to activations."""
+    init, source_config = cfg.uptrain.init, parent.config
+    if target.latent is None and init != "aligned":
+        return to_grouped(source_state, source_config, target.n_kv_head, init=init, seed=cfg.seed)
+    if target.latent is not None:
+        check_parent(source_config, target.latent)  # before reading any data
+    inputs = calibration().layer_inputs(parent)
+    if target.latent is not None:
+        return to_latent(source_state, source_config, target.latent, inputs)
+    return to_grouped(source_state, source_config, target.n_kv_head, init=init, seed=cfg.seed, layer_inputs=inputs)
+
+
 def uptrain(cfg: DictConfig) -> dict:
-    """Convert `cfg.ckpt` to `cfg.attn.n_kv_head` K/V heads and uptrain it; returns train()'s result
-    plus the val loss right after conversion and the provenance."""
+    """Convert `cfg.ckpt` to the `cfg.attn` target and uptrain it; returns train()'s result plus the
+    val loss right after conversion, the parent's and the provenance."""
     source_path = resolve_path(cfg.ckpt)
     source = read_checkpoint(source_path)
     what = f"checkpoint {str(source_path)!r}"
     source_state = model_state_dict(source)
     source_config = stored_model_config(source["lm"], source_state, what)
-    build_checked(source_config, source_state, what)  # names, shapes and finite values, before converting
-    n_kv_head = cfg.attn.n_kv_head
-    state, config = to_grouped(source_state, source_config, n_kv_head, init=cfg.uptrain.init, seed=cfg.seed)
-    source_steps = int(source.get("global_step", 0))
-    steps = budget(cfg, source_steps)
-    provenance = {"source": str(cfg.ckpt), "source_step": source_steps, "init": cfg.uptrain.init,
-                  "fraction": cfg.uptrain.fraction if cfg.uptrain.steps is None else None, "steps": steps,
-                  "n_kv_head_from": source_config.n_kv_head, "n_kv_head_to": n_kv_head}
+    parent = build_checked(source_config, source_state, what)  # names, shapes and finite values, before converting
+    target = conversion_target(cfg)
+    steps = budget(cfg, int(source.get("global_step", 0)))
+    check_distillation(cfg.uptrain.get("distill", 0.0), cfg.uptrain.get("temperature", 1.0), parent)
     tokenizer_json = source["lm"]["tokenizer"]
     source_run = source["lm"].get("run_config") or {}
+    if (steps or target.latent is not None or cfg.uptrain.init == "aligned") and not source_run.get("data"):
+        raise ConfigError(f"checkpoint {str(cfg.ckpt)!r} records no training run to continue or calibrate on "
+                          "(no run_config.data)")
+    calibration = functools.cache(lambda: Calibration(source_run, tokenizer_json, cfg))  # read only if needed
+    state, config = convert(parent, source_state, target, cfg, calibration)
+    source_steps = int(source.get("global_step", 0))
+    provenance = {"source": str(cfg.ckpt), "source_step": source_steps, "init": cfg.uptrain.init,
+                  "fraction": cfg.uptrain.fraction if cfg.uptrain.steps is None else None, "steps": steps,
+                  "n_kv_head_from": source_config.n_kv_head, "n_kv_head_to": target.n_kv_head,
+                  "target": target.name, "distill": cfg.uptrain.get("distill", 0.0)}
+    if target.latent is not None:
+        provenance["rope_pairs"] = [list(spec.rope_pairs) for spec in config.attention]
     if steps == 0:
         if not cfg.out:
             raise ConfigError("uptrain.steps=0 converts only: give out=<folder> for the converted checkpoint")
         out = resolve_path(cfg.out)
         path = save_checkpoint(out / "last.ckpt", state, config, tokenizer_json, source_run, provenance)
         (out / "tokenizer.json").write_text(tokenizer_json)
-        print(f"converted {source_config.n_kv_head} -> {n_kv_head} K/V heads ({cfg.uptrain.init}): {path}")
+        print(f"converted {source_config.describe_attention()} -> {target.name} ({cfg.uptrain.init}): {path}")
         return {"last": str(path), "provenance": provenance, "steps": 0}
-    if not source_run.get("data"):
-        raise ConfigError(f"checkpoint {str(cfg.ckpt)!r} records no training run to continue (no run_config.data)")
-    run_name = cfg.run_name or f"{source_run.get('run_name', 'source')}-{variant_name(n_kv_head)}-{cfg.uptrain.init}"
-    run = continued_run_config(source_run, cfg, steps, n_kv_head, run_name)
-    print(f"uptraining {source_config.n_kv_head} -> {n_kv_head} K/V heads ({cfg.uptrain.init} init) for {steps} steps "
-          f"({steps / max(1, source_steps):.1%} of the source run's {source_steps})")
+    run_name = cfg.run_name or f"{source_run.get('run_name', 'source')}-{target.name}-{cfg.uptrain.init}"
+    run = continued_run_config(source_run, cfg, steps, target, run_name)
+    parent_loss = calibration().val_loss(parent)
+    provenance["parent_val_loss"] = parent_loss
+    print(f"uptraining {source_config.n_kv_head} K/V heads -> {target.name} ({cfg.uptrain.init} init) for {steps} "
+          f"steps ({steps / max(1, source_steps):.1%} of the source run's {source_steps}); the parent's val loss "
+          f"{parent_loss:.4f}, the converted model's is measured at step 0")
+    distilling = cfg.uptrain.get("distill", 0.0)
     result = train(run, model_config=config, init_state=state, tokenizer_json=tokenizer_json,
-                   provenance=provenance, validate_first=True)
+                   provenance=provenance, validate_first=True, teacher=parent if distilling else None)
     result["provenance"] = provenance
+    result["parent_val_loss"] = parent_loss
     return result
+

@@ -1,0 +1,78 @@
+"""Multi-head latent attention beyond the shared tables (which run its examples through the
+equivalence, causality, cache, compile and benchmark tests): the absorbed step against the
+decompressed computation written out, its cache size, int8, and one line for every bad option."""
+
+import math
+
+import pytest
+import torch
+
+from lm import ModelConfig, Transformer, generate, quantize_int8
+from lm.attention import LayerShape
+from lm.attention.cache import GenerationCache
+from lm.attention.mla import LatentSpec
+from lm.attention.rope import RotaryEmbedding
+from lm.util.errors import ConfigError
+
+
+def model(spec, n_head=4, d_model=32, dtype=torch.float64):
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=61, n_layer=2, d_model=d_model, n_head=n_head, d_ff=48, max_seq_len=40,
+                         attention=spec)
+    return Transformer(config).to(dtype).eval()
+
+
+def test_the_absorbed_step_equals_attention_over_decompressed_keys_and_values():
+    """One decoding step in the latent space against softmax over every head's decompressed K/V,
+    written out from the weights (float64)."""
+    torch.manual_seed(0)
+    layer = LatentSpec(kv_rank=10, rope_dim=4, q_rank=6).build(LayerShape(32, 4, 4, 8)).double()
+    x = torch.randn(2, 9, 32, dtype=torch.float64)
+    cos, sin = (t.double() for t in RotaryEmbedding(8, 10000.0)(torch.arange(9)))
+    q, latent = layer.queries(x, cos, sin), layer.latent(x, cos, sin)  # (B, nh, T, hs), (B, 1, T, r + dR)
+    keys, values = layer.decompress(latent)  # (B, nh, T, hs) each
+    scores = q[:, :, -1:] @ keys.transpose(-1, -2) / math.sqrt(8)  # the last position over all: (B, nh, 1, T)
+    expected = scores.softmax(-1) @ values  # (B, nh, 1, hs)
+    context = GenerationCache(model(LatentSpec(kv_rank=10, rope_dim=4, q_rank=6)), torch.zeros(2, dtype=torch.long),
+                              max_len=16)
+    cache = layer.build_cache(context, 16)
+    cache.attend(q[:, :, :8], latent[:, :, :8])
+    context.advance(8)
+    got = cache.decode(q[:, :, 8:], latent[:, :, 8:], None, torch.tensor(8))
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("n_head, d_model", [(4, 32), (8, 64)])
+def test_the_cache_holds_the_latent_and_the_rope_key_whatever_the_heads(n_head, d_model):
+    m = model(LatentSpec(kv_rank=12, rope_dim=4), n_head=n_head, d_model=d_model, dtype=torch.float32)
+    context = GenerationCache(m, torch.zeros(3, dtype=torch.long), max_len=20)
+    assert context.nbytes() == 2 * 3 * 20 * (12 + 4) * 4  # layers x batch x positions x (r + dR) x fp32
+    assert context.nbytes() == 4 * sum(b.attn.generation_state().numel(20, 3) for b in m.blocks)
+
+
+def test_int8_weights_decode_through_the_absorbed_cache():
+    """Absorbing multiplies by kv_up's matrix itself: the int8 model dequantizes it, and its cached
+    tokens equal its own recomputed ones."""
+    m = quantize_int8(model(LatentSpec(kv_rank=12, rope_dim=4), dtype=torch.float32))
+    prompts = [[1, 2, 3, 4, 5], [6, 7]]
+    assert generate(m, prompts, 10) == generate(m, prompts, 10, use_cache=False)
+
+
+@pytest.mark.parametrize("options, shape, message", [
+    ({"rope_dim": 3}, (32, 4, 8), "rope_dim=3 must be even: RoPE rotates pairs of dimensions"),
+    ({"rope_dim": 0}, (32, 4, 8), "rope_dim=0 must be an integer >= 2"),
+    ({"kv_rank": 0}, (32, 4, 8), "kv_rank=0 must be an integer >= 1"),
+    ({"q_rank": -1}, (32, 4, 8), "q_rank=-1 must be an integer >= 0"),
+    ({"rope_dim": 8, "kv_rank": 4}, (32, 4, 8), "rope_dim=8 must be less than the head size 8"),
+    ({"rope_dim": 4, "kv_rank": 49}, (32, 4, 8), "kv_rank=49 is more than the 48 numbers it decompresses into"),
+    ({"rope_dim": 4, "rope_pairs": [1]}, (32, 4, 8), "rope_pairs=[1] must be rope_dim/2 = 2 distinct pairs"),
+    ({"rope_dim": 4, "rope_pairs": [1, 1]}, (32, 4, 8), "rope_pairs=[1, 1] must be rope_dim/2 = 2 distinct pairs"),
+    ({"rope_dim": 4, "rope_pairs": [0, 4], "kv_rank": 8}, (32, 4, 8), "rope_pairs=[0, 4] names a pair past the "
+                                                                       "head's 4 frequency pairs"),
+    ({"rope_dim": 4, "rope_pairs": "01"}, (32, 4, 8), "rope_pairs='01' must be a list of frequency pair indices"),
+])
+def test_a_bad_option_is_one_line(options, shape, message):
+    d_model, n_head, head_dim = shape
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")) as raised:
+        LatentSpec(**options).build(LayerShape(d_model, n_head, n_head, head_dim))
+    assert "\n" not in str(raised.value)
