@@ -110,3 +110,11 @@ def test_rope_on_the_kept_pairs_matches_the_parents_rotation_of_those_dimensions
     whole = apply_rope(x, cos, sin)[..., rope]
     part = apply_rope(x[..., rope], cos[:, [0, 2]], sin[:, [0, 2]])
     torch.testing.assert_close(part, whole, rtol=0, atol=1e-14)
+
+
+def test_an_mla_model_does_not_pool_into_gqa():
+    from lm.formats.convert import to_grouped
+
+    mla = converted(parent(), LatentSpec(kv_rank=8, rope_dim=4))
+    with pytest.raises(ConfigError, match=r"layer 0 \(mla\(kv_rank=8, .*\) has no per-head K/V projections to pool"):
+        to_grouped(mla.state_dict(), mla.config, 2)

@@ -44,6 +44,10 @@ def to_grouped(state_dict: dict[str, torch.Tensor], config: ModelConfig, n_kv_he
     if init not in INITS:
         raise ConfigError(f"init={init!r} is not one of {list(INITS)}")
     check_target(config, n_kv_head)
+    without = [i for i in range(config.n_layer) if f"blocks.{i}.attn.qkv.weight" not in state_dict]
+    if without:  # e.g. MLA, whose keys and values come from a latent: there are no K/V heads to pool
+        raise ConfigError(f"layer {without[0]} ({config.attention[without[0]].describe()}) has no per-head K/V "
+                          "projections to pool; GQA/MQA conversion takes softmax-family parents")
     if init == "aligned":
         state_dict = align_heads(state_dict, config, layer_inputs, n_kv_head)
         init = "mean"

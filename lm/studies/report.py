@@ -206,13 +206,19 @@ def uptraining_plot(records: list[dict]):
     caches = sorted({r["cache_bytes_per_token"] for r in arms})
     largest = max(r["fraction"] for r in arms)
     fig, axes = pyplot().subplots(1, len(caches), figsize=(6 * len(caches), 4.5), sharey=True, squeeze=False)
+    # Scale to the converted arms: from-scratch curves start near ln(vocab) and would flatten the rest.
+    converted = [h[1] for r in arms if r["init"] != "scratch" for h in r["history"]]
+    top = 1.03 * max(converted) if converted else None
     for ax, cache in zip(axes[0], caches, strict=True):
         in_panel = [r for r in arms if r["cache_bytes_per_token"] == cache and r["history"]]
         for r in in_panel:
             steps, losses = [h[0] for h in r["history"]], [h[1] for h in r["history"]]
+            off_scale = f" (above the plot: ends at {losses[-1]:.2f})" if top and min(losses) > top else ""
             ax.plot(steps, losses, "-" if r["fraction"] == largest else "--", marker="o", markersize=3,
                     color=INIT_COLOURS.get(r["init"], "black"),
-                    label=f"{target_name(r)} {r['init']}, alpha={r['fraction']}")
+                    label=f"{target_name(r)} {r['init']}, alpha={r['fraction']}{off_scale}")
+        if top:
+            ax.set_ylim(0.99 * min(teacher["val_loss_after"], *converted), top)
         ax.axhline(teacher["val_loss_after"], color="black", linestyle=":", label="MHA teacher")
         targets = sorted({target_name(r) for r in in_panel})
         ax.set_title(f"{cache:,.0f} cache bytes/token: {', '.join(targets)}")
