@@ -243,16 +243,20 @@ class LatentCache:
         width = layer.kv_rank + layer.rope_dim
         self.rows = torch.zeros(context.batch_size, 1, max_len, width, dtype=context.dtype, device=context.device)
 
-    def latent_attention(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None,
-                         causal: bool = False) -> torch.Tensor:
-        """q (B, nh, T, hs) over cached rows keys (B, 1, S, r + dR) -> (B, nh, T, hs). The values
-        are the latents themselves (the first r numbers of each row); the scale stays 1/sqrt(hs),
-        the width of the scores' decompressed form."""
+    def latent_attention(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """q (B, nh, T, hs) over cached rows keys (B, 1, S, r + dR) -> (B, nh, T, hs), `mask` (T, S)
+        or (B, 1, T, S) saying which rows each query sees. The values are the latents themselves (the
+        first r numbers of each row); the scale stays 1/sqrt(hs), the width of the decompressed scores.
+
+        Every head reads the same rows, so the heads are folded into the query rows of one head:
+        one (nh T) x S product, where SDPA's enable_gqa would copy the rows out to each head."""
         layer = self.layer
-        y_latent = F.scaled_dot_product_attention(layer.absorbed_query(q), keys, keys[..., : layer.kv_rank],
-                                                  attn_mask=mask, is_causal=causal,
-                                                  scale=1 / math.sqrt(layer.head_dim), enable_gqa=True)
-        return layer.absorbed_output(y_latent)  # (B, nh, T, r) -> (B, nh, T, hs)
+        B, nh, T, _ = q.shape
+        rows = layer.absorbed_query(q).reshape(B, 1, nh * T, -1)  # (B, 1, nh*T, r + dR): head-major rows
+        mask = mask.repeat(nh, 1) if mask.dim() == 2 else mask.repeat(1, 1, nh, 1)  # (nh*T, S) or (B, 1, nh*T, S)
+        y_latent = F.scaled_dot_product_attention(rows, keys, keys[..., : layer.kv_rank], attn_mask=mask,
+                                                  scale=1 / math.sqrt(layer.head_dim))  # (B, 1, nh*T, r)
+        return layer.absorbed_output(y_latent.view(B, nh, T, layer.kv_rank))  # (B, nh, T, r) -> (B, nh, T, hs)
 
     def attend(self, q: torch.Tensor, latent: torch.Tensor, _unused=None) -> torch.Tensor:
         """The next T positions: latent (B, 1, T, r + dR) is stored, q (B, nh, T, hs) attends over every row so far."""
@@ -261,13 +265,10 @@ class LatentCache:
         if end > self.rows.shape[2]:
             raise ValueError(f"the latent cache holds {self.rows.shape[2]} positions; {end} were asked for")
         self.rows[:, :, start:end] = latent
-        keys = self.rows[:, :, :end]
-        if not self.context.has_padding and (T == 1 or start == 0):
-            return self.latent_attention(q, keys, None, causal=T > 1)
         q_slots = torch.arange(start, end, device=q.device)
         k_slots = torch.arange(end, device=q.device)
         mask = visibility_mask(self.context, q_slots, k_slots, k_slots[None, :] <= q_slots[:, None])
-        return self.latent_attention(q, keys, mask)
+        return self.latent_attention(q, self.rows[:, :, :end], mask)
 
     def decode(self, q: torch.Tensor, latent: torch.Tensor, _unused, pos: torch.Tensor) -> torch.Tensor:
         """One position at slot `pos` (0-dim tensor) over the whole buffer, later slots masked."""
