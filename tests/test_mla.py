@@ -76,3 +76,19 @@ def test_a_bad_option_is_one_line(options, shape, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")) as raised:
         LatentSpec(**options).build(LayerShape(d_model, n_head, n_head, head_dim))
     assert "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize("d_model, n_head, expected", [(384, 6, (96, 16)), (288, 6, (72, 12)), (32, 4, (12, 2)),
+                                                       (32, 2, (24, 4))])
+def test_sizes_left_unset_follow_the_head_size_and_are_stored_explicitly(d_model, n_head, expected):
+    """kv_rank 3 hs/2 and rope_dim hs/4 (even, at least 2): every head size from the toy study's 8
+    up builds, and the model config (what a checkpoint stores) names the sizes it got."""
+    config = ModelConfig(vocab_size=61, n_layer=2, d_model=d_model, n_head=n_head, d_ff=48, max_seq_len=40,
+                         attention="mla")
+    assert {(spec.kv_rank, spec.rope_dim) for spec in config.attention} == {expected}
+    assert config.to_dict()["attention"][0]["kv_rank"] == expected[0]
+    layer = Transformer(config).blocks[0].attn
+    assert layer.kv_down.out_features == sum(expected)  # the cached [c | k_rope] row
+    # Given sizes are kept; rope_pairs alone sets rope_dim.
+    assert LatentSpec(kv_rank=5).at(64) == LatentSpec(kv_rank=5, rope_dim=16)
+    assert LatentSpec(rope_pairs=[0, 3]).at(64).rope_dim == 4

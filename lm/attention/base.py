@@ -141,6 +141,11 @@ class AttentionSpec:
     def check(self) -> None:
         """Raise ConfigError, one line naming the field, when an option value cannot work."""
 
+    def at(self, head_dim: int) -> AttentionSpec:
+        """This spec with the options it sizes from the head size filled in (ModelConfig calls it, so
+        a checkpoint stores every size explicitly); most kinds size nothing from it."""
+        return self
+
     def build(self, shape: LayerShape) -> AttentionLayer:
         raise NotImplementedError
 

@@ -26,6 +26,7 @@ most (lm/formats/to_latent.py).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -45,8 +46,9 @@ from lm.util.errors import ConfigError
 class LatentSpec(AttentionSpec):
     """Keys and values from a cached latent of `kv_rank` numbers, plus one RoPE key of `rope_dim`."""
 
-    kv_rank: int = 96  # r: the latent per position, the cache's main part
-    rope_dim: int = 16  # dR: the RoPE key shared by every head, and the RoPE part of each query
+    kv_rank: int | None = None  # r: the latent per position, the cache's main part; None: 3/2 of the head size
+    rope_dim: int | None = None  # dR: the RoPE key shared by every head and the RoPE part of each query; None: a
+    # quarter of the head size (even). The defaults cache 7/4 of a head per position: less than MQA's K and V.
     q_rank: int = 0  # queries through a rank-q_rank bottleneck (DeepSeek's q_lora_rank); 0: a full projection
     rope_pairs: tuple[int, ...] | None = None  # the head's RoPE frequency pairs the shared key uses; None: spaced
 
@@ -56,19 +58,32 @@ class LatentSpec(AttentionSpec):
     benchmarks = {"": Example()}
 
     def check(self) -> None:
-        require_int("kv_rank", self.kv_rank)
-        require_int("rope_dim", self.rope_dim, minimum=2)
+        if self.kv_rank is not None:
+            require_int("kv_rank", self.kv_rank)
+        if self.rope_dim is not None:
+            require_int("rope_dim", self.rope_dim, minimum=2)
+            if self.rope_dim % 2:
+                raise ConfigError(f"rope_dim={self.rope_dim} must be even: RoPE rotates pairs of dimensions")
         require_int("q_rank", self.q_rank, minimum=0)
-        if self.rope_dim % 2:
-            raise ConfigError(f"rope_dim={self.rope_dim} must be even: RoPE rotates pairs of dimensions")
         if self.rope_pairs is not None:
             pairs = self.rope_pairs
             if isinstance(pairs, (str, bytes)) or not hasattr(pairs, "__iter__") or not all(
                     isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in pairs):
                 raise ConfigError(f"rope_pairs={pairs!r} must be a list of frequency pair indices (integers >= 0)")
-            if len(set(pairs)) != len(list(pairs)) or len(list(pairs)) != self.rope_dim // 2:
-                raise ConfigError(f"rope_pairs={list(pairs)} must be rope_dim/2 = {self.rope_dim // 2} distinct pairs")
+            wanted = len(list(pairs)) if self.rope_dim is None else self.rope_dim // 2  # no rope_dim: it follows
+            if len(set(pairs)) != len(list(pairs)) or len(list(pairs)) != wanted:
+                count = "" if self.rope_dim is None else f"rope_dim/2 = {wanted} "
+                raise ConfigError(f"rope_pairs={list(pairs)} must be {count}distinct pairs")
             object.__setattr__(self, "rope_pairs", tuple(pairs))  # hashable and comparable, from a list too
+
+    def at(self, head_dim: int) -> LatentSpec:
+        """This spec with the sizes it left to the head size filled in: kv_rank 3 hs/2, rope_dim hs/4
+        (even, at least 2); 96 and 16 at head size 64."""
+        rope_dim = self.rope_dim
+        if rope_dim is None:
+            rope_dim = len(self.rope_pairs) * 2 if self.rope_pairs is not None else max(2, head_dim // 8 * 2)
+        kv_rank = self.kv_rank if self.kv_rank is not None else 3 * head_dim // 2
+        return dataclasses.replace(self, kv_rank=kv_rank, rope_dim=rope_dim)
 
     def build(self, shape: LayerShape) -> LatentAttention:
         return LatentAttention(self, shape)
@@ -80,7 +95,8 @@ class LatentSpec(AttentionSpec):
         """The frequency pairs (of head_dim/2) the RoPE part rotates with."""
         if self.rope_pairs is not None:
             return self.rope_pairs
-        return tuple(j * head_dim // self.rope_dim for j in range(self.rope_dim // 2))
+        rope_dim = self.at(head_dim).rope_dim
+        return tuple(j * head_dim // rope_dim for j in range(rope_dim // 2))
 
 
 @dataclass(frozen=True)
@@ -97,6 +113,7 @@ class LatentAttention(nn.Module):
     def __init__(self, spec: LatentSpec, shape: LayerShape):
         super().__init__()
         C, nh, hs = shape.d_model, shape.n_head, shape.head_dim
+        spec = spec.at(hs)
         r, dR = spec.kv_rank, spec.rope_dim
         if dR >= hs:
             raise ConfigError(f"rope_dim={dR} must be less than the head size {hs}: the rest of each key comes "

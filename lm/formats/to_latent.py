@@ -40,6 +40,7 @@ def check_parent(config: ModelConfig, spec: LatentSpec) -> None:
             raise ConfigError(f"layer {i} is {layer.describe()}; conversion to mla takes plain softmax layers "
                               "(MHA, GQA or MQA without gate, qk_norm, softcap or learned sink)")
     hs = config.head_dim
+    spec = spec.at(hs)
     if spec.rope_dim >= hs:
         raise ConfigError(f"attn.rope_dim={spec.rope_dim} must be less than the checkpoint's head size {hs}")
     widest = min(config.d_model, config.n_head * (2 * hs - spec.rope_dim))
@@ -121,6 +122,7 @@ def to_latent(state_dict: dict[str, torch.Tensor], config: ModelConfig, spec: La
     attention input on calibration tokens (lm.formats.calibration.attention_inputs)."""
     check_parent(config, spec)
     check_inputs(config, layer_inputs)
+    spec = spec.at(config.head_dim)  # the stored spec names its sizes, whatever the head size becomes
     converted, specs = {}, []
     for name, tensor in state_dict.items():
         if not name.endswith(".attn.qkv.weight"):

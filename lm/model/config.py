@@ -58,7 +58,7 @@ class ModelConfig:
         if attention_options is not None:
             raise ConfigError("attention_options is gone: give the specs, e.g. attention=SlidingSpec(window=64), "
                               "or lm.attention.layer_specs(kind, n_layer, options)")
-        self.attention = as_layer_specs(self.attention, self.n_layer)
+        self.attention = [spec.at(self.head_dim) for spec in as_layer_specs(self.attention, self.n_layer)]
 
     @property
     def head_dim(self) -> int:

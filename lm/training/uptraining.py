@@ -46,8 +46,14 @@ class Target:
     @property
     def name(self) -> str:
         if self.latent is not None:
-            return f"mla-r{self.latent.kv_rank}-d{self.latent.rope_dim}"
+            sizes = [f"{tag}{size}" for tag, size in (("r", self.latent.kv_rank), ("d", self.latent.rope_dim))
+                     if size is not None]  # a size left to the head size shows once the parent is read (`at`)
+            return "-".join(["mla", *sizes])
         return variant_name(self.n_kv_head)
+
+    def at(self, head_dim: int) -> Target:
+        """The target with the sizes MLA leaves to the parent's head size filled in."""
+        return self if self.latent is None else Target(latent=self.latent.at(head_dim))
 
 
 def variant_name(n_kv_head: int) -> str:
@@ -161,7 +167,7 @@ def uptrain(cfg: DictConfig) -> dict:
     source_state = model_state_dict(source)
     source_config = stored_model_config(source["lm"], source_state, what)
     parent = build_checked(source_config, source_state, what)  # names, shapes and finite values, before converting
-    target = conversion_target(cfg)
+    target = conversion_target(cfg).at(source_config.head_dim)
     steps = budget(cfg, int(source.get("global_step", 0)))
     check_distillation(cfg.uptrain.get("distill", 0.0), cfg.uptrain.get("temperature", 1.0), parent)
     tokenizer_json = source["lm"]["tokenizer"]
