@@ -2,8 +2,11 @@
 
 import json
 import math
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,7 @@ import lm
 from lm.attention import available_kinds
 from lm.attention.base import spec_class
 from lm.model.config import ConfigError
+from lm.util.errors import DataError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,8 +68,10 @@ def run_in_process(*overrides: str) -> dict:
 
 
 def test_a_tiny_study_in_process_measures_reuses_and_reruns_what_a_setting_touches(tmp_path, small_corpus, capsys):
+    corpus = tmp_path / "corpus"
+    shutil.copytree(small_corpus, corpus)
     args = ["preset=quick", "kinds=[mqa]", "mqar.pairs=[2]", "mqar.steps=4", "mqar.val_every=4", "mqar.examples=64",
-            "lm.steps=2", "lm.val_every=2", "data=text", f"data.paths=[{small_corpus}]", "data.vocab_size=512",
+            "lm.steps=2", "lm.val_every=2", "data=text", f"data.paths=[{corpus}]", "data.vocab_size=512",
             f"data.cache_dir={tmp_path / 'cache'}", f"out={tmp_path / 'compare'}"]
     records = run_in_process(*args, "speed.contexts=[64,128]")["records"]
     assert [(r["arm"], r["task"], r["kind"]) for r in records] == [("mqar-mqa-d32-p2", "mqar", "mqa"),
@@ -86,8 +92,18 @@ def test_a_tiny_study_in_process_measures_reuses_and_reruns_what_a_setting_touch
     assert run_in_process(*args, "speed.contexts=[64,128]")["records"] == records  # nothing trained again
     again = run_in_process(*args, "speed.contexts=[64]")["records"]  # the decoding figures only: the lm arm reruns
     progress = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
-    assert [line.endswith("(done before)") for line in progress] == [True, True, True, False]
+    assert [line.endswith("(done before)") for line in progress] == [True, True, True, False, False]
+    assert progress[3] == "[2/2] lm-mqa: its settings changed (speed.contexts [64, 128] -> [64]); running it again"
     assert again[0] == records[0] and [d["context"] for d in again[1]["decode"]] == [64]
+
+    # The corpus's text rewritten under the same names: the language-modelling arm measures it afresh.
+    first = sorted(corpus.iterdir())[0]
+    first.write_text(first.read_text() + "\n# one more line\n")
+    rerun = run_in_process(*args, "speed.contexts=[64]")["records"]
+    progress = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert progress[0].endswith("(done before)") and rerun[0] == records[0]
+    assert progress[1].startswith("[2/2] lm-mqa: its settings changed (corpus_fingerprint ")
+    assert rerun[1]["settings"]["corpus_fingerprint"] != again[1]["settings"]["corpus_fingerprint"]
 
 
 @pytest.mark.slow
@@ -155,10 +171,28 @@ def test_an_unknown_kind_is_one_line_before_any_work(tmp_path):
     (["extra_kinds=[{name: x, attn: linear, feature_map: cosine}]"], "cosine"),
     (["extra_kinds=[5]"], "extra_kinds entry 5 must be a kind's name or {name: ..., attn: ..., option: ...}"),
     (["kinds={a: 1}"], "kinds={'a': 1} must be a list, e.g. kinds=\\[a,b\\]"),
+    # the key the user typed, not the arm's internal one (trainer.max_steps, data.batch_size, optim.lr)
+    (["lm.steps=0"], "^lm.steps=0 must be an integer >= 1$"),
+    (["lm.batch_size=0"], "^lm.batch_size=0 must be an integer >= 1$"),
+    (["lm.lr=-1"], "^lm.lr=-1 must be a positive number$"),
+    (["mqar.examples=1.5"], "^mqar.examples=1.5 must be an integer >= 1$"),
+    (["speed.new_tokens=-5"], "^speed.new_tokens=-5 must be an integer >= 1$"),
+    (["speed.contexts=[]"], "speed.contexts=\\[\\] is empty"),
+    (["mqar.widths=[]"], "mqar.widths=\\[\\] is empty"),
+    (["lm.warmup_steps=-1"], "^lm.warmup_steps=-1 must be an integer >= 0$"),
+    (["seed=-1"], "^seed=-1 must be an integer >= 0$"),
+    (["extra_kinds=[{name: a/b, attn: mha}]"], "extra_kinds name 'a/b' must be a plain file name"),
+    (["extra_kinds=[{name: .x, attn: mha}]"], "extra_kinds name '.x' must be a plain file name"),
 ])
 def test_bad_settings_are_refused_before_training(overrides, message):
     with pytest.raises(ConfigError, match=message):
         planned("preset=quick", *overrides)
+
+
+def test_a_corpus_that_leaves_evaluation_no_text_is_refused_before_any_arm(tmp_path):
+    (tmp_path / "only.py").write_text("x = 1\n")
+    with pytest.raises(DataError, match="data.val_fraction=0.01 leaves no document of the corpus for validation"):
+        planned("preset=quick", "data=text", f"data.paths=[{tmp_path}]", "data.val_fraction=0.01")
 
 
 def test_registered_kinds_join_the_default_list_and_yaml_kinds_keep_their_config():
@@ -175,3 +209,34 @@ def test_registered_kinds_join_the_default_list_and_yaml_kinds_keep_their_config
 def test_a_kind_typed_without_brackets_is_one_kind_not_its_letters():
     arms = planned("preset=quick", "kinds=mha", "extra_kinds=linear")
     assert {arm.labels["kind"] for arm in arms} == {"mha", "linear"}
+
+
+@pytest.mark.slow
+def test_an_interrupted_study_continues_its_arm_from_its_checkpoint(tmp_path, small_corpus):
+    from lm.formats.checkpoint import read_checkpoint
+
+    out = tmp_path / "compare"
+    args = ["preset=quick", "kinds=[mqa]", "mqar.pairs=[2]", "mqar.steps=3000", "mqar.val_every=500", "data=text",
+            f"data.paths=[{small_corpus}]", "data.vocab_size=512", f"data.cache_dir={tmp_path / 'cache'}",
+            f"out={out}", "speed.contexts=[64]"]
+    child = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "compare.py"), *args], cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    last = out / "runs" / "mqar-mqa-d32-p2" / "last.ckpt"
+    deadline = time.time() + 300
+    while not (last.is_file() and read_checkpoint(last)["global_step"] >= 500):  # the first validation saved it
+        assert child.poll() is None and time.time() < deadline, "the study finished or stalled before step 500"
+        time.sleep(0.05)
+    child.send_signal(signal.SIGINT)
+    _, stderr = child.communicate(timeout=300)
+    assert child.returncode == 130, stderr
+    stopped_at = read_checkpoint(last)["global_step"]
+    assert 500 <= stopped_at < 3000
+    assert stderr.strip().splitlines() == [f"[1/2] mqar-mqa-d32-p2 stopped by SIGINT at step {stopped_at}; the arms "
+                                           f"before it are kept, and the same command continues it from {last}"]
+
+    again = run_compare(*args)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"[1/2] mqar-mqa-d32-p2: continuing from {last}, where it was interrupted" in again.stdout
+    record = json.loads((out / "records" / "mqar-mqa-d32-p2.json").read_text())
+    check_figures(record)  # time, tokens and the validation history count the interrupted part too
+    assert [h[0] for h in record["history"]] == list(range(500, 3001, 500))

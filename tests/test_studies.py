@@ -3,6 +3,8 @@ report set-up, without training anything."""
 
 import json
 import logging
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ from lm.studies.decode_speed import decode_speed
 from lm.studies.engine import Arm, run_arms
 from lm.studies.report import pyplot, write_results
 from lm.training.module import evaluate_loss
+from lm.util.errors import Interrupted, RunInterrupted
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
@@ -71,16 +74,107 @@ def test_a_repeat_reuses_records_whose_settings_are_equal_and_reruns_the_changed
     again = run_arms(arms_of(work, changed, tmp_path), tmp_path, describe)
     lines = progress(capsys)
     assert [w.calls for w in work.values()] == [0, 0, 1]  # a tuple equals the list its record holds
-    assert [line.endswith("(done before)") for line in lines] == [True, True, False]
+    assert [line.endswith("(done before)") for line in lines] == [True, True, False, False]
+    assert lines[2] == "[3/3] c: its settings changed (lr 0.3 -> 0.31); running it again"
     assert again[:2] == first[:2] and again[2]["loss"] == 9.0 and again[2]["settings"] == {"lr": 0.31}
 
 
-def test_a_damaged_record_is_run_again(tmp_path, capsys):
+def test_the_rerun_note_names_changed_nested_settings_and_counts_the_rest(tmp_path, capsys):
+    old = {"speed": {"new_tokens": 8, "contexts": [128]}, "corpus_fingerprint": "aa", "lr": 1, "seed": 0}
+    run_arms(arms_of({"a": Counting(1.0)}, {"a": old}), tmp_path, describe)
+    progress(capsys)
+    new = {"speed": {"new_tokens": 100, "contexts": [128, 512]}, "corpus_fingerprint": "bb", "lr": 2, "seed": 0}
+    run_arms(arms_of({"a": Counting(1.0)}, {"a": new}), tmp_path, describe)
+    assert progress(capsys)[0] == ("[1/1] a: its settings changed (corpus_fingerprint 'aa' -> 'bb', lr 1 -> 2, "
+                                   "speed.contexts [128] -> [128, 512] and 1 more); running it again")
+
+
+DAMAGES = {
+    "cut short": lambda text, record: text[: len(text) // 2],
+    "a figure removed": lambda text, record: json.dumps({k: v for k, v in record.items() if k != "loss"}),
+    "a figure of the wrong type": lambda text, record: json.dumps({**record, "loss": "1.0"}),
+    "a figure edited": lambda text, record: json.dumps({**record, "loss": 0.5}),
+    "a list": lambda text, record: json.dumps([record]),
+    "deep nesting": lambda text, record: "[" * 100_000 + "]" * 100_000,
+    "no digest (an older format)": lambda text, record: json.dumps({k: v for k, v in record.items() if k != "digest"}),
+    "settings not a mapping": lambda text, record: json.dumps({**record, "settings": [1]}),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_damaged_record_is_run_again_with_a_note(tmp_path, capsys, damage):
     settings = {"a": {"lr": 0.1}}
     run_arms(arms_of({"a": Counting(1.0)}, settings), tmp_path, describe)
-    (tmp_path / "a.json").write_text('{"arm": "a", "loss"')  # cut short by hand: the engine itself writes atomically
+    path = tmp_path / "a.json"
+    path.write_text(DAMAGES[damage](path.read_text(), json.loads(path.read_text())))
+    progress(capsys)
     work = {"a": Counting(2.0)}
     assert run_arms(arms_of(work, settings), tmp_path, describe)[0]["loss"] == 2.0 and work["a"].calls == 1
+    lines = [line for line in progress(capsys) if line.startswith("[")]  # without the arm's own output
+    assert lines[0] == "[1/1] a: its record a.json is damaged (not the file the study wrote); running it again"
+    assert len(lines) == 2 and json.loads(path.read_text())["loss"] == 2.0
+
+
+class Stopping:
+    """An arm's work that a signal stops: in training (RunInterrupted after saving its checkpoint,
+    as lm.training.interrupt does) or while measuring (a real signal to this process); then, asked
+    again, it finishes and says whether it was asked to resume."""
+
+    def __init__(self, checkpoint: Path, in_training: bool, signum: int = signal.SIGINT):
+        self.checkpoint, self.in_training, self.signum = checkpoint, in_training, signum
+        self.resumed: list[bool] = []
+
+    def __call__(self, resume: bool = False) -> dict:
+        self.resumed.append(resume)
+        if len(self.resumed) == 1:
+            self.checkpoint.parent.mkdir(parents=True, exist_ok=True)
+            self.checkpoint.write_text("state at step 7")
+            if self.in_training:
+                raise RunInterrupted(self.signum, 7, self.checkpoint)
+            os.kill(os.getpid(), self.signum)  # the engine's handler raises here, as a signal while measuring would
+            raise AssertionError("the signal did not stop the arm")
+        return {"loss": 1.5, "history": []}
+
+
+@pytest.mark.parametrize(("in_training", "signum"), [(True, signal.SIGINT), (True, signal.SIGTERM),
+                                                      (False, signal.SIGINT), (False, signal.SIGTERM)])
+def test_a_stopped_arm_says_so_in_one_line_and_the_same_command_continues_it(tmp_path, capsys, in_training, signum):
+    checkpoint = tmp_path / "runs" / "b" / "last.ckpt"
+    work = Stopping(checkpoint, in_training, signum)
+    first = Counting(1.0)
+    arms = [Arm("a", {"x": 1}, first), Arm("b", {"x": 2}, work, checkpoint=checkpoint), Arm("c", {"x": 3}, first)]
+    with pytest.raises(Interrupted) as stopped:
+        run_arms(arms, tmp_path / "records", describe)
+    name = signal.Signals(signum).name
+    where = "at step 7" if in_training else "while it ran"
+    assert str(stopped.value) == (f"[2/3] b stopped by {name} {where}; the arms before it are kept, and the same "
+                                  f"command continues it from {checkpoint}")
+    assert stopped.value.exit_code == 128 + signum and first.calls == 1
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the engine's handlers are gone
+    assert json.loads((tmp_path / "records" / "b.json").read_text())["interrupted"] is True
+    progress(capsys)
+
+    records = run_arms(arms, tmp_path / "records", describe)
+    assert work.resumed == [False, True] and first.calls == 2  # a was done before, c is new
+    assert progress(capsys)[:2] == ["[1/3] a loss 1.0  (done before)",
+                                    f"[2/3] b: continuing from {checkpoint}, where it was interrupted"]
+    assert records[1]["loss"] == 1.5 and "interrupted" not in records[1]
+
+
+def test_an_arm_without_its_checkpoint_runs_again_from_the_start_and_a_fresh_run_drops_a_stale_one(tmp_path, capsys):
+    checkpoint = tmp_path / "last.ckpt"
+    work = Stopping(checkpoint, in_training=True)
+    arms = [Arm("b", {"x": 2}, work, checkpoint=checkpoint)]
+    with pytest.raises(Interrupted):
+        run_arms(arms, tmp_path / "records", describe)
+    checkpoint.unlink()
+    run_arms(arms, tmp_path / "records", describe)
+    assert work.resumed == [False, False]
+
+    checkpoint.write_text("a run of other settings")
+    changed = [Arm("b", {"x": 3}, lambda resume=False: {"loss": 2.0, "kept": checkpoint.exists()},
+                   checkpoint=checkpoint)]
+    assert run_arms(changed, tmp_path / "records", describe)[0]["kept"] is False
 
 
 def test_a_failing_arm_is_recorded_stops_the_study_and_runs_again_next_time(tmp_path, capsys):
@@ -126,6 +220,22 @@ def test_results_hold_the_records_and_only_plots_with_something_to_show_are_writ
     assert progress(capsys)[-1] == f"this command took 1.5 min; wrote results.json, results.md, loss.png " \
                                    f"under {tmp_path}"
     assert pyplot().get_backend().lower() == "agg"
+
+    (tmp_path / "empty.png").write_bytes(b"a plot of an earlier run")
+    write_results(tmp_path, results, "| table |\n", {"loss.png": line_plot, "empty.png": lambda records: None})
+    assert not (tmp_path / "empty.png").exists()  # it would show arms these results do not hold
+
+
+def test_results_are_written_only_once_every_part_of_the_report_is_made(tmp_path, capsys):
+    write_results(tmp_path, {"seconds": 1.0, "records": []}, "old table\n", {})
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    def failing_plot(records):
+        raise KeyError("contexts")
+
+    with pytest.raises(KeyError):
+        write_results(tmp_path, {"seconds": 2.0, "records": [{"arm": "a"}]}, "new table\n", {"x.png": failing_plot})
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 
 def tiny_model(**changes) -> Transformer:

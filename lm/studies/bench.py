@@ -314,7 +314,7 @@ def print_whole_layer_times(args) -> None:
 
 
 def plot_attention(rows: list[dict], heads: int, path: Path) -> Path:
-    from lm.studies.report import pyplot
+    from lm.studies.report import pyplot, save_figure
 
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=False)
@@ -330,9 +330,7 @@ def plot_attention(rows: list[dict], heads: int, path: Path) -> Path:
         ax.set_title(f"{title} (CPU fp32, {heads} heads)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, Path(path))
     return path
 
 

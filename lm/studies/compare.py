@@ -37,7 +37,8 @@ from lm.studies.engine import Arm, machine, run_arms
 from lm.studies.evaluate import score, split_documents, token_stream
 from lm.studies.report import comparison_table, lm_loss_plot, mqar_plot, write_results
 from lm.training.run import model_config_from, train
-from lm.util.checks import as_list
+from lm.util.checks import as_list, require_int, require_positive
+from lm.util.errors import DataError
 from lm.util.paths import resolve_path
 
 PEERS = ["mha", "mqa", "gqa"]  # the softmax kind at three K/V head counts
@@ -87,6 +88,11 @@ def study_entries(cfg: DictConfig) -> list[Entry]:
 def _entry(base: str, options: dict, configs: list[str], name: str | None = None) -> Entry:
     if not isinstance(base, str):
         raise ConfigError(f"kinds entry {base!r} must be the name of an attn config or a registered kind")
+    if name is not None and (not isinstance(name, str) or not name or any(c in name for c in '/\\:') or
+                             name.startswith(".")):
+        # The name becomes file names (records/lm-<name>.json, runs/lm-<name>/): one plain file name.
+        raise ConfigError(f"extra_kinds name {name!r} must be a plain file name: no '/', '\\' or ':', "
+                          "not starting with '.'")
     if base in configs:
         return Entry(name or base, base, None, options)
     if base in available_kinds():
@@ -110,25 +116,66 @@ def training_config(entry: Entry, task_overrides: list[str], values: dict, data:
 # ---------------------------------------------------------------------------- the arms
 
 
-def plan(cfg: DictConfig) -> list[Arm]:
-    """Every arm of the study, each checked before any training starts."""
+def check_study_settings(cfg: DictConfig) -> None:
+    """Every number of the study, named as the user types it, before any arm is planned: an arm's
+    own check would name its internal key (trainer.max_steps for lm.steps) after others trained."""
     if cfg.data.get("source") == "mqar":
         raise ConfigError("data=mqar: the study's `data` is the language-modelling corpus (pystdlib, text or hf); "
                           "the recall runs are set under mqar.*")
-    for context in cfg.speed.contexts:
-        if not isinstance(context, int) or context <= cfg.speed.new_tokens:
+    require_int("seed", cfg.seed, minimum=0)
+    m, lm, speed = cfg.mqar, cfg.lm, cfg.speed
+    for key in ("widths", "pairs"):
+        values = as_list(f"mqar.{key}", m[key])
+        if not values:
+            raise ConfigError(f"mqar.{key}=[] is empty: give at least one value, or kinds and tasks without MQAR")
+        for value in values:
+            require_int(f"mqar.{key} entry", value)
+    for group, name, keys in (("mqar", m, ("seq_len", "vocab_size", "n_layer", "n_head", "ff_mult", "steps",
+                                           "val_every", "batch_size", "examples", "val_examples")),
+                              ("lm", lm, ("steps", "val_every", "batch_size")),
+                              ("speed", speed, ("new_tokens",))):
+        for key in keys:
+            require_int(f"{group}.{key}", name[key])
+    if lm.get("val_batches") is not None:
+        require_int("lm.val_batches", lm.val_batches)
+    for group, name in (("mqar", m), ("lm", lm)):
+        require_positive(f"{group}.lr", name.lr)
+        require_int(f"{group}.warmup_steps", name.warmup_steps, minimum=0)
+    contexts = as_list("speed.contexts", speed.contexts)
+    if not contexts:
+        raise ConfigError("speed.contexts=[] is empty: give at least one context length to decode at")
+    for context in contexts:
+        if not isinstance(context, int) or isinstance(context, bool) or context <= speed.new_tokens:
             raise ConfigError(f"speed.contexts entry {context!r} must be an integer above "
-                              f"speed.new_tokens={cfg.speed.new_tokens}")
+                              f"speed.new_tokens={speed.new_tokens}")
+
+
+def corpus_key(cfg: DictConfig) -> str:
+    """The corpus's content fingerprint (file sizes and modification times, or the dataset's
+    identity), checked to leave the evaluation some text: the language-modelling records are keyed
+    by it, so rewritten files rerun the arms they feed."""
+    corpus = build_corpus(cfg.data)
+    val_fraction = cfg.data.get("val_fraction")
+    if not any(text.strip() for text in split_documents(corpus, "val", float(val_fraction))):
+        raise DataError(f"data.val_fraction={val_fraction} leaves no document of the corpus for validation and "
+                        "evaluation: give more documents or a larger fraction")
+    return corpus.fingerprint
+
+
+def plan(cfg: DictConfig) -> list[Arm]:
+    """Every arm of the study, each checked before any training starts."""
+    check_study_settings(cfg)
     entries = study_entries(cfg)
     runs = resolve_path(cfg.out) / "runs"
     m, lm = cfg.mqar, cfg.lm
-    speed = OmegaConf.to_container(cfg.speed, resolve=True)
+    speed = {"contexts": as_list("speed.contexts", cfg.speed.contexts), "new_tokens": cfg.speed.new_tokens}
     common = {"seed": cfg.seed, "checkpoint_dir": str(runs), "resume": False,
               "checkpoint": {"every_n_steps": None}, "sample": {"max_new_tokens": 0}}
+    fingerprint = corpus_key(cfg)
     arms = []
     for entry in entries:
-        for width in m.widths:
-            for pairs in m.pairs:
+        for width in as_list("mqar.widths", m.widths):
+            for pairs in as_list("mqar.pairs", m.pairs):
                 name = f"mqar-{entry.name}-d{width}-p{pairs}"
                 values = {**common, "run_name": name,
                           "model": {"name": f"mqar-d{width}", "n_layer": m.n_layer, "d_model": width,
@@ -141,9 +188,9 @@ def plan(cfg: DictConfig) -> list[Arm]:
                 run_cfg = training_config(entry, ["data=mqar"], values)
                 check_run(name, run_cfg, recall=True)
                 arms.append(Arm(name, OmegaConf.to_container(run_cfg, resolve=True),
-                                lambda c=run_cfg: training_figures(train(c)),
+                                lambda resume=False, c=run_cfg: training_figures(train(resumed(c, resume))),
                                 labels={"task": "mqar", "kind": entry.name, "width": width, "pairs": pairs},
-                                log=runs / name / "train.log"))
+                                log=runs / name / "train.log", checkpoint=runs / name / "last.ckpt"))
         name = f"lm-{entry.name}"
         values = {**common, "run_name": name, "model": {"name": "compare", **lm.model},
                   "data": {"batch_size": lm.batch_size},
@@ -151,12 +198,18 @@ def plan(cfg: DictConfig) -> list[Arm]:
                   "trainer": _trainer(lm.steps, lm.val_every, lm.val_batches)}
         run_cfg = training_config(entry, [], values, OmegaConf.to_container(cfg.data, resolve=True))
         check_run(name, run_cfg, recall=False)
-        # The decoding figures depend on `speed` too, so the record's settings hold it beside the run's.
-        arms.append(Arm(name, {**OmegaConf.to_container(run_cfg, resolve=True), "speed": speed},
-                        lambda c=run_cfg: language_run(c, speed),
+        # The figures depend on the decoding settings and on the corpus's text too.
+        arms.append(Arm(name, {**OmegaConf.to_container(run_cfg, resolve=True), "speed": speed,
+                               "corpus_fingerprint": fingerprint},
+                        lambda resume=False, c=run_cfg: language_run(resumed(c, resume), speed),
                         labels={"task": "lm", "kind": entry.name, "width": None, "pairs": None},
-                        log=runs / name / "train.log"))
+                        log=runs / name / "train.log", checkpoint=runs / name / "last.ckpt"))
     return arms
+
+
+def resumed(run_cfg: DictConfig, resume: bool) -> DictConfig:
+    """The arm's run, continuing from its last.ckpt when the engine says it was interrupted."""
+    return OmegaConf.merge(run_cfg, {"resume": True}) if resume else run_cfg
 
 
 def _trainer(steps: int, val_every: int, val_batches: int | None) -> dict:
@@ -228,8 +281,10 @@ def run_study(cfg: DictConfig) -> dict:
     arms = plan(cfg)
     out = resolve_path(cfg.out)
     records = run_arms(arms, out / "records", describe)
+    settings = OmegaConf.to_container(cfg, resolve=True)
+    settings["speed"]["contexts"] = as_list("speed.contexts", settings["speed"]["contexts"])
     results = {"machine": machine(), "seconds": round(time.perf_counter() - started, 1),
-               "settings": OmegaConf.to_container(cfg, resolve=True), "records": records}
+               "settings": settings, "records": records}
     write_results(out, results, comparison_table(results),
                   {"mqar_accuracy.png": mqar_plot, "lm_loss.png": lm_loss_plot})
     return results

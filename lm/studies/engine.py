@@ -1,15 +1,19 @@
 """The one runner of a study's arms (the attention comparison, the uptraining ablation).
 
 An arm is a name, every setting its figures depend on, and the function that produces them.
-Each finished arm leaves <records>/<name>.json: its labels, its figures, the seconds it took and
-its settings. A repeated command reuses a record whose stored settings equal the requested
-ones, so an interrupted study continues where it stopped and a changed setting reruns only
-the arms it touches. Each arm prints exactly one line; what it says while running (training
-logs, Lightning) goes to its log file.
+Each finished arm leaves <records>/<name>.json: its labels, its figures, the seconds it took,
+its settings and a digest of all of it. A repeated command reuses a record whose stored settings
+equal the requested ones; a record whose settings differ, or that is damaged (not JSON, edited,
+cut short: its digest no longer matches), runs its arm again after a one-line note naming why.
+So a changed setting reruns exactly the arms it touches. Each arm prints one line; what it says
+while running (training logs, Lightning) goes to its log file.
 
 An arm that raises stops the study, as a failed training run stops `scripts/train.py`; its
 record holds the error instead of figures, so it is never reused, and the records finished
-before it are kept.
+before it are kept. A signal (Ctrl-C, a scheduler's SIGTERM) stops the study with one line and
+exit code 128 + the signal: training saves its `last.ckpt` on the way out, the record says the
+arm was interrupted, and the same command continues that arm from its checkpoint when the arm
+has one (`Arm.checkpoint`), or runs it again.
 """
 
 from __future__ import annotations
@@ -18,14 +22,17 @@ import contextlib
 import json
 import logging
 import platform
+import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from lm.util.errors import one_line
+from lm.data.corpora import digest
+from lm.util.errors import Interrupted, RunInterrupted, one_line
 from lm.util.files import make_folder, write_atomically
 
 
@@ -33,9 +40,10 @@ from lm.util.files import make_folder, write_atomically
 class Arm:
     name: str  # the record's file name: records/<name>.json
     settings: dict  # every setting the figures depend on; JSON data
-    run: Callable[[], dict]  # produces the figures
+    run: Callable[..., dict]  # produces the figures; run(resume=True) continues from `checkpoint`
     labels: dict = field(default_factory=dict)  # what the tables group by, known before running
     log: Path | None = None  # where the arm's own output goes; None: the terminal
+    checkpoint: Path | None = None  # where an interrupted run of the arm leaves its state, if it leaves one
 
 
 def as_json_data(value):
@@ -44,19 +52,73 @@ def as_json_data(value):
     return json.loads(json.dumps(value))
 
 
-def stored_record(path: Path, settings: dict) -> dict | None:
-    """The record at `path` when it finished under exactly `settings`, else None."""
+def sealed(record: dict) -> dict:
+    """The record with the digest of its content, which a damaged or edited record fails."""
+    content = {k: v for k, v in record.items() if k != "digest"}
+    return {**content, "digest": digest(content)}
+
+
+def is_sealed(record) -> bool:
+    return isinstance(record, dict) and isinstance(record.get("digest"), str) and sealed(record) == record
+
+
+@dataclass
+class Stored:
+    """What <records>/<name>.json says of an arm: `state` is one of absent, damaged, failed,
+    interrupted, changed, done; `record` is the reusable record when done."""
+
+    state: str
+    record: dict | None = None
+    changes: list[str] = field(default_factory=list)  # the settings that differ, when changed
+
+
+def stored_record(path: Path, settings: dict) -> Stored:
     try:
         record = json.loads(path.read_text())
-    except (OSError, ValueError):  # absent, unreadable or half a file: the arm runs again
-        return None
-    if not isinstance(record, dict) or "error" in record or record.get("settings") != as_json_data(settings):
-        return None
-    return record
+    except FileNotFoundError:
+        return Stored("absent")
+    except (OSError, ValueError, RecursionError):  # unreadable, half a file, or nested past what json reads
+        return Stored("damaged")
+    if not is_sealed(record) or not isinstance(record.get("settings"), dict):
+        return Stored("damaged")
+    if record["settings"] != as_json_data(settings):
+        return Stored("changed", changes=changed_settings(record["settings"], as_json_data(settings)))
+    if "error" in record:
+        return Stored("failed")
+    if record.get("interrupted"):
+        return Stored("interrupted", record)
+    return Stored("done", record)
+
+
+def flat(settings, prefix: str = "") -> dict:
+    """Nested settings as {"speed.new_tokens": 8, ...}."""
+    if isinstance(settings, dict) and settings:
+        return {k: v for key, value in settings.items() for k, v in flat(value, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: settings}
+
+
+def changed_settings(old: dict, new: dict) -> list[str]:
+    before, after = flat(old), flat(new)
+    missing = object()
+    return [f"{key} {before.get(key, '(none)')!r} -> {after.get(key, '(none)')!r}"
+            for key in sorted(before.keys() | after.keys()) if before.get(key, missing) != after.get(key, missing)]
+
+
+def rerun_note(stored: Stored, path: Path) -> str | None:
+    """Why a record on disk is not reused, in a few words; None when there is nothing to say."""
+    if stored.state == "damaged":
+        return f"its record {path.name} is damaged (not the file the study wrote); running it again"
+    if stored.state == "changed":
+        shown = ", ".join(stored.changes[:3]) + (f" and {len(stored.changes) - 3} more" if len(stored.changes) > 3
+                                                 else "")
+        return f"its settings changed ({shown}); running it again"
+    if stored.state == "failed":
+        return "it failed last time; running it again"
+    return None
 
 
 def write_record(path: Path, record: dict) -> None:
-    text = json.dumps(record, indent=1) + "\n"
+    text = json.dumps(sealed(record), indent=1) + "\n"
     write_atomically(path, lambda tmp: tmp.write_text(text))
 
 
@@ -76,12 +138,33 @@ def quiet_lightning():
             logger.setLevel(level)
 
 
-def run_logged(arm: Arm) -> dict:
+def run_logged(arm: Arm, resume: bool) -> dict:
+    work = (lambda: arm.run(resume=True)) if resume else arm.run
     if arm.log is None:
-        return arm.run()
+        return work()
     make_folder(arm.log.parent)
-    with open(arm.log, "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-        return arm.run()
+    with open(arm.log, "a" if resume else "w") as log, contextlib.redirect_stdout(log), \
+            contextlib.redirect_stderr(log):
+        return work()
+
+
+@contextlib.contextmanager
+def signals_interrupt() -> Iterator[None]:
+    """SIGINT and SIGTERM raise Interrupted while an arm measures. Training installs its own
+    handlers for its steps (it saves `last.ckpt`, then raises RunInterrupted) and puts these back."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise Interrupted(signum, f"stopped by {signal.Signals(signum).name}")
+
+    previous = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def run_arms(arms: list[Arm], records: Path, describe: Callable[[dict], str]) -> list[dict]:
@@ -101,27 +184,55 @@ def _run_each(arms: list[Arm], records: Path, describe: Callable[[dict], str]) -
     for i, arm in enumerate(arms, 1):
         prefix = f"[{i:>{len(str(len(arms)))}}/{len(arms)}]"
         path = records / f"{arm.name}.json"
-        record = stored_record(path, arm.settings)
-        if record is not None:
-            print(f"{prefix} {describe(record)}  (done before)", flush=True)
-            done.append(record)
+        stored = stored_record(path, arm.settings)
+        if stored.state == "done":
+            print(f"{prefix} {describe(stored.record)}  (done before)", flush=True)
+            done.append(stored.record)
             continue
-        started = time.perf_counter()
-        try:
-            figures = run_logged(arm)
-        except Exception as e:
-            seconds = time.perf_counter() - started
-            write_record(path, {"arm": arm.name, **arm.labels, "error": f"{type(e).__name__}: {one_line(e, 400)}",
-                                "seconds": seconds, "settings": as_json_data(arm.settings)})
-            print(f"{prefix} {arm.name} failed after {seconds:.0f} s: {one_line(e)}"
-                  + (f" (its log: {arm.log})" if arm.log else ""), flush=True)
-            raise
-        record = as_json_data({"arm": arm.name, **arm.labels, **figures, "seconds": time.perf_counter() - started,
-                               "settings": arm.settings})
-        write_record(path, record)
-        print(f"{prefix} {describe(record)}  ({record['seconds']:.0f} s)", flush=True)
-        done.append(record)
+        note = rerun_note(stored, path)
+        resume = stored.state == "interrupted" and arm.checkpoint is not None and arm.checkpoint.is_file()
+        if resume:
+            note = f"continuing from {arm.checkpoint}, where it was interrupted"
+        if note:
+            print(f"{prefix} {arm.name}: {note}", flush=True)
+        if not resume and arm.checkpoint is not None:
+            # A run of other settings (or one a second Ctrl-C cut before it saved) must not be
+            # continued later as if it were this arm's.
+            arm.checkpoint.unlink(missing_ok=True)
+        earlier = stored.record.get("seconds", 0.0) if resume else 0.0  # the interrupted part's time counts too
+        done.append(_run_one(arm, path, prefix, resume, earlier, describe))
     return done
+
+
+def _run_one(arm: Arm, path: Path, prefix: str, resume: bool, earlier: float,
+             describe: Callable[[dict], str]) -> dict:
+    base = {"arm": arm.name, **arm.labels}
+    settings = as_json_data(arm.settings)
+    started = time.perf_counter() - earlier
+    try:
+        with signals_interrupt():
+            figures = run_logged(arm, resume)
+    except (Interrupted, KeyboardInterrupt) as e:
+        signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+        write_record(path, {**base, "interrupted": True, "seconds": time.perf_counter() - started,
+                            "settings": settings})
+        where = f"at step {e.step}" if isinstance(e, RunInterrupted) else "while it ran"
+        kept = arm.checkpoint is not None and arm.checkpoint.is_file()
+        then = f"the same command continues it from {arm.checkpoint}" if kept else "the same command runs it again"
+        raise Interrupted(signum, f"{prefix} {arm.name} stopped by {signal.Signals(signum).name} {where}; "
+                                  f"the arms before it are kept, and {then}") from None
+    except Exception as e:
+        seconds = time.perf_counter() - started
+        write_record(path, {**base, "error": f"{type(e).__name__}: {one_line(e, 400)}", "seconds": seconds,
+                            "settings": settings})
+        print(f"{prefix} {arm.name} failed after {seconds:.0f} s: {one_line(e)}"
+              + (f" (its log: {arm.log})" if arm.log else ""), flush=True)
+        raise
+    record = sealed(as_json_data({**base, **figures, "seconds": time.perf_counter() - started,
+                                  "settings": settings}))
+    write_record(path, record)
+    print(f"{prefix} {describe(record)}  ({record['seconds']:.0f} s)", flush=True)
+    return record
 
 
 def machine() -> dict:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lm.training.uptraining import variant_name
-from lm.util.files import write_atomically
+from lm.util.files import write_atomically, write_folder_atomically
 
 STYLE = {"axes.grid": True, "grid.alpha": 0.3, "legend.fontsize": 8, "savefig.dpi": 110}
 MARKERS = "os^Dv<>PX*h"  # with the ten default colours: eleven or more lines stay distinguishable
@@ -33,25 +33,37 @@ def line_style(i: int) -> dict:
     return {"marker": MARKERS[i % len(MARKERS)], "color": f"C{i % 10}"}
 
 
-def save_figure(figure, path: Path) -> None:
-    """Written under a temporary name and renamed, like every file lm writes."""
+def render(figure, path: Path) -> None:
+    """The figure as a PNG at `path`, its memory released."""
     figure.tight_layout()
-    write_atomically(path, lambda tmp: figure.savefig(tmp, format="png"))
+    figure.savefig(path, format="png")
     pyplot().close(figure)
 
 
+def save_figure(figure, path: Path) -> None:
+    """Written under a temporary name and renamed, like every file lm writes."""
+    write_atomically(path, lambda tmp: render(figure, tmp))
+
+
 def write_results(out: Path, results: dict, table: str, plots: dict[str, Callable[[list[dict]], object]]) -> None:
-    """results.json, results.md and each plot that has something to show, then the table and
-    what was written on the terminal."""
+    """results.json, results.md and each plot that has something to show, written together: all
+    are rendered first, so a failing plot leaves the previous files as they were, and a plot left
+    from an earlier run that now has nothing to show is removed. Then the table and what was
+    written, on the terminal."""
     text = json.dumps(results, indent=1) + "\n"
-    write_atomically(out / "results.json", lambda tmp: tmp.write_text(text))
-    write_atomically(out / "results.md", lambda tmp: tmp.write_text(table))
-    written = ["results.json", "results.md"]
-    for name, plot in plots.items():
-        figure = plot(results["records"])
-        if figure is not None:
-            save_figure(figure, out / name)
-            written.append(name)
+    figures = {name: plot(results["records"]) for name, plot in plots.items()}
+
+    def write_into(folder: Path) -> None:
+        (folder / "results.json").write_text(text)
+        (folder / "results.md").write_text(table)
+        for name, figure in figures.items():
+            if figure is not None:
+                render(figure, folder / name)
+
+    write_folder_atomically(out, write_into)
+    written = ["results.json", "results.md", *(name for name, figure in figures.items() if figure is not None)]
+    for name in (name for name, figure in figures.items() if figure is None):
+        (out / name).unlink(missing_ok=True)  # it would show arms these results no longer hold
     print(table)
     print(f"this command took {results['seconds'] / 60:.1f} min; wrote {', '.join(written)} under {out}")
 

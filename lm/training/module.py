@@ -169,7 +169,7 @@ class LitLM(L.LightningModule):
         self.skipped_in_a_row = 0
         # (optimizer step, val loss, val accuracy, training seconds so far) of every validation
         self.val_history: list[tuple[int, float, float, float]] = []
-        self.train_seconds = 0.0  # time in training steps, validation excluded (this process, not resumed ones)
+        self.train_seconds = 0.0  # time in training steps, validation excluded, over every resumed part
         self.train_tokens = 0
         # The callable the steps run, kept out of the module tree (object.__setattr__ bypasses
         # nn.Module's registration), so checkpoints hold the plain model's parameter names once,
@@ -181,7 +181,7 @@ class LitLM(L.LightningModule):
             teacher.eval().requires_grad_(False)
         object.__setattr__(self, "_teacher", teacher)
         self.distill, self.temperature = float(distill), float(temperature)
-        self._batch_start = 0.0
+        self._batch_start, self._batch_tokens, self._batch_counted = 0.0, 0, True  # no step in progress
         self._val_sums: list[torch.Tensor] = []
         self.last_val_step = -1
 
@@ -228,15 +228,25 @@ class LitLM(L.LightningModule):
             self._teacher.to(self.device)  # not a submodule, so Lightning does not move it
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        inputs, _ = inputs_and_targets(batch)
+        self._batch_tokens = inputs.numel() * self.trainer.world_size
         self._batch_start = time.perf_counter()
+        self._batch_counted = False
+
+    def count_batch(self) -> float:
+        """Add the step's tokens and time to the run's totals, once; the step's seconds. A save
+        inside the step (a periodic or a signal's last.ckpt: callbacks Lightning calls before this
+        module's batch-end hook) counts the step it saves, so a resumed run's totals stay exact."""
+        seconds = time.perf_counter() - self._batch_start
+        if not self._batch_counted:
+            self.train_seconds += seconds
+            self.train_tokens += self._batch_tokens
+            self._batch_counted = True
+        return seconds
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
-        seconds = time.perf_counter() - self._batch_start
-        inputs, _ = inputs_and_targets(batch)
-        tokens = inputs.numel() * self.trainer.world_size
-        self.train_seconds += seconds
-        self.train_tokens += tokens
-        self.log("train/tokens_per_s", tokens / seconds, prog_bar=True)
+        seconds = self.count_batch()
+        self.log("train/tokens_per_s", self._batch_tokens / seconds, prog_bar=True)
 
     def on_before_optimizer_step(self, optimizer) -> None:
         # Measured before Lightning clips, so a spike shows in the log.
@@ -297,12 +307,20 @@ class LitLM(L.LightningModule):
         state = checkpoint["state_dict"]
         for key in [k for k in state if k.startswith("_forward.")]:
             del state[key]
+        # A resumed run goes on counting its history, time and tokens where it stopped
+        # (checkpoints written before these were kept start the count afresh).
+        progress = checkpoint.get("lm", {}).get("progress") or {}
+        self.val_history = [tuple(row) for row in progress.get("val_history", [])]
+        self.train_seconds = float(progress.get("train_seconds", 0.0))
+        self.train_tokens = int(progress.get("train_tokens", 0))
+        self.last_val_step = int(progress.get("last_val_step", -1))
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if not all(torch.isfinite(p).all() for p in self.model.parameters()):
             # Refusing here aborts the save, so the previous checkpoint stays the last good one.
             raise TrainingError(f"the weights are no longer finite at step {self.global_step}; "
                                 "stopping with the last good checkpoint kept")
+        self.count_batch()
         # Everything needed to use the weights, as plain data (safe for weights_only loading).
         checkpoint["lm"] = {
             "format_version": FORMAT_VERSION,
@@ -311,6 +329,8 @@ class LitLM(L.LightningModule):
             "run_config": self.run_config,
             "provenance": self.provenance,
             "corpus_fingerprint": self.corpus_fingerprint,
+            "progress": {"val_history": [list(row) for row in self.val_history], "train_seconds": self.train_seconds,
+                         "train_tokens": self.train_tokens, "last_val_step": self.last_val_step},
             "wandb_run_id": getattr(getattr(self.logger, "experiment", None), "id", None)
             if isinstance(self.logger, L.pytorch.loggers.WandbLogger) else None,
         }

@@ -308,8 +308,8 @@ def _train_locked(cfg: DictConfig, run_dir: Path, model_config: ModelConfig | No
         # and make `last.ckpt` hold them.
         trainer.validate(lit, datamodule=data, verbose=False)
         trainer.save_checkpoint(run_dir / "last.ckpt")
-    val_loss = float(trainer.callback_metrics["val/loss"])
-    val_accuracy = float(trainer.callback_metrics["val/accuracy"])
+    # The last validation, also when it happened before a resume that had no steps left to take.
+    _, val_loss, val_accuracy, _ = lit.val_history[-1]
     result = {"val_loss": val_loss, "val_accuracy": val_accuracy, "run_dir": str(run_dir),
               "last": str(run_dir / "last.ckpt"), "best": best.best_model_path, "steps": trainer.global_step,
               "best_val_loss": float(best.best_model_score) if best.best_model_score is not None else None,

@@ -13,7 +13,7 @@ from hydra.errors import ConfigCompositionException, HydraException, MissingConf
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from lm.util.errors import USER_ERRORS, RunInterrupted
+from lm.util.errors import USER_ERRORS, Interrupted
 from lm.util.files import run_folder_name
 
 FAILED_ARMS: list[str] = []  # arms of a -m sweep that ended in a user error, in order
@@ -40,7 +40,7 @@ def exit_on_user_error():
             return
         sys.stderr.write(f"error: {e}\n")
         raise SystemExit(2) from None
-    except RunInterrupted as e:
+    except Interrupted as e:
         sys.stderr.write(f"{e}\n")
         raise SystemExit(e.exit_code) from None
     except OmegaConfBaseException as e:

@@ -27,13 +27,23 @@ class TrainingError(ValueError):
     """Training cannot go on (a non-finite loss); the message names the step, in one line."""
 
 
-class RunInterrupted(Exception):
-    """The run stopped on a signal after saving; scripts exit with 128 + the signal's number."""
+class Interrupted(Exception):
+    """Work stopped on a signal (SIGINT, SIGTERM); scripts print the message and exit with
+    128 + the signal's number, as a shell reports a process a signal ended."""
 
-    def __init__(self, signum: int, step: int, saved: Path):
+    def __init__(self, signum: int, message: str):
+        self.signum = signum
         self.exit_code = 128 + signum
-        super().__init__(f"stopped by {signal.Signals(signum).name} at step {step}; {saved} holds it, "
-                         "resume=true continues the run")
+        super().__init__(message)
+
+
+class RunInterrupted(Interrupted):
+    """A training run stopped on a signal after saving `saved` at `step`."""
+
+    def __init__(self, signum: int, step: int, saved: Path, how_to_continue: str = "resume=true continues the run"):
+        self.step, self.saved = step, saved
+        super().__init__(signum, f"stopped by {signal.Signals(signum).name} at step {step}; {saved} holds it, "
+                                 f"{how_to_continue}")
 
 
 def one_line(error: BaseException, limit: int = 120) -> str:
