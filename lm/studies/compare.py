@@ -37,7 +37,7 @@ from lm.studies.engine import Arm, machine, run_arms
 from lm.studies.evaluate import score, split_documents, token_stream
 from lm.studies.report import comparison_table, lm_loss_plot, mqar_plot, write_results
 from lm.training.run import model_config_from, train
-from lm.util.checks import as_list, require_int, require_positive
+from lm.util.checks import as_list, require_fraction, require_int, require_positive
 from lm.util.errors import DataError
 from lm.util.paths import resolve_path
 
@@ -78,6 +78,9 @@ def study_entries(cfg: DictConfig) -> list[Entry]:
         if base is None:
             raise ConfigError(f"extra_kinds entry {extra!r} needs attn: <an attn config or a kind>")
         entries.append(_entry(base, extra, configs, name=name))
+    if not entries:
+        raise ConfigError("kinds=[] and extra_kinds=[] leave nothing to compare: name at least one kind, "
+                          "or kinds=null for every registered one")
     seen = [e.name for e in entries]
     duplicates = sorted({n for n in seen if seen.count(n) > 1})
     if duplicates:
@@ -123,6 +126,7 @@ def check_study_settings(cfg: DictConfig) -> None:
         raise ConfigError("data=mqar: the study's `data` is the language-modelling corpus (pystdlib, text or hf); "
                           "the recall runs are set under mqar.*")
     require_int("seed", cfg.seed, minimum=0)
+    require_fraction("data.val_fraction", cfg.data.get("val_fraction"))
     m, lm, speed = cfg.mqar, cfg.lm, cfg.speed
     for key in ("widths", "pairs"):
         values = as_list(f"mqar.{key}", m[key])

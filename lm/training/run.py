@@ -27,7 +27,7 @@ from lm.model.config import ConfigError, ModelConfig
 from lm.model.transformer import Transformer
 from lm.training.interrupt import StopOnSignal
 from lm.training.module import AtomicCheckpointIO, LitLM, OptimConfig, check_distillation
-from lm.util.checks import require_choice, require_int, require_positive
+from lm.util.checks import require_choice, require_fraction, require_int, require_positive
 from lm.util.distributed import is_main_process, quiet_other_ranks, say
 from lm.util.files import RunLock, remove_stale_temporaries, run_folder, write_atomically
 from lm.util.paths import resolve_path
@@ -160,6 +160,10 @@ def check_run_settings(cfg: DictConfig) -> None:
     if isinstance(o.weight_decay, bool) or not isinstance(o.weight_decay, (int, float)) or not o.weight_decay >= 0:
         raise ConfigError(f"optim.weight_decay={o.weight_decay!r} must be a number >= 0")
     require_int("data.batch_size", d.batch_size)
+    if "val_fraction" in d:
+        require_fraction("data.val_fraction", d.val_fraction)
+    if cfg.seed is not None:
+        require_int("seed", cfg.seed, minimum=0)
     if "num_workers" in d:
         require_int("data.num_workers", d.num_workers, minimum=0)
     every = (cfg.get("checkpoint") or {}).get("every_n_steps")
