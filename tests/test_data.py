@@ -78,6 +78,32 @@ def test_glob_matching_nothing_is_one_clear_error(tmp_path):
         text_corpus([str(tmp_path / "*.nothing")])
 
 
+def test_a_folder_without_files_is_one_clear_error(tmp_path):
+    """Once an IndexError from inside text_corpus, in train, eval and compare alike."""
+    (tmp_path / "empty" / "nested").mkdir(parents=True)  # folders below it, still no file
+    with pytest.raises(DataError) as error:
+        text_corpus([str(tmp_path / "empty")])
+    assert str(error.value) == f"data.paths entry '{tmp_path / 'empty'}' is a folder with no files in it"
+    (tmp_path / "also_empty").mkdir()
+    with pytest.raises(DataError) as error:
+        text_corpus([str(tmp_path / "*empty")])
+    assert str(error.value) == f"data.paths entry '{tmp_path / '*empty'}' matches only folders with no files"
+    (tmp_path / "text.txt").write_text("x = 1\n")
+    with pytest.raises(DataError, match="'.*empty' is a folder with no files in it"):  # each entry must give files
+        text_corpus([str(tmp_path / "text.txt"), str(tmp_path / "empty")])
+
+
+def test_data_mqar_is_not_a_text_corpus():
+    from omegaconf import OmegaConf
+
+    from lm.data.corpora import build_corpus
+
+    with pytest.raises(DataError, match=r"^data=mqar is a generated recall task, not a text corpus: only training"):
+        build_corpus(OmegaConf.create({"source": "mqar"}))
+    with pytest.raises(DataError, match=r"^data.source='csv' is not one of 'pystdlib', 'text', 'hf' \(or 'mqar'"):
+        build_corpus(OmegaConf.create({"source": "csv"}))
+
+
 def test_corpus_smaller_than_a_sequence_is_refused(tmp_path):
     f = tmp_path / "tiny.txt"
     f.write_text("x = 1\n")

@@ -134,3 +134,72 @@ def test_a_non_finite_loss_is_refused_and_nothing_is_written(tmp_path, monkeypat
     with pytest.raises(DataError, match="is inf: the model's outputs overflow"):
         evaluation.evaluate(cfg)
     assert not (tmp_path / "x.json").exists()
+
+
+def eval_config(*overrides: str):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="eval", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("data, message", [
+    (["data=mqar"], "data=mqar has no text to score: eval.py scores a text corpus (data=pystdlib, text or hf); "
+                    "recall on data=mqar is measured by training (train.py data=mqar reports val/accuracy) and by "
+                    "compare.py"),
+    (["data=text", "data.paths=[{empty}]"], "data.paths entry '{empty}' is a folder with no files in it"),
+])
+def test_a_corpus_eval_cannot_score_is_refused_before_the_checkpoint_loads(data, message, tmp_path):
+    from lm.studies.evaluate import evaluate
+    from lm.util.errors import DataError
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cfg = eval_config(f"ckpt={tmp_path / 'none.ckpt'}", *(d.format(empty=empty) for d in data))
+    with pytest.raises(DataError) as error:  # the checkpoint does not exist: the corpus came first
+        evaluate(cfg)
+    assert str(error.value) == message.format(empty=empty)
+
+
+@pytest.mark.slow
+def test_eval_script_on_an_empty_folder_is_one_line(tmp_path):
+    (tmp_path / "empty").mkdir()
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "eval.py"), f"ckpt={FIXTURE}", "data=text",
+                          f"data.paths=[{tmp_path / 'empty'}]"], capture_output=True, text=True, timeout=180)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert run.stderr.splitlines() == [f"error: data.paths entry '{tmp_path / 'empty'}' is a folder with no files "
+                                       "in it"]
+
+
+def test_the_record_of_an_exported_folder_goes_beside_it_not_into_it(tmp_path, monkeypatch):
+    """An export folder is copied or uploaded whole; a run folder, or its checkpoint, keeps its records inside."""
+    import lm.studies.evaluate as evaluation
+    from lm.formats.checkpoint import export_safetensors, save_checkpoint
+
+    monkeypatch.setattr(evaluation, "score", lambda *args, **kwargs: evaluation.Score(10, 40, 20.0, 1))
+    model, tokenizer = lm.load(FIXTURE)
+    export = export_safetensors(model, tokenizer, tmp_path / "export")
+    exported = sorted(p.name for p in export.iterdir())
+    run = save_checkpoint(tmp_path / "run" / "last.ckpt", model.state_dict(), model.config, tokenizer.to_str()).parent
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.py").write_text("def f(x):\n    return x + 1\n" * 20)
+    for ckpt, record in [(export, tmp_path / "export.eval-text-all.json"), (run, run / "eval-text-all.json"),
+                         (run / "last.ckpt", run / "eval-text-all.json")]:
+        evaluation.evaluate(eval_config(f"ckpt={ckpt}", "data=text", f"data.paths=[{corpus}]", "split=all",
+                                        "progress_bar=false"))
+        assert json.loads(record.read_text())["checkpoint"] == str(ckpt)
+        record.unlink()
+    assert sorted(p.name for p in export.iterdir()) == exported
+
+
+def test_a_folder_of_empty_files_is_a_split_with_no_text(tmp_path):
+    """Training refuses it as an empty corpus (test_bad_input.py); eval, as nothing to score."""
+    from lm.studies.evaluate import evaluate
+    from lm.util.errors import DataError
+
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / name).write_text("")
+    with pytest.raises(DataError, match="^the chosen split holds no text to score$"):
+        evaluate(eval_config(f"ckpt={FIXTURE}", "data=text", f"data.paths=[{tmp_path}]", "split=all",
+                             f"out={tmp_path / 'x.json'}", "progress_bar=false"))

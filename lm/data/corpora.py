@@ -72,8 +72,11 @@ def text_corpus(paths: list[str]) -> Corpus:
         matched = expand_pattern(str(pattern))
         if not matched:
             raise DataError(f"data.paths entry {str(pattern)!r} matches no file")
-        for m in matched:
-            files.update(p for p in m.rglob("*") if p.is_file()) if m.is_dir() else files.add(m)
+        found = [f for m in matched for f in ((p for p in m.rglob("*") if p.is_file()) if m.is_dir() else [m])]
+        if not found:  # only empty folders: nothing to read, and no common folder to name documents by
+            what = "is a folder with no files in it" if len(matched) == 1 else "matches only folders with no files"
+            raise DataError(f"data.paths entry {str(pattern)!r} {what}")
+        files.update(found)
     # Resolved and deduplicated: a symlink back up the tree makes a recursive glob reach one file
     # by many paths, which would otherwise train on it many times.
     files = sorted({f.resolve() for f in files})
@@ -142,7 +145,10 @@ def build_corpus(data_cfg) -> Corpus:
         return hf_corpus(data_cfg.get("name"), data_cfg.get("config_name"), data_cfg.get("split", "train"),
                          data_cfg.get("text_field", "text"), bool(data_cfg.get("streaming", False)),
                          data_cfg.get("data_files"), data_cfg.get("max_docs"))
-    raise DataError(f"data.source={source!r} is not one of 'pystdlib', 'text', 'hf', 'mqar'")
+    if source == "mqar":  # training builds its recall examples before reaching here (lm.data.modules)
+        raise DataError("data=mqar is a generated recall task, not a text corpus: only training reads it "
+                        "(train.py data=mqar reports val/accuracy)")
+    raise DataError(f"data.source={source!r} is not one of 'pystdlib', 'text', 'hf' (or 'mqar' for training)")
 
 
 # ------------------------------------------------------------------ split and tokenizer

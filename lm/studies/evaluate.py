@@ -10,6 +10,11 @@ once, from the window's earlier tokens. The <|endoftext|> targets are left out, 
 
 Bits per byte does not depend on the tokenizer, which makes models with different vocabularies
 comparable; perplexity does.
+
+The JSON record goes to `out`, or else beside the checkpoint as eval-<corpus>-<split>.json: in the
+run folder for a training checkpoint (or a run folder given as ckpt), and next to an exported or
+transformers folder as <folder>.eval-<corpus>-<split>.json, so the folder stays exactly what the
+export wrote.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -114,6 +120,18 @@ def score(model: Transformer, ids: torch.Tensor, counted: torch.Tensor, n_bytes:
     return Score(tokens=totals.targets, bytes=n_bytes, nll_nats=totals.nll, documents=documents)
 
 
+def default_record_path(ckpt: Path, corpus_name: str, split: str) -> Path:
+    """Where the record goes without `out`: see the module's docstring."""
+    from lm.formats.checkpoint import checkpoint_file
+
+    name = f"eval-{corpus_name.replace(':', '_').replace('/', '_')}-{split}.json"
+    resolved = checkpoint_file(ckpt)  # a run folder stands for its last.ckpt
+    if resolved.is_dir():  # an export is copied or uploaded whole: a record inside would travel with it
+        folder = resolved.resolve()
+        return folder.parent / f"{folder.name}.{name}"
+    return resolved.parent / name
+
+
 def evaluate(cfg) -> dict:
     """What scripts/eval.py runs: load, score, print one line, write the JSON record."""
     import json
@@ -126,21 +144,24 @@ def evaluate(cfg) -> dict:
 
     if cfg.split not in SPLITS:
         raise DataError(f"split={cfg.split!r} is not one of {list(SPLITS)}")
+    if cfg.data.get("source") == "mqar":
+        raise DataError("data=mqar has no text to score: eval.py scores a text corpus (data=pystdlib, text or hf); "
+                        "recall on data=mqar is measured by training (train.py data=mqar reports val/accuracy) and "
+                        "by compare.py")
     require_int("batch_size", cfg.batch_size)
     val_fraction = cfg.data.get("val_fraction", 0.05)
     require_fraction("data.val_fraction", val_fraction)
     check_device(cfg.device)
+    corpus = build_corpus(cfg.data)  # lists the files only: a data.paths mistake is refused before loading
     path = resolve_path(cfg.ckpt)
     model, tokenizer = load(path, device=cfg.device)
-    corpus = build_corpus(cfg.data)
     texts = split_documents(corpus, cfg.split, float(val_fraction))
     result = score(model, *token_stream(texts, tokenizer), batch_size=cfg.batch_size, progress=cfg.progress_bar)
     if not math.isfinite(result.loss):  # weights that overflow in fp32: no number to report
         raise DataError(f"the loss on {corpus.name} is {result.loss}: the model's outputs overflow, so there is "
                         "no perplexity to write")
     record = {"checkpoint": str(path), "corpus": corpus.name, "split": cfg.split, **result.record()}
-    out = resolve_path(cfg.out) if cfg.out else (path if path.is_dir() else path.parent) / \
-        f"eval-{corpus.name.replace(':', '_').replace('/', '_')}-{cfg.split}.json"
+    out = resolve_path(cfg.out) if cfg.out else default_record_path(path, corpus.name, cfg.split)
     write_atomically(out, lambda tmp: tmp.write_text(json.dumps(record, indent=2) + "\n"))
     print(f"{corpus.name} {cfg.split}: {result.tokens:,} tokens, {result.bytes:,} bytes, loss {result.loss:.4f}, "
           f"perplexity {result.perplexity:.2f}, {result.bits_per_byte:.4f} bits per byte -> {out}")
