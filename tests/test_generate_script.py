@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import compose_config, train_small_run
 
+from lm import GenerationError, ModelConfig, Transformer, generate
 from lm.generation.text import generate_text
 from lm.util.cli import exit_on_user_error, quote_text_overrides
 
@@ -122,3 +123,41 @@ def test_free_text_overrides_are_quoted_for_hydra():
     raw = "x = f(a, b) + '${y}' \\"
     cfg = compose_generate("ckpt=c", f"prompt={raw}")
     assert cfg.prompt == raw
+
+
+@pytest.mark.parametrize("key, typed, value", [
+    ("seed", "-1", -1), ("seed", "1.5", 1.5), ("top_p", "1.5", 1.5), ("top_p", "true", True), ("top_k", "0", 0),
+    ("top_k", "2.5", 2.5), ("min_p", "2", 2), ("temperature", "-1", -1), ("temperature", "inf", float("inf")),
+    ("repetition_penalty", "0", 0), ("max_new_tokens", "-1", -1), ("use_cache", "maybe", "maybe"),
+    ("compile", "sometimes", "sometimes"), ("truncate", "right", "right"), ("stop", "['']", [""]),
+    ("stop", "['a','']", ["a", ""]),
+])
+def test_the_script_and_the_api_refuse_a_value_with_the_same_line(tmp_path, key, typed, value):
+    """scripts/generate.py checks its settings with lm.generate's own checks, before it loads anything."""
+    model = Transformer(ModelConfig(vocab_size=32, n_layer=1, d_model=16, n_head=2, d_ff=32, max_seq_len=16))
+    with pytest.raises(GenerationError) as api:
+        generate(model, [[1, 2]], **{"max_new_tokens": 3, key: value})
+    with pytest.raises(GenerationError) as script:
+        generate_text(compose_generate(f"ckpt={tmp_path / 'none.ckpt'}", "prompt=x", f"{key}={typed}"))
+    assert str(script.value) == str(api.value) and "\n" not in str(api.value)
+
+
+def test_extreme_accepted_values_give_their_limit_through_the_script(checkpoint, capsys):
+    def text(*overrides):
+        return generate_text(compose_generate(f"ckpt={checkpoint}", "prompt=def f(x):", "max_new_tokens=8", "seed=0",
+                                              *overrides))[0]
+
+    greedy = text("temperature=0")
+    assert text("temperature=1e-300") == text("temperature=1e-45") == greedy
+    assert text("temperature=1", "top_p=1e-320") == greedy
+    for extreme in (("temperature=1e300",), ("temperature=1", "repetition_penalty=1e-300"),
+                    ("temperature=1", "repetition_penalty=1e300"), ("temperature=1", "top_k=1000000000000")):
+        assert text(*extreme).startswith("def f(x):")
+
+
+@pytest.mark.skipif(torch.backends.mps.is_available(), reason="this machine has an MPS device")
+def test_a_device_this_torch_lacks_is_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info, exit_on_user_error():
+        generate_text(compose_generate(f"ckpt={tmp_path / 'none.ckpt'}", "prompt=x", "device=mps"))
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == "error: device='mps': this torch has no MPS device; use device=cpu\n"

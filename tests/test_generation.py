@@ -1,5 +1,8 @@
 """Cached decoding against the plain forward: same logits, same greedy tokens, for every kind."""
 
+import itertools
+import math
+
 import pytest
 import torch
 from kinds import model_rows
@@ -90,16 +93,43 @@ def test_full_attention_stops_at_its_context_or_truncates_left():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(top_p=0.0), "top_p=0.0 must be in (0, 1]"),
     (dict(top_p=1.5), "top_p=1.5 must be in (0, 1]"),
+    (dict(top_p=True), "top_p=True must be in (0, 1]"),
     (dict(temperature=-0.1), "temperature=-0.1 must be a finite number >= 0"),
+    (dict(repetition_penalty=math.inf), "repetition_penalty=inf must be a finite number > 0"),
     (dict(max_new_tokens=-1), "max_new_tokens=-1 must be an integer >= 0"),
     (dict(idx=[[]]), "prompt 0 is empty"),
     (dict(stop=["\n"]), "stop strings need the tokenizer"),
+    (dict(stop=[""]), "stop=[...] holds an empty string"),
+    (dict(seed=-1), "seed=-1 must be null or an integer from 0 to 2**63-1"),
+    (dict(eos_id="x"), "eos_id='x' must be an integer from 0 to 52"),
+    (dict(eos_id=VOCAB), "eos_id=53 must be an integer from 0 to 52"),
+    (dict(use_cache="no"), "use_cache='no' must be true or false"),
+    (dict(idx="def f():"), "idx='def f():' is text: encode it"),
+    (dict(idx=[1, 2, 3]), "idx is a flat list of ints: give a list of token-id lists or a (B, T) LongTensor"),
+    (dict(idx=None), "idx is None: give a list of token-id lists"),
+    (dict(idx=torch.tensor([[1.0, 2.0]])), "idx is a torch.float32 tensor, not token ids"),
+    (dict(idx=[[1, 2.5]]), "prompt 0 holds 2.5, not a token id"),
+    (dict(idx=[[1], [2, -1]]), "prompt 1 holds token id -1, outside the model's vocabulary (vocab_size=53: ids 0 to"),
+    (dict(idx=torch.tensor([[1, VOCAB]])), "prompt 0 holds token id 53, outside the model's vocabulary"),
+    (dict(max_new_tokens=10**12), "max_new_tokens=1000000000000 exceeds the model's context of 64"),
+    (dict(max_new_tokens=10**12, truncate="left"), "max_new_tokens=1000000000000 leaves no room for a prompt"),
 ])
 def test_bad_generation_settings_are_one_line_errors(kwargs, message):
     args = {"idx": [[1, 2]], "max_new_tokens": 3, **kwargs}
     with pytest.raises(GenerationError) as err:
         generate(make_model("softmax-mha"), **args)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("model, message", [
+    ("LOADED", "lm.load returns (model, tokenizer): pass the model"),
+    (None, "model is None, not an lm Transformer"),
+])
+def test_what_is_not_a_model_is_named(model, message):
+    if model == "LOADED":
+        model = (make_model("softmax-mha"), object())  # what lm.load returns
+    with pytest.raises(GenerationError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        list(stream(model, [[1, 2]], 3))
 
 
 def test_sampling_filters_keep_what_they_promise():
@@ -116,12 +146,114 @@ def test_sampling_filters_keep_what_they_promise():
     assert int(Sampling(repetition_penalty=3.0).pick(logits, torch.tensor([[True, False, False, False]]), None)) == 1
 
 
+def reference_distribution(logits, seen, temperature, top_k=None, top_p=None, min_p=None, penalty=None):
+    """The sampling rules written plainly in float64, for values float64 carries."""
+    x = logits.double()
+    if penalty is not None:
+        x = torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
+    x = x / temperature
+    if top_k is not None:
+        x = x.masked_fill(x < x.topk(top_k).values[:, -1:], -math.inf)
+    probs = x.softmax(-1)
+    if min_p is not None:
+        probs = probs.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, 0)
+    if top_p is not None:
+        sorted_probs, order = probs.sort(descending=True)
+        keep = sorted_probs.cumsum(-1) - sorted_probs < top_p
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs * keep)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+LOGITS = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0, -3.0]])
+SEEN = torch.tensor([[False, True, True, True, True, False]])
+
+
+@pytest.mark.parametrize("settings", [
+    dict(temperature=0.7, top_k=3, penalty=1.3), dict(temperature=1.0, top_p=0.6), dict(temperature=2.0, min_p=0.2,
+                                                                                      penalty=0.8),
+    dict(temperature=0.5, penalty=4.0, top_p=0.95, top_k=5),
+])
+def test_sampling_gives_the_plain_float64_distribution(settings):
+    sampling = Sampling(settings["temperature"], settings.get("top_k"), settings.get("top_p"), settings.get("min_p"),
+                        settings.get("penalty"))
+    expected = reference_distribution(LOGITS, SEEN, **settings).float()
+    torch.testing.assert_close(sampling.distribution(LOGITS, SEEN), expected, atol=1e-6, rtol=1e-5)
+
+
+def one_hot(i):
+    return torch.nn.functional.one_hot(torch.tensor([i]), LOGITS.shape[1]).float()
+
+
+@pytest.mark.parametrize("sampling, expected", [
+    (Sampling(temperature=1e-45), one_hot(0)),  # float32's smallest: 1/T overflows
+    (Sampling(temperature=1e-300), one_hot(0)),  # float32 rounds it to 0: greedy is the limit
+    (Sampling(temperature=1e39), torch.full((1, 6), 1 / 6)),  # float32 rounds it to inf: uniform is the limit
+    (Sampling(temperature=1e300), torch.full((1, 6), 1 / 6)),
+    (Sampling(temperature=1.0, top_p=1e-320), one_hot(0)),  # float32 rounds top_p to 0: the best token stays
+    (Sampling(temperature=1.0, top_k=10**20), LOGITS.softmax(-1)),  # beyond the vocabulary: no filter
+    (Sampling(temperature=1.0, min_p=1e-320), LOGITS.softmax(-1)),
+    # A tiny penalty boosts the seen positive logits past float32; the largest of them (token 1) wins.
+    (Sampling(temperature=1.0, repetition_penalty=1e-300), one_hot(1)),
+    (Sampling(temperature=1e300, repetition_penalty=1e-300), one_hot(1)),
+    # A huge one sends seen positive logits to 0 and seen negative ones (tokens 3) to -inf; token 4's 0 stays 0.
+    (Sampling(temperature=1.0, repetition_penalty=1e300),
+     torch.tensor([[2.0, 0.0, 0.0, -math.inf, 0.0, -3.0]]).softmax(-1)),
+])
+def test_extreme_accepted_values_give_their_limit(sampling, expected):
+    probs = sampling.distribution(LOGITS, SEEN)
+    assert not probs.isnan().any()
+    torch.testing.assert_close(probs, expected, atol=1e-6, rtol=1e-5)
+
+
+def test_greedy_takes_an_extreme_penalty_to_its_limit():
+    assert int(Sampling(repetition_penalty=1e-300).pick(LOGITS, SEEN, None)) == 1  # the best boosted logit
+    assert int(Sampling(repetition_penalty=1e300).pick(LOGITS, SEEN, None)) == 0
+    assert int(Sampling(repetition_penalty=1e300).pick(LOGITS, torch.ones_like(SEEN), None)) == 0  # 2/1e300 > 0
+
+
+def test_extreme_values_run_through_generate():
+    model = make_model("softmax-gqa")
+    greedy = generate(model, [[1, 2, 3]], 12)
+    assert generate(model, [[1, 2, 3]], 12, temperature=1e-300, seed=0) == greedy
+    assert generate(model, [[1, 2, 3]], 12, temperature=1.0, top_p=1e-320, seed=0) == greedy
+    for extreme in (dict(temperature=1e300), dict(temperature=1.0, repetition_penalty=1e-300),
+                    dict(repetition_penalty=1e300, temperature=1.0)):
+        assert len(generate(model, [[1, 2, 3]], 12, seed=0, **extreme)[0]) == 15
+
+
 def test_seed_reproduces_a_sampled_run():
     model = make_model("softmax-gqa")
     a = generate(model, [[1, 2, 3]], 20, temperature=1.0, top_k=20, seed=7)
     b = generate(model, [[1, 2, 3]], 20, temperature=1.0, top_k=20, seed=7)
     c = generate(model, [[1, 2, 3]], 20, temperature=1.0, top_k=20, seed=8)
     assert a == b and a != c
+
+
+def held_numel(cache) -> int:
+    """Numbers in every tensor a GenerationCache and its layers hold."""
+    total = 0
+    for holder in (cache, *cache.layers):
+        for value in vars(holder).values():
+            tensors = value if isinstance(value, (tuple, list)) else (value,)
+            total += sum(t.numel() for t in tensors if isinstance(t, torch.Tensor))
+    return total
+
+
+CONSTANT_STATE = ["linear", "efficient", "gated_delta", "sliding-wrapped", "sliding-sinks", "hybrid-linear-sliding"]
+
+
+@pytest.mark.parametrize("name", CONSTANT_STATE)
+def test_a_constant_state_kind_starts_any_length_without_allocating_for_it(name):
+    """max_new_tokens sizes nothing up front: the caches hold the same numbers for 10 new tokens as
+    for 10**12, and a run of 10**9 or 10**12 decodes its first steps at once."""
+    model = make_model(name, max_seq_len=16)
+    assert not model.context_limited
+    held = None
+    for n in (10, 10**5, 10**9, 10**12):
+        run = stream(model, [[1, 2, 3], [4]], n)
+        assert len(list(itertools.islice(run, 3))) == 3
+        held = held or held_numel(run.cache)
+        assert held_numel(run.cache) == held, f"max_new_tokens={n}"
 
 
 def test_stop_string_and_eos_end_a_row():

@@ -40,10 +40,31 @@ def test_examples_follow_the_seed_and_the_held_out_set_is_its_own():
     (dict(vocab_size=16, pairs=8), "data.pairs=8 is more than the 7 distinct keys"),
     (dict(seq_len=20, pairs=7), "data.pairs=7 does not fit data.seq_len=20"),
     (dict(examples=0), "data.examples=0"),
+    (dict(examples=10**12), "data.examples=1000000000000 needs .* GiB .* more than this machine's .* GiB of RAM"),
+    (dict(val_examples=10**12), "data.val_examples=1000000000000 needs"),
 ])
 def test_impossible_settings_are_one_line(settings, message):
     with pytest.raises(DataError if "pairs" in message else ValueError, match=message):
         RecallTask(**settings)
+
+
+def test_sizes_are_refused_by_the_bytes_they_take_against_the_ram(monkeypatch):
+    """The rule: examples x bytes_per_example may not exceed the machine's RAM; the estimate is the
+    peak that generating them really takes."""
+    import tracemalloc
+
+    task = RecallTask(vocab_size=512, seq_len=64, pairs=4, examples=500, val_examples=100)
+    tracemalloc.start()  # numpy reports its arrays to tracemalloc
+    task.generate("train")
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert 0.95 < peak / (500 * task.bytes_per_example) < 1.05
+    monkeypatch.setattr("lm.util.checks.physical_memory_bytes", lambda: 500 * task.bytes_per_example)
+    RecallTask(vocab_size=512, seq_len=64, pairs=4, examples=500, val_examples=500)  # exactly the RAM: accepted
+    with pytest.raises(DataError, match="data.examples=501 needs"):
+        RecallTask(vocab_size=512, seq_len=64, pairs=4, examples=501)
+    with pytest.raises(DataError, match="data.val_examples=501 needs"):
+        RecallTask(vocab_size=512, seq_len=64, pairs=4, val_examples=501, examples=10)
 
 
 def test_only_answers_are_scored_and_accuracy_counts_them():

@@ -62,8 +62,11 @@ class GenerationCache:
         self.dtype = dtype or next(model.parameters()).dtype
         # Read once per batch: a per-layer check at every step would sync with the device.
         self.has_padding = bool((pad > 0).any())
-        self.slots = torch.arange(max_len, device=self.device)  # (L,)
-        self.real_slots = self.slots[None, :] >= pad[:, None]  # (B, L): False on each row's left padding
+        if model.context_limited:  # full K/V buffers: their decode_mask spans every slot
+            self.slots = torch.arange(max_len, device=self.device)  # (L,)
+            self.real_slots = self.slots[None, :] >= pad[:, None]  # (B, L): False on each row's left padding
+        else:  # rings and recurrent states never read these; max_len may be any size (decoding 10**12 tokens)
+            self.slots = self.real_slots = None
         self.layers = [block.attn.build_cache(self, max_len) for block in model.blocks]
 
     def positions(self, T: int) -> torch.Tensor:
@@ -82,7 +85,8 @@ class GenerationCache:
 
     def decode_mask(self, pos: torch.Tensor) -> torch.Tensor:
         """(B, 1, 1, L) bool: the slots a query at slot `pos` sees in a full K/V buffer: every real
-        slot up to and including its own."""
+        slot up to and including its own. Only for kinds with context_limited = True: the others'
+        caches must not grow with max_len, so no slot table is built for them."""
         return (self.real_slots & (self.slots <= pos))[:, None, None]
 
     def advance(self, T: int) -> None:

@@ -25,7 +25,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from torch.utils.data import Dataset
 
 from lm.data.windows import ShuffledDataModule
-from lm.util.checks import require_int
+from lm.util.checks import require_fits_in_memory, require_int
 from lm.util.errors import DataError
 
 IGNORE = -100  # targets that are not answers (F.cross_entropy's ignore_index)
@@ -51,6 +51,19 @@ class RecallTask:
         if 3 * self.pairs > self.seq_len:
             raise DataError(f"data.pairs={self.pairs} does not fit data.seq_len={self.seq_len}: "
                             f"{self.pairs} pairs and {self.pairs} queries need at least {3 * self.pairs} positions")
+        # Examples are generated in memory at once: a count no machine holds is refused here, not by the OS.
+        require_fits_in_memory("data.examples", self.examples, self.bytes_per_example, DataError)
+        require_fits_in_memory("data.val_examples", self.val_examples, self.bytes_per_example, DataError)
+
+    @property
+    def bytes_per_example(self) -> int:
+        """Bytes `generate` holds per example at its peak, in int64/float64 numbers: a random draw and
+        its argsort as wide as the keys or values, later inputs and targets beside the query draw, and
+        at the end inputs, targets and the returned copy."""
+        T, P = self.seq_len, self.pairs
+        draws = 2 * max(self.n_keys, self.vocab_size - self.first_value) + P
+        queries = T + 2 * (T - 2 * P) + 2 * P
+        return 8 * max(draws, queries, 3 * T + 2 * P)
 
     @property
     def n_keys(self) -> int:

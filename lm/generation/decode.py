@@ -11,14 +11,24 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from numbers import Integral
 
 import torch
 
 from lm.attention.cache import GenerationCache
 from lm.model.transformer import Transformer
+from lm.util.checks import as_list, require_bool, require_in_interval, require_int, require_seed
 from lm.util.errors import GenerationError
+
+IDS = "give a list of token-id lists or a (B, T) LongTensor"
+
+
+def scaled(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """x times a positive Python float that float32 may round to 0 or to inf: zeros stay zero and
+    infinities stay what they are (0 x inf and inf x 0 would be NaN)."""
+    return torch.where((x == 0) | x.isinf(), x, x * factor)
 
 
 @dataclass
@@ -32,33 +42,34 @@ class Sampling:
     repetition_penalty: float | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
-                or not 0 <= self.temperature < math.inf:
-            raise GenerationError(f"temperature={self.temperature!r} must be a finite number >= 0")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
-            raise GenerationError(f"top_k={self.top_k!r} must be an integer >= 1")
-        if self.top_p is not None and (not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1):
-            raise GenerationError(f"top_p={self.top_p!r} must be in (0, 1]")
-        if self.min_p is not None and (not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1):
-            raise GenerationError(f"min_p={self.min_p!r} must be in [0, 1]")
-        if self.repetition_penalty is not None and (not isinstance(self.repetition_penalty, (int, float))
-                                                    or not 0 < self.repetition_penalty < math.inf):
-            raise GenerationError(f"repetition_penalty={self.repetition_penalty!r} must be > 0")
+        require_in_interval("temperature", self.temperature, 0, math.inf, open_high=True, error=GenerationError)
+        if self.top_k is not None:
+            require_int("top_k", self.top_k, 1, error=GenerationError)  # above the vocabulary: no filter
+        if self.top_p is not None:
+            require_in_interval("top_p", self.top_p, 0, 1, open_low=True, error=GenerationError)
+        if self.min_p is not None:
+            require_in_interval("min_p", self.min_p, 0, 1, error=GenerationError)
+        if self.repetition_penalty is not None:
+            require_in_interval("repetition_penalty", self.repetition_penalty, 0, math.inf, open_low=True,
+                                open_high=True, error=GenerationError)
 
     def pick(self, logits: torch.Tensor, seen: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         """Next ids (B,) from logits (B, V); `seen` (B, V) marks tokens already in each row."""
-        logits = logits.float()
-        if self.repetition_penalty is not None and self.repetition_penalty != 1.0:
-            # CTRL (Keskar et al. 2019): make every token already present less likely.
-            penalised = torch.where(logits > 0, logits / self.repetition_penalty, logits * self.repetition_penalty)
-            logits = torch.where(seen, penalised, logits)
         if self.temperature == 0:
-            return logits.argmax(dim=-1)
-        logits = logits / self.temperature
-        if self.top_k is not None and self.top_k < logits.shape[-1]:
-            kth = logits.topk(self.top_k, dim=-1).values[:, -1:]  # (B, 1)
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = logits.softmax(dim=-1)
+            return self.shifted_scores(logits.float(), seen).argmax(dim=-1)
+        return torch.multinomial(self.distribution(logits, seen), 1, generator=generator)[:, 0]
+
+    def distribution(self, logits: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+        """(B, V) probabilities of the next token, for a temperature above 0.
+
+        The scores are shifted so each row's best is exactly 0 and scaled with `scaled`, so every
+        accepted value gives its limit rather than NaN: a temperature of 1e-300 is greedy, one of
+        1e300 uniform, and a penalty of 1e300 leaves a seen token with a negative logit no chance."""
+        scores = scaled(self.shifted_scores(logits.float(), seen), 1 / self.temperature)  # (B, V), best at 0
+        if self.top_k is not None and self.top_k < scores.shape[-1]:
+            kth = scores.topk(self.top_k, dim=-1).values[:, -1:]  # (B, 1)
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        probs = scores.softmax(dim=-1)  # each row's best adds exp(0) = 1 to its sum: never 0/0
         if self.min_p is not None:
             # Keep tokens at least min_p times as likely as the most likely one (Nguyen et al. 2024).
             probs = probs.masked_fill(probs < self.min_p * probs.max(dim=-1, keepdim=True).values, 0)
@@ -66,25 +77,111 @@ class Sampling:
             # Nucleus (Holtzman et al. 2020): the smallest set whose mass reaches top_p.
             sorted_probs, order = probs.sort(dim=-1, descending=True)
             mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # (B, V)
-            sorted_probs = sorted_probs.masked_fill(mass_before >= self.top_p, 0)
-            probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-        return torch.multinomial(probs, 1, generator=generator)[:, 0]
+            drop = mass_before >= self.top_p
+            drop[:, 0] = False  # the most likely token stays, also for a top_p float32 rounds to 0
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(drop, 0))
+        return probs / probs.sum(dim=-1, keepdim=True)
+
+    def shifted_scores(self, logits: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+        """(B, V) logits after the repetition penalty, minus each row's best: all <= 0, the best 0."""
+        p = self.repetition_penalty
+        if p is None or p == 1:
+            return logits - logits.max(dim=-1, keepdim=True).values
+        # CTRL (Keskar et al. 2019): a token already present has its logit divided by p if positive,
+        # multiplied by p if not. An extreme p pushes those products out of float32, so each group of
+        # tokens sharing a factor is shifted by its own best logit before it is scaled, and only the
+        # groups' scaled bests are compared (at most one of them is +inf: the boosted one, p < 1).
+        groups = [(~seen, 1.0), (seen & (logits > 0), 1 / p), (seen & (logits <= 0), p)]
+        tops = [logits.masked_fill(~members, float("-inf")).amax(dim=-1, keepdim=True) for members, _ in groups]
+        bests = [scaled(top, factor) for top, (_, factor) in zip(tops, groups, strict=True)]  # (B, 1) each
+        row_best = torch.cat(bests, dim=-1).amax(dim=-1, keepdim=True)  # (B, 1)
+        out = torch.zeros_like(logits)
+        for (members, factor), top, best in zip(groups, tops, bests, strict=True):
+            offset = torch.where(best == row_best, 0.0, best - row_best)  # (B, 1): inf - inf would be NaN
+            out = torch.where(members, scaled(logits - top, factor) + offset, out)
+        return out
 
 
-def as_prompt_lists(idx) -> list[list[int]]:
-    """A (B, T) tensor or a list of token-id lists as a list of lists, each non-empty."""
+def check_model(model) -> None:
+    """An lm Transformer; what lm.load returns whole is the likeliest thing passed instead."""
+    if isinstance(model, Transformer):
+        return
+    if isinstance(model, tuple) and model and isinstance(model[0], Transformer):
+        raise GenerationError("model is a tuple: lm.load returns (model, tokenizer): pass the model "
+                              "(model, tokenizer = lm.load(path))")
+    what = "None" if model is None else f"a {type(model).__name__}"
+    raise GenerationError(f"model is {what}, not an lm Transformer: pass the model lm.load returns")
+
+
+def check_settings(max_new_tokens, stop, seed, truncate, use_cache, compile) -> list[str]:
+    """The settings that need no model, checked alike for lm.generate/stream and for
+    scripts/generate.py (before it loads the checkpoint); the stop strings as a list."""
+    require_int("max_new_tokens", max_new_tokens, 0, error=GenerationError)
+    require_seed("seed", seed, GenerationError)
+    require_bool("use_cache", use_cache, GenerationError)
+    require_bool("compile", compile, GenerationError)
+    if truncate not in (None, "left"):
+        raise GenerationError(f"truncate={truncate!r} must be null or 'left'")
+    if compile and not use_cache:
+        raise GenerationError("compile=true compiles the cached decoding step: it needs use_cache=true")
+    return stop_strings(stop)
+
+
+def stop_strings(stop) -> list[str]:
+    """The stop strings as a list; a bare string is one stop string, never its characters."""
+    strings = as_list("stop", stop, GenerationError)
+    for s in strings:
+        if not isinstance(s, str):
+            raise GenerationError(f"stop holds {s!r}, which is not a string")
+    if not all(strings):
+        raise GenerationError("stop=[...] holds an empty string, which would stop before the first token")
+    return strings
+
+
+def as_prompt_lists(idx, vocab_size: int | None = None) -> list[list[int]]:
+    """A (B, T) integer tensor or a list of token-id lists as a list of lists, each non-empty and,
+    given vocab_size, of ids the model has. A flat list of ints is refused rather than read as one
+    prompt: the rows come back as a list of lists, which a caller of a flat list would misread."""
     if isinstance(idx, torch.Tensor):
         if idx.dim() != 2:
-            raise GenerationError(f"idx of shape {tuple(idx.shape)} must be (B, T)")
+            raise GenerationError(f"idx of shape {tuple(idx.shape)} must be (B, T): {IDS}")
+        if idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
+            raise GenerationError(f"idx is a {idx.dtype} tensor, not token ids: {IDS}")
         prompts = idx.tolist()
+    elif isinstance(idx, (str, bytes)):
+        raise GenerationError(f"idx={idx!r:.40} is text: encode it (tokenizer.encode(text).ids), then {IDS}")
+    elif idx is None or isinstance(idx, Mapping) or not isinstance(idx, Iterable):
+        raise GenerationError(f"idx is {'None' if idx is None else 'a ' + type(idx).__name__}: {IDS}")
     else:
-        prompts = [list(map(int, p)) for p in idx]
+        prompts = [prompt_ids(i, p) for i, p in enumerate(idx)]
     if not prompts:
-        raise GenerationError("no prompt given")
+        raise GenerationError(f"no prompt given: {IDS}")
     for i, p in enumerate(prompts):
         if not p:
             raise GenerationError(f"prompt {i} is empty: give at least one token")
+        outside = [t for t in p if vocab_size is not None and not 0 <= t < vocab_size]
+        if outside:
+            raise GenerationError(f"prompt {i} holds token id {outside[0]}, outside the model's vocabulary "
+                                  f"(vocab_size={vocab_size}: ids 0 to {vocab_size - 1})")
     return prompts
+
+
+def prompt_ids(i: int, prompt) -> list[int]:
+    """Prompt i of a list as plain ints."""
+    if isinstance(prompt, Integral):
+        raise GenerationError(f"idx is a flat list of ints: {IDS} ([[1, 2, 3]] for one prompt)")
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dim() != 1 or prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool:
+            raise GenerationError(f"prompt {i} is a {prompt.dtype} tensor of shape {tuple(prompt.shape)}, "
+                                  f"not a row of token ids: {IDS}")
+        return prompt.tolist()
+    if isinstance(prompt, (str, bytes, Mapping)) or not isinstance(prompt, Iterable):
+        raise GenerationError(f"prompt {i} is a {type(prompt).__name__}, not a list of token ids: {IDS}")
+    ids = list(prompt)
+    for t in ids:
+        if not isinstance(t, Integral) or isinstance(t, bool):
+            raise GenerationError(f"prompt {i} holds {t!r:.40}, not a token id (an int): {IDS}")
+    return [int(t) for t in ids]
 
 
 class Generation:
@@ -96,21 +193,21 @@ class Generation:
                  stop: Sequence[str] | None = None, tokenizer=None, eos_id: int | None = None,
                  use_cache: bool = True, seed: int | None = None, truncate: str | None = None,
                  prefill_chunk: int = 1024, compile: bool = False):
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise GenerationError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
+        check_model(model)
+        stop = check_settings(max_new_tokens, stop, seed, truncate, use_cache, compile)
         if stop and tokenizer is None:
             raise GenerationError("stop strings need the tokenizer to read the text: pass tokenizer=")
-        if truncate not in (None, "left"):
-            raise GenerationError(f"truncate={truncate!r} must be null or 'left'")
-        if not isinstance(compile, bool):
-            raise GenerationError(f"compile={compile!r} must be true or false")
-        if compile and not use_cache:
-            raise GenerationError("compile=true compiles the cached decoding step: it needs use_cache=true")
+        if not isinstance(sampling, Sampling):
+            raise GenerationError(f"sampling is a {type(sampling).__name__}, not a Sampling")
+        V = model.config.vocab_size
+        if eos_id is not None:
+            require_int("eos_id", eos_id, 0, V - 1, error=GenerationError)
+        require_int("prefill_chunk", prefill_chunk, 1, error=GenerationError)
         self.model, self.sampling, self.max_new_tokens = model, sampling, max_new_tokens
-        self.stop, self.tokenizer, self.eos_id = list(stop or []), tokenizer, eos_id
+        self.stop, self.tokenizer, self.eos_id = stop, tokenizer, eos_id
         self.use_cache, self.prefill_chunk = use_cache, prefill_chunk
         self.device = next(model.parameters()).device
-        self.prompts = self._fit_context(as_prompt_lists(idx), truncate)
+        self.prompts = self._fit_context(as_prompt_lists(idx, V), truncate)
         self.tokens = [list(p) for p in self.prompts]
         self.generator = torch.Generator(device=self.device).manual_seed(seed) if seed is not None else None
         self.stats: dict = {"prompt_tokens": sum(map(len, self.prompts)), "new_tokens": 0, "cache_bytes": 0}
@@ -142,7 +239,7 @@ class Generation:
         B, V = len(self.prompts), self.model.config.vocab_size
         seen = torch.zeros(B, V, dtype=torch.bool, device=self.device)
         for row, p in enumerate(self.prompts):
-            seen[row, torch.tensor(p, device=self.device).clamp(max=V - 1)] = True
+            seen[row, torch.tensor(p, device=self.device)] = True
         done = [False] * B
         started = time.perf_counter()
         logits = self._prefill() if self.use_cache else self._recompute(done)
@@ -176,7 +273,11 @@ class Generation:
         batch = torch.zeros(len(self.prompts), width, dtype=torch.long, device=self.device)
         for row, p in enumerate(self.prompts):
             batch[row, width - len(p):] = torch.tensor(p, device=self.device)
+        # Kinds with a context limit preallocate max_len slots, which _fit_context keeps within max_seq_len;
+        # the others hold a state of fixed size, so max_new_tokens may be any size.
         self.cache = GenerationCache(self.model, pad=width - lengths, max_len=width + self.max_new_tokens)
+        # The next slot as a 0-dim device tensor, moved on in place: the step takes it without a host sync.
+        self.next_slot = torch.full((), width, dtype=torch.long, device=self.device)
         no_step = sorted({type(c).__name__ for c in self.cache.layers if not hasattr(c, "decode")})
         if no_step and self.compiled:
             raise GenerationError(f"compile=true needs every layer's cache to have decode(q, k, v, pos); {no_step} "
@@ -187,13 +288,14 @@ class Generation:
 
     def _decode(self, next_ids: torch.Tensor) -> torch.Tensor:
         """One token per row through the fixed-shape step (lm.attention.cache), compiled or not."""
-        pos = self.cache.slots[self.cache.seen].clone()  # a 0-dim tensor of its own, never synced: the step's input
+        pos = self.next_slot.clone()  # the step's input, a tensor of its own (a CUDA graph copies it in)
         first = "first_step_s" not in self.stats
         started = time.perf_counter()
         logits = self.step_fn(next_ids[:, None], self.cache, pos)  # (B, V)
         if first:  # with compile=true, mostly compilation
             self.stats["first_step_s"] = time.perf_counter() - started
         self.cache.advance(1)
+        self.next_slot += 1
         return logits
 
     def _recompute(self, done: list[bool]) -> torch.Tensor:

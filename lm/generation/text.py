@@ -11,9 +11,9 @@ from omegaconf import DictConfig
 
 from lm.data.tokenizer import EOT
 from lm.formats.checkpoint import load
-from lm.generation.decode import Generation, Sampling
+from lm.generation.decode import Generation, Sampling, check_settings, stop_strings
 from lm.generation.quantize import quantize_int8, weight_bytes
-from lm.util.checks import as_list, check_device
+from lm.util.checks import as_list, check_device, require_bool
 from lm.util.errors import GenerationError
 from lm.util.paths import resolve_path
 
@@ -46,23 +46,24 @@ ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
 
 def read_stop_strings(stop) -> list[str]:
     """The stop strings as the user meant them: `stop=["\\n\\n"]` reaches us as backslash, n
-    (Hydra keeps escapes literal), so \\n, \\t, \\r and \\\\ are read as the characters they name."""
-    strings = [re.sub(r"\\([ntr\\])", lambda m: ESCAPES[m.group(1)], str(s)) for s in as_list("stop", stop)]
-    if any(not s for s in strings):
-        raise GenerationError("stop=[...] holds an empty string, which would stop before the first token")
-    return strings
+    (Hydra keeps escapes literal), so \\n, \\t, \\r and \\\\ are read as the characters they name;
+    then checked as lm.generate checks them."""
+    # Hydra reads `stop=[5]` as an int: on the command line every stop string is text.
+    typed = [str(s) for s in as_list("stop", stop, GenerationError)]
+    return stop_strings([re.sub(r"\\([ntr\\])", lambda m: ESCAPES[m.group(1)], s) for s in typed])
 
 
-def check_run_settings(cfg: DictConfig) -> None:
-    """Seed and device, checked before the model is loaded."""
-    seed = cfg.seed
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
-        raise GenerationError(f"seed={seed!r} must be null or an integer from 0 to 2**63-1")
+def check_run_settings(cfg: DictConfig) -> tuple[Sampling, list[str]]:
+    """Every setting, checked before the model is loaded, by the checks lm.generate makes; the
+    sampling and the stop strings."""
+    sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p, cfg.repetition_penalty)
+    stop = check_settings(cfg.max_new_tokens, read_stop_strings(cfg.stop), cfg.seed, cfg.truncate, cfg.use_cache,
+                          cfg.compile)
     check_device(cfg.device)
     if cfg.quantize not in (None, "int8"):
         raise GenerationError(f"quantize={cfg.quantize!r} must be null or int8")
-    if not isinstance(cfg.compile, bool):
-        raise GenerationError(f"compile={cfg.compile!r} must be true or false")
+    require_bool("stats", cfg.stats, GenerationError)
+    return sampling, stop
 
 
 def cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
@@ -75,10 +76,8 @@ def generate_text(cfg: DictConfig, out: TextIO | None = None, err: TextIO | None
     """Continue each prompt; returns the texts (prompt + continuation). Text goes to `out`
     (stdout), statistics to `err` (stderr)."""
     out, err = out or sys.stdout, err or sys.stderr
-    sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p, cfg.repetition_penalty)
+    sampling, stop = check_run_settings(cfg)
     prompts = read_prompts(cfg)
-    stop = read_stop_strings(cfg.stop)
-    check_run_settings(cfg)
     model, tokenizer = load(resolve_path(cfg.ckpt), device=cfg.device)
     if cfg.quantize is not None:
         model = quantize_int8(model)

@@ -1,12 +1,18 @@
-"""Checks of single values, shared by every config: each raises ConfigError with one line
-naming the field and the value it got."""
+"""Checks of single values, shared by every config and by the Python API: each raises ConfigError
+(or the `error` given, e.g. GenerationError for lm.generate) with one line naming the field and the
+value it got."""
 
 from __future__ import annotations
 
+import math
+import numbers
+import os
 from collections.abc import Collection, Mapping
 from typing import Any
 
 from lm.util.errors import ConfigError
+
+SEED_LIMIT = 2**63  # torch and numpy both take seeds below it
 
 
 def is_count(value: Any, minimum: int = 1) -> bool:
@@ -14,19 +20,47 @@ def is_count(value: Any, minimum: int = 1) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
-def require_int(name: str, value: Any, minimum: int = 1) -> None:
-    if not is_count(value, minimum):
-        raise ConfigError(f"{name}={value!r} must be an integer >= {minimum}")
+def require_int(name: str, value: Any, minimum: int = 1, maximum: int | None = None,
+                error: type[Exception] = ConfigError) -> None:
+    if maximum is None and not is_count(value, minimum):
+        raise error(f"{name}={value!r} must be an integer >= {minimum}")
+    if maximum is not None and not (is_count(value, minimum) and value <= maximum):
+        raise error(f"{name}={value!r} must be an integer from {minimum} to {maximum}")
+
+
+def require_seed(name: str, value: Any, error: type[Exception] = ConfigError) -> None:
+    """null, or an int every random generator here takes."""
+    if value is not None and not (is_count(value, 0) and value < SEED_LIMIT):
+        raise error(f"{name}={value!r} must be null or an integer from 0 to 2**63-1")
+
+
+def is_real(value: Any) -> bool:
+    """A real number: an int, a float or a numpy scalar of either, never a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def require_in_interval(name: str, value: Any, low: float, high: float, open_low: bool = False,
+                        open_high: bool = False, error: type[Exception] = ConfigError) -> None:
+    """A real number between low and high, each end open or closed; NaN never passes, and
+    high=math.inf with open_high asks for a finite number."""
+    above = is_real(value) and (value > low if open_low else value >= low)
+    below = is_real(value) and (value < high if open_high else value <= high)
+    if above and below:
+        return
+    if high == math.inf:
+        raise error(f"{name}={value!r} must be a finite number {'>' if open_low else '>='} {low}")
+    raise error(f"{name}={value!r} must be in {'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}")
 
 
 def require_positive(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+    """A finite number above 0: an infinite learning rate or scale can only give NaN later."""
+    if not is_real(value) or not 0 < value < math.inf:
         raise ConfigError(f"{name}={value!r} must be a positive number")
 
 
-def require_bool(name: str, value: Any) -> None:
+def require_bool(name: str, value: Any, error: type[Exception] = ConfigError) -> None:
     if not isinstance(value, bool):
-        raise ConfigError(f"{name}={value!r} must be true or false")
+        raise error(f"{name}={value!r} must be true or false")
 
 
 def require_choice(name: str, value: Any, choices: Collection[str]) -> None:
@@ -34,7 +68,7 @@ def require_choice(name: str, value: Any, choices: Collection[str]) -> None:
         raise ConfigError(f"{name}={value!r} is not one of {sorted(choices)}")
 
 
-def as_list(name: str, value: Any) -> list:
+def as_list(name: str, value: Any, error: type[Exception] = ConfigError) -> list:
     """A setting that takes a list, as the user meant it: null is empty, and a bare value typed
     without brackets (`stop=ef`, `kinds=mha`) is a list of that one value, never its characters."""
     if value is None:
@@ -42,7 +76,7 @@ def as_list(name: str, value: Any) -> list:
     if isinstance(value, (str, int, float, bool)):
         return [value]
     if isinstance(value, Mapping) or not hasattr(value, "__iter__"):
-        raise ConfigError(f"{name}={value!r} must be a list, e.g. {name}=[a,b]")
+        raise error(f"{name}={value!r} must be a list, e.g. {name}=[a,b]")
     return list(value)
 
 
@@ -64,3 +98,20 @@ def check_device(device: Any) -> None:
         raise ConfigError(f"device={name!r}: this torch has no CUDA device; use device=cpu")
     if kind == "mps" and not torch.backends.mps.is_available():
         raise ConfigError(f"device={name!r}: this torch has no MPS device; use device=cpu")
+
+
+def physical_memory_bytes() -> int | None:
+    """This machine's RAM, or None where the OS does not say (os.sysconf is POSIX only)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def require_fits_in_memory(name: str, count: int, bytes_each: int, error: type[Exception] = ConfigError) -> None:
+    """Refuse a count of items whose arrays would take more than this machine's whole RAM: such
+    an allocation can only fail, after a long wait or by the OS killing the process."""
+    ram = physical_memory_bytes()
+    if ram is not None and count * bytes_each > ram:
+        raise error(f"{name}={count} needs {count * bytes_each / 2**30:,.1f} GiB ({bytes_each:,} bytes each), more "
+                    f"than this machine's {ram / 2**30:,.1f} GiB of RAM; lower {name}")
