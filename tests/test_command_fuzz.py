@@ -1,0 +1,138 @@
+"""Every command's settings given bad values (wrong types, signs, zeros, huge, NaN, infinity, bare
+strings): one line on stderr naming the key as typed, exit code 2, no traceback, nothing written.
+
+The same approach as tests/test_hostile_files.py, for the command line: one table of
+(script, arguments, what the line must say), each row run through the script's own `main` and
+`run_script` in this process (a fresh process per row would cost seconds each). Outputs of every
+row point into one folder, which must stay empty; Hydra's own run folder is put elsewhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import train_small_run
+from hydra.core.global_hydra import GlobalHydra
+
+from lm.util.cli import run_script
+
+ROOT = Path(__file__).resolve().parents[1]
+HUGE = "1000000000000"  # 10**12: no machine holds that many examples, tokens or steps' worth of memory
+
+TRAIN = [
+    ("data=mqar", f"data.examples={HUGE}"),
+    ("data=mqar", "data.examples=-1"),
+    ("data=mqar", "data.pairs=0"),
+    ("data=mqar", "data.seq_len=abc"),
+    ("data.val_fraction=abc",),
+    ("data.val_fraction=nan",),
+    ("data.val_fraction=1",),
+    ("data=text", "data.paths=[{empty}]"),
+    ("optim.lr=nan",),
+    ("optim.lr=inf",),
+    ("trainer.max_steps=1e3",),
+    ("data.batch_size=-1",),
+    ("seed=abc",),
+]
+TRAIN_KEYS = ["data.examples", "data.examples", "data.pairs", "data.seq_len", "data.val_fraction",
+              "data.val_fraction", "data.val_fraction", "data.paths", "optim.lr", "optim.lr", "trainer.max_steps",
+              "data.batch_size", "seed"]
+
+COMPARE = [
+    ("lm.steps=0", "lm.steps"), ("lm.steps=abc", "lm.steps"), ("lm.steps=1.5", "lm.steps"),
+    ("lm.batch_size=0", "lm.batch_size"), ("lm.lr=-1", "lm.lr"), ("lm.lr=nan", "lm.lr"), ("lm.lr=inf", "lm.lr"),
+    ("lm.val_batches=0", "lm.val_batches"), ("lm.warmup_steps=-3", "lm.warmup_steps"),
+    ("mqar.widths=abc", "mqar.widths"), ("mqar.widths=[-32]", "mqar.widths"), ("mqar.pairs=0", "mqar.pairs"),
+    ("mqar.steps=nan", "mqar.steps"), (f"mqar.examples={HUGE}", "examples"),
+    ("speed.new_tokens=-5", "speed.new_tokens"), ("speed.new_tokens=nan", "speed.new_tokens"),
+    ("speed.contexts=abc", "speed.contexts"), ("speed.contexts=[8]", "speed.contexts"),
+    ("speed.contexts=[]", "speed.contexts"), ("kinds=[]", "kinds"), ("kinds=nosuch", "kinds"),
+    ("extra_kinds=[5]", "extra_kinds"), ("extra_kinds=[{name: a/b, attn: mha}]", "extra_kinds"),
+    ("seed=-1", "seed"), ("seed=abc", "seed"), ("data.val_fraction=abc", "data.val_fraction"),
+    ("data=mqar", "data=mqar"), (("data=text", "data.paths=[{empty}]"), "data.paths"),
+]
+
+EVAL = [
+    ("batch_size=0", "batch_size"), ("batch_size=-1", "batch_size"), ("batch_size=abc", "batch_size"),
+    ("batch_size=1.5", "batch_size"), ("device=tpu", "device"), ("data.val_fraction=abc", "data.val_fraction"),
+    ("data=mqar", "data=mqar"), ("split=bogus", "split"), (("data=text", "data.paths=[{empty}]"), "data.paths"),
+]
+
+GENERATE = [
+    ("max_new_tokens=-1", "max_new_tokens"), ("max_new_tokens=abc", "max_new_tokens"),
+    ("max_new_tokens=1e3", "max_new_tokens"), (f"max_new_tokens={HUGE}", "max_new_tokens"),
+    ("temperature=-1", "temperature"), ("temperature=nan", "temperature"), ("temperature=inf", "temperature"),
+    ("top_k=0", "top_k"), ("top_k=-1", "top_k"), ("top_k=abc", "top_k"),
+    ("top_p=0", "top_p"), ("top_p=1.5", "top_p"), ("top_p=nan", "top_p"), ("min_p=2", "min_p"),
+    ("repetition_penalty=0", "repetition_penalty"), ("repetition_penalty=nan", "repetition_penalty"),
+    ("stop=['']", "stop"), ("seed=-1", "seed"), ("seed=abc", "seed"), ("device=tpu", "device"),
+    ("device=mps", "device"), ("truncate=right", "truncate"), ("quantize=int3", "quantize"),
+    ("use_cache=maybe", "use_cache"), ("prompt_file={empty}/none.txt", "prompt_file"),
+]
+CASES = (
+    [("train", list(args), key) for args, key in zip(TRAIN, TRAIN_KEYS, strict=True)]
+    + [(script, [args] if isinstance(args, str) else list(args), key)
+       for script, table in (("compare", COMPARE), ("eval", EVAL), ("generate", GENERATE)) for args, key in table]
+)
+
+
+def load_script(name: str):
+    """scripts/<name>.py as a module; its `if __name__ == "__main__"` part does not run."""
+    spec = importlib.util.spec_from_file_location(f"lm_script_{name}", ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    # Hydra finds conf/ beside the calling file only for a __main__ module (else it looks for a package).
+    module.main.__wrapped__.__module__ = "__main__"
+    return module
+
+
+def run_in_process(name: str, args: list[str], monkeypatch) -> tuple[int, str]:
+    """(exit code, stderr) of `python scripts/<name>.py <args>`."""
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "scripts" / f"{name}.py"), *args])
+    GlobalHydra.instance().clear()
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            code = run_script(load_script(name).main)
+        except SystemExit as e:
+            code = e.code
+    return code, err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, small_corpus) -> Path:
+    return train_small_run(tmp_path_factory.mktemp("fuzz-run"), small_corpus)
+
+
+def fill(arg: str, empty: Path) -> str:
+    return arg.replace("{empty}", str(empty))
+
+
+@pytest.mark.parametrize(("script", "args", "key"), CASES,
+                         ids=[f"{script} {' '.join(args)}" for script, args, _ in CASES])
+def test_a_bad_setting_is_one_line_naming_it_exit_2_and_nothing_written(script, args, key, checkpoint, small_corpus,
+                                                                         tmp_path, monkeypatch):
+    empty, written = tmp_path / "empty", tmp_path / "written"
+    empty.mkdir()
+    outputs = {
+        "train": [f"checkpoint_dir={written}", "trainer.max_steps=2", f"hydra.run.dir={tmp_path}/hydra"],
+        "compare": ["preset=quick", "kinds=[mqa]", f"out={written}", f"hydra.run.dir={tmp_path}/hydra"],
+        "eval": [f"ckpt={checkpoint}", f"out={written}/eval.json"],
+        "generate": [f"ckpt={checkpoint}", "prompt=def", "max_new_tokens=4"],
+    }[script]
+    if script in ("train", "compare", "eval") and not any(a.startswith("data=") for a in args):
+        outputs += ["data=text", f"data.paths=[{small_corpus}]", "data.vocab_size=512",
+                    f"data.cache_dir={written}/cache"]
+    elif script != "generate" and "data=mqar" not in args:
+        outputs.append(f"data.cache_dir={written}/cache")
+    code, err = run_in_process(script, [*outputs, *(fill(a, empty) for a in args)], monkeypatch)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err[-3000:]
+    assert key in lines[0], lines[0]
+    assert "Traceback" not in err
+    assert not written.exists() or not any(written.rglob("*")), sorted(written.rglob("*"))
