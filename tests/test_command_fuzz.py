@@ -74,10 +74,25 @@ GENERATE = [
     ("device=mps", "device"), ("truncate=right", "truncate"), ("quantize=int3", "quantize"),
     ("use_cache=maybe", "use_cache"), ("prompt_file={empty}/none.txt", "prompt_file"),
 ]
+UPTRAIN = [
+    # the model's own name for the setting, as train.py's model check says it
+    ("attn.n_kv_head=3", "n_kv_head"), ("attn.n_kv_head=0", "n_kv_head"), ("attn.n_kv_head=abc", "n_kv_head"),
+    ("uptrain.init=bogus", "uptrain.init"),
+    ("uptrain.distill=-1", "uptrain.distill"), ("uptrain.distill=nan", "uptrain.distill"),
+    ("uptrain.temperature=0", "uptrain.temperature"), ("uptrain.temperature=inf", "uptrain.temperature"),
+    ("uptrain.fraction=abc", "uptrain.fraction"), ("uptrain.fraction=-0.5", "uptrain.fraction"),
+    ("uptrain.fraction=inf", "uptrain.fraction"), ("uptrain.steps=-1", "uptrain.steps"),
+    ("uptrain.calibration_batches=0", "uptrain.calibration_batches"),
+    ("uptrain.warmup_fraction=2", "uptrain.warmup_fraction"), ("uptrain.evaluations=0", "uptrain.evaluations"),
+    ("uptrain.val_every_n_steps=-1", "uptrain.val_every_n_steps"), ("seed=-1", "seed"),
+    (("attn=mla", "attn.kv_rank=-4"), "kv_rank"), (("attn=mla", "attn.rope_dim=3"), "rope_dim"),
+]
+
 CASES = (
     [("train", list(args), key) for args, key in zip(TRAIN, TRAIN_KEYS, strict=True)]
     + [(script, [args] if isinstance(args, str) else list(args), key)
-       for script, table in (("compare", COMPARE), ("eval", EVAL), ("generate", GENERATE)) for args, key in table]
+       for script, table in (("compare", COMPARE), ("eval", EVAL), ("generate", GENERATE), ("uptrain", UPTRAIN))
+       for args, key in table]
 )
 
 
@@ -120,7 +135,10 @@ def test_a_bad_setting_is_one_line_naming_it_exit_2_and_nothing_written(script, 
     empty, written = tmp_path / "empty", tmp_path / "written"
     empty.mkdir()
     outputs = {
-        "train": [f"checkpoint_dir={written}", "trainer.max_steps=2", f"hydra.run.dir={tmp_path}/hydra"],
+        "train": [f"checkpoint_dir={written}", "trainer.max_steps=2", "logger=none", f"hydra.run.dir={tmp_path}/hydra"],
+        "uptrain": [f"ckpt={checkpoint}", "attn.n_kv_head=2", f"checkpoint_dir={written}", "logger=none",
+                    "uptrain.steps=2",
+                    f"hydra.run.dir={tmp_path}/hydra"],
         "compare": ["preset=quick", "kinds=[mqa]", f"out={written}", f"hydra.run.dir={tmp_path}/hydra"],
         "eval": [f"ckpt={checkpoint}", f"out={written}/eval.json"],
         "generate": [f"ckpt={checkpoint}", "prompt=def", "max_new_tokens=4"],
@@ -128,7 +146,7 @@ def test_a_bad_setting_is_one_line_naming_it_exit_2_and_nothing_written(script, 
     if script in ("train", "compare", "eval") and not any(a.startswith("data=") for a in args):
         outputs += ["data=text", f"data.paths=[{small_corpus}]", "data.vocab_size=512",
                     f"data.cache_dir={written}/cache"]
-    elif script != "generate" and "data=mqar" not in args:
+    elif script in ("train", "compare", "eval") and "data=mqar" not in args:
         outputs.append(f"data.cache_dir={written}/cache")
     code, err = run_in_process(script, [*outputs, *(fill(a, empty) for a in args)], monkeypatch)
     lines = err.strip().splitlines()

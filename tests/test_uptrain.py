@@ -95,7 +95,7 @@ def test_study_writes_json_table_and_plot(teacher, tmp_path, capsys):
 
 @pytest.mark.parametrize("override, message", [
     ("attn.n_kv_head=3", "error: n_head=4 is not divisible by n_kv_head=3"),
-    ("uptrain.init=median", "error: init='median' is not one of ['mean', 'first', 'random', 'aligned']"),
+    ("uptrain.init=median", "error: uptrain.init='median' is not one of ['aligned', 'first', 'mean', 'random']"),
 ])
 def test_invalid_target_exits_2_in_one_line(teacher, tmp_path, override, message):
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "uptrain.py"), f"ckpt={teacher}",

@@ -25,13 +25,13 @@ from lm.formats.checkpoint import (
     save_checkpoint,
     stored_model_config,
 )
-from lm.formats.convert import to_grouped
+from lm.formats.convert import INITS, to_grouped
 from lm.formats.to_latent import check_parent, to_latent
 from lm.model.config import ModelConfig
 from lm.model.transformer import Transformer
 from lm.training.module import check_distillation, evaluate_loss, inputs_and_targets
 from lm.training.run import train
-from lm.util.checks import require_int
+from lm.util.checks import require_choice, require_in_interval, require_int, require_positive, require_seed
 from lm.util.errors import ConfigError
 from lm.util.paths import resolve_path
 
@@ -76,17 +76,32 @@ def conversion_target(cfg: DictConfig) -> Target:
     return Target(n_kv_head=attn["n_kv_head"])
 
 
+def check_uptrain_settings(cfg: DictConfig) -> None:
+    """Every `uptrain.*` number and the seed, named as typed, before the checkpoint is read; also
+    those this run leaves unused (`fraction` beside `steps`), which are mistakes all the same."""
+    u = cfg.uptrain
+    require_choice("uptrain.init", u.init, INITS)
+    if u.steps is not None:
+        require_int("uptrain.steps", u.steps, minimum=0)
+    require_in_interval("uptrain.fraction", u.fraction, 0, 1)
+    require_in_interval("uptrain.warmup_fraction", u.get("warmup_fraction", 0.1), 0, 1, open_high=True)
+    require_in_interval("uptrain.distill", u.get("distill", 0.0), 0, math.inf, open_high=True)
+    require_positive("uptrain.temperature", u.get("temperature", 1.0))
+    require_int("uptrain.calibration_batches", u.get("calibration_batches", 4))
+    require_int("uptrain.evaluations", u.evaluations)
+    for key in ("val_every_n_steps", "limit_val_batches"):
+        if u.get(key) is not None:
+            require_int(f"uptrain.{key}", u[key])
+    require_seed("seed", cfg.seed)
+    if cfg.get("sample_tokens") is not None:
+        require_int("sample_tokens", cfg.sample_tokens, minimum=0)
+
+
 def budget(cfg: DictConfig, source_steps: int) -> int:
     """Uptraining steps: `uptrain.steps`, or `uptrain.fraction` of the source run's steps."""
     if cfg.uptrain.steps is not None:
-        steps = cfg.uptrain.steps
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-            raise ConfigError(f"uptrain.steps={steps!r} must be an integer >= 0")
-        return steps
-    fraction = cfg.uptrain.fraction
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 <= fraction <= 1:
-        raise ConfigError(f"uptrain.fraction={fraction!r} must be between 0 and 1")
-    return math.ceil(fraction * source_steps)
+        return cfg.uptrain.steps
+    return math.ceil(cfg.uptrain.fraction * source_steps)
 
 
 def continued_run_config(source_run: dict, cfg: DictConfig, steps: int, target: Target | int,
@@ -161,6 +176,7 @@ def convert(parent: Transformer, source_state: dict, target: Target, cfg: DictCo
 def uptrain(cfg: DictConfig) -> dict:
     """Convert `cfg.ckpt` to the `cfg.attn` target and uptrain it; returns train()'s result plus the
     val loss right after conversion, the parent's and the provenance."""
+    check_uptrain_settings(cfg)
     source_path = resolve_path(cfg.ckpt)
     source = read_checkpoint(source_path)
     what = f"checkpoint {str(source_path)!r}"
