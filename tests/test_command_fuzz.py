@@ -88,10 +88,18 @@ UPTRAIN = [
     (("attn=mla", "attn.kv_rank=-4"), "kv_rank"), (("attn=mla", "attn.rope_dim=3"), "rope_dim"),
 ]
 
+STUDY = [  # scripts/uptrain.py --config-name uptrain_study: the ablation's grid
+    ("study.fractions=[0]", "study.fractions"), ("study.fractions=[1.5]", "study.fractions"),
+    ("study.fractions=[]", "study.fractions"), ("study.inits=median", "study.inits"),
+    ("study.kv_heads=[0]", "study.kv_heads"), ("study.decode_tokens=-1", "study.decode_tokens"),
+    ("study.scratch=maybe", "study.scratch"), ("uptrain.distill=-1", "uptrain.distill"),
+]
+
 CASES = (
     [("train", list(args), key) for args, key in zip(TRAIN, TRAIN_KEYS, strict=True)]
     + [(script, [args] if isinstance(args, str) else list(args), key)
-       for script, table in (("compare", COMPARE), ("eval", EVAL), ("generate", GENERATE), ("uptrain", UPTRAIN))
+       for script, table in (("compare", COMPARE), ("eval", EVAL), ("generate", GENERATE), ("uptrain", UPTRAIN),
+                             ("uptrain_study", STUDY))
        for args, key in table]
 )
 
@@ -136,6 +144,8 @@ def test_a_bad_setting_is_one_line_naming_it_exit_2_and_nothing_written(script, 
     empty.mkdir()
     outputs = {
         "train": [f"checkpoint_dir={written}", "trainer.max_steps=2", "logger=none", f"hydra.run.dir={tmp_path}/hydra"],
+        "uptrain_study": ["--config-name", "uptrain_study", f"ckpt={checkpoint}", f"study.out={written}",
+                          f"hydra.run.dir={tmp_path}/hydra"],
         "uptrain": [f"ckpt={checkpoint}", "attn.n_kv_head=2", f"checkpoint_dir={written}", "logger=none",
                     "uptrain.steps=2",
                     f"hydra.run.dir={tmp_path}/hydra"],
@@ -148,7 +158,7 @@ def test_a_bad_setting_is_one_line_naming_it_exit_2_and_nothing_written(script, 
                     f"data.cache_dir={written}/cache"]
     elif script in ("train", "compare", "eval") and "data=mqar" not in args:
         outputs.append(f"data.cache_dir={written}/cache")
-    code, err = run_in_process(script, [*outputs, *(fill(a, empty) for a in args)], monkeypatch)
+    code, err = run_in_process(script.split("_")[0], [*outputs, *(fill(a, empty) for a in args)], monkeypatch)
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err[-3000:]
     assert key in lines[0], lines[0]

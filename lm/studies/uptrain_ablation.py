@@ -22,13 +22,21 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lm.data.modules import TokenDataModule
 from lm.formats.checkpoint import load, read_checkpoint
+from lm.formats.convert import INITS
 from lm.model.transformer import Transformer
 from lm.studies.decode_speed import decode_speed
 from lm.studies.engine import Arm, machine, run_arms
 from lm.studies.report import ablation_table, uptraining_plot, write_results
 from lm.training.module import evaluate_loss
 from lm.training.run import train
-from lm.training.uptraining import continued_run_config, conversion_target, uptrain, variant_name
+from lm.training.uptraining import (
+    check_uptrain_settings,
+    continued_run_config,
+    conversion_target,
+    uptrain,
+    variant_name,
+)
+from lm.util.checks import as_list, require_bool, require_choice, require_in_interval, require_int
 from lm.util.errors import ConfigError
 from lm.util.paths import resolve_path
 
@@ -86,7 +94,9 @@ def trained_figures(result: dict, measuring: Measuring) -> dict:
 
 
 def plan(cfg: DictConfig) -> list[Arm]:
-    """The teacher, then every (K/V heads, init, fraction) uptrained, then the scratch arms."""
+    """The teacher, then every (K/V heads, init, fraction) uptrained, then the scratch arms; every
+    arm's settings checked before the checkpoint is read."""
+    check_study_settings(cfg)
     ckpt = resolve_path(cfg.ckpt)
     source = read_checkpoint(ckpt)
     source_run, tokenizer_json = source["lm"]["run_config"], source["lm"]["tokenizer"]
@@ -100,9 +110,9 @@ def plan(cfg: DictConfig) -> list[Arm]:
                      "decode_tokens": cfg.study.decode_tokens, "prompt_tokens": PROMPT_TOKENS}
     arms = [Arm("teacher", {"ckpt": str(cfg.ckpt), **measured_with},
                 lambda: teacher_figures(ckpt, source_steps, measuring), log=runs / "teacher.log")]
-    for kv_heads in cfg.study.kv_heads:
-        for init in cfg.study.inits:
-            for fraction in cfg.study.fractions:
+    for kv_heads in as_list("study.kv_heads", cfg.study.kv_heads):
+        for init in as_list("study.inits", cfg.study.inits):
+            for fraction in as_list("study.fractions", cfg.study.fractions):
                 name = f"{variant_name(kv_heads)}-{init}-{fraction}"
                 arm_cfg = OmegaConf.merge(cfg, {"attn": {"n_kv_head": kv_heads}, "run_name": f"study-{name}",
                                                 "checkpoint_dir": str(runs),
@@ -115,11 +125,11 @@ def plan(cfg: DictConfig) -> list[Arm]:
                                         "fraction": fraction},
                                 log=runs / f"study-{name}" / "train.log"))
     for method in cfg.study.get("methods") or []:
-        for fraction in cfg.study.fractions:
+        for fraction in as_list("study.fractions", cfg.study.fractions):
             arms.append(method_arm(cfg, method, fraction, runs, measured_with, measuring))
     if cfg.study.scratch:
-        kv_heads = max(cfg.study.kv_heads)
-        for fraction in cfg.study.fractions:
+        kv_heads = max(as_list("study.kv_heads", cfg.study.kv_heads))
+        for fraction in as_list("study.fractions", cfg.study.fractions):
             name = f"{variant_name(kv_heads)}-scratch-{fraction}"
             steps = math.ceil(fraction * source_steps)
             # Same steps, schedule and data as the uptrained arms; only the weights start random.
@@ -134,6 +144,23 @@ def plan(cfg: DictConfig) -> list[Arm]:
                                     "fraction": fraction},
                             log=runs / f"study-{name}" / "train.log"))
     return arms
+
+
+def check_study_settings(cfg: DictConfig) -> None:
+    """The grid's lists and numbers, named as typed; each arm's uptrain settings are checked as it
+    is planned (lm.training.uptraining.check_uptrain_settings), all before the teacher is read."""
+    check_uptrain_settings(cfg)
+    for key in ("kv_heads", "inits", "fractions"):
+        if not as_list(f"study.{key}", cfg.study[key]):
+            raise ConfigError(f"study.{key}=[] is empty: give at least one value")
+    for kv_heads in as_list("study.kv_heads", cfg.study.kv_heads):
+        require_int("study.kv_heads entry", kv_heads)
+    for init in as_list("study.inits", cfg.study.inits):
+        require_choice("study.inits entry", init, INITS)
+    for fraction in as_list("study.fractions", cfg.study.fractions):
+        require_in_interval("study.fractions entry", fraction, 0, 1, open_low=True)
+    require_int("study.decode_tokens", cfg.study.decode_tokens)
+    require_bool("study.scratch", cfg.study.scratch)
 
 
 METHOD_KEYS = {"name", "attn", "init", "distill", "temperature"}
@@ -155,6 +182,7 @@ def method_arm(cfg: DictConfig, method, fraction: float, runs: Path, measured_wi
                                     "uptrain": {"init": method.get("init", "mean"), "distill": distill,
                                                 "temperature": method.get("temperature", 1.0),
                                                 "fraction": fraction, "steps": None}})
+    check_uptrain_settings(arm_cfg)
     target = conversion_target(arm_cfg)
     init = "svd" if target.latent is not None else arm_cfg.uptrain.init
     settings = OmegaConf.to_container(arm_cfg, resolve=True)
