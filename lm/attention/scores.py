@@ -25,9 +25,9 @@ def check_softcap(softcap: float | None, learned_sink: bool = False) -> None:
     """None (no cap) or a positive number; a learned sink's logit would be capped with the scores."""
     if softcap is None:
         return
-    require_positive("softcap", softcap)
-    if not math.isfinite(softcap):
+    if softcap == math.inf:  # the one way to say "no cap" that is not null
         raise ConfigError(f"softcap={softcap!r} must be finite; null turns capping off")
+    require_positive("softcap", softcap)
     if learned_sink:
         raise ConfigError(f"softcap={softcap!r} with learned_sink=true: the sink's logit would be capped "
                           "with the scores; choose one")
