@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import train_small_run
 from hydra.core.global_hydra import GlobalHydra
 
@@ -87,6 +88,10 @@ UPTRAIN = [
     ("uptrain.val_every_n_steps=-1", "uptrain.val_every_n_steps"), ("seed=-1", "seed"),
     (("attn=mla", "attn.kv_rank=-4"), "kv_rank"), (("attn=mla", "attn.rope_dim=3"), "rope_dim"),
 ]
+
+if not torch.cuda.is_available():  # this torch has no CUDA: the device check must say so before loading
+    EVAL.append(("device=cuda", "device"))
+    GENERATE.append(("device=cuda:0", "device"))
 
 STUDY = [  # scripts/uptrain.py --config-name uptrain_study: the ablation's grid
     ("study.fractions=[0]", "study.fractions"), ("study.fractions=[1.5]", "study.fractions"),
