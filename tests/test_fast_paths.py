@@ -32,7 +32,7 @@ def test_compiled_decoding_gives_the_eager_tokens_on_a_ragged_batch():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(KINDS))
+@pytest.mark.parametrize("name", [*KINDS, "softmax-gqa+conv", "gated_delta+conv"])
 def test_every_kind_compiled_gives_the_eager_tokens(name):
     torch._dynamo.reset()  # each kind is a new graph; torch's recompile limit would count them all
     model = make_model(name)

@@ -13,17 +13,23 @@ from lm.generation.decode import Sampling
 
 KINDS = model_rows()  # name -> (the model's attention, n_kv_head); 2 layers, 4 heads
 VOCAB = 53
+# The model's short convolution before attention (model.short_conv) over one kind of each cache:
+# full K/V, a ring, recurrent states (one with its own convolution), the latent, a hybrid.
+WITH_CONV = [f"{name}+conv" for name in ("softmax-gqa", "sliding-wrapped", "linear", "gated_delta", "mla",
+                                         "hybrid-efficient-softmax")]
 
 
 def make_model(name, max_seq_len=64):
-    attention, n_kv_head = KINDS[name]
+    """The kind's 2-layer test model; `<kind>+conv` adds a 3-tap short convolution before attention."""
+    kind, _, conv = name.partition("+")
+    attention, n_kv_head = KINDS[kind]
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=VOCAB, n_layer=2, d_model=32, n_head=4, n_kv_head=n_kv_head, d_ff=64,
-                      max_seq_len=max_seq_len, attention=attention, init_std=0.1)
+                      max_seq_len=max_seq_len, attention=attention, init_std=0.1, short_conv=3 if conv else 0)
     return Transformer(cfg).eval()
 
 
-@pytest.mark.parametrize("name", list(KINDS))
+@pytest.mark.parametrize("name", list(KINDS) + WITH_CONV)
 def test_cached_logits_match_the_full_forward(name):
     """Prefill in uneven chunks, then token by token: every position's logits as one forward."""
     model = make_model(name)
@@ -36,7 +42,7 @@ def test_cached_logits_match_the_full_forward(name):
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", list(KINDS))
+@pytest.mark.parametrize("name", list(KINDS) + WITH_CONV)
 def test_greedy_tokens_with_cache_equal_recomputing_the_prefix(name):
     model = make_model(name)
     prompt = torch.randint(0, VOCAB, (1, 9))
@@ -45,7 +51,7 @@ def test_greedy_tokens_with_cache_equal_recomputing_the_prefix(name):
     assert cached == recomputed and len(cached[0]) == 39
 
 
-@pytest.mark.parametrize("name", list(KINDS))
+@pytest.mark.parametrize("name", list(KINDS) + WITH_CONV)
 def test_batched_prompts_of_different_lengths_decode_as_alone(name):
     model = make_model(name)
     g = torch.Generator().manual_seed(1)
@@ -297,7 +303,7 @@ def prefill_ragged(model, prompts, max_len):
     return cache, model(batch, cache=cache)[:, -1]
 
 
-@pytest.mark.parametrize("name", list(KINDS))
+@pytest.mark.parametrize("name", list(KINDS) + WITH_CONV)
 def test_the_decoding_step_matches_each_row_alone_and_never_syncs(name):
     """decode_step on a ragged batch: each row's logits equal that row's full forward, at every
     step, and no step reads a tensor value on the host."""

@@ -68,6 +68,9 @@ class GenerationCache:
         else:  # rings and recurrent states never read these; max_len may be any size (decoding 10**12 tokens)
             self.slots = self.real_slots = None
         self.layers = [block.attn.build_cache(self, max_len) for block in model.blocks]
+        # The model's short convolutions before attention (lm.model.short_conv), where it has them.
+        self.short_convs = [block.short_conv.build_state(self) if block.short_conv is not None else None
+                            for block in model.blocks]
 
     def positions(self, T: int) -> torch.Tensor:
         """(B, T) RoPE positions of the next T slots: each row counts from its first real token."""
@@ -93,7 +96,7 @@ class GenerationCache:
         self.seen += T
 
     def nbytes(self) -> int:
-        return sum(layer.nbytes() for layer in self.layers)
+        return sum(part.nbytes() for part in (*self.layers, *self.short_convs) if part is not None)
 
 
 def keep_in_place(held: tuple[torch.Tensor, ...], new: tuple[torch.Tensor, ...]) -> None:

@@ -37,6 +37,7 @@ from torch import nn
 
 from lm.attention.base import AttentionSpec, Example, LayerShape, register
 from lm.attention.cache import CacheSpec, GenerationCache
+from lm.attention.convolution import causal_conv, naive_causal_conv, window_after
 from lm.attention.projections import GroupedQKV
 from lm.attention.shared_caches import RecurrentCache, accumulation_dtype
 from lm.util.checks import require_choice, require_int, require_positive
@@ -229,14 +230,8 @@ class GatedDeltaNet(GroupedQKV):
         return qk[:, :nh], qk[:, nh:], heads[:, nh + nkv:]
 
     def _convolved(self, rows: torch.Tensor, window: torch.Tensor | None) -> torch.Tensor:
-        """The short causal convolution over rows (B, T, channels), after `window` (B, W-1, channels),
-        the rows before them (None: zeros, a sequence's start)."""
-        if self.conv is None:
-            return rows
-        W = self.spec.conv_size
-        before = rows.new_zeros(rows.shape[0], W - 1, rows.shape[2]) if window is None else window.to(rows.dtype)
-        full = torch.cat((before, rows), dim=1).transpose(1, 2)  # (B, channels, W-1+T)
-        return F.conv1d(full, self.conv.to(rows.dtype)[:, None], groups=self.channels).transpose(1, 2)  # (B, T, ch)
+        """The short causal convolution over rows (B, T, channels), after `window` (B, W-1, channels)."""
+        return rows if self.conv is None else causal_conv(rows, self.conv, window)
 
     def _output(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """y (B, nh, T, hs) -> RMSNorm per head, times SiLU(x W_gate), through the output projection."""
@@ -281,9 +276,7 @@ class GatedDeltaNet(GroupedQKV):
         """The same, the convolution written as a sum over taps and the rule token by token."""
         rows, beta, g = self._rows(x)
         if self.conv is not None:
-            W, T = self.spec.conv_size, rows.shape[1]
-            padded = F.pad(rows, (0, 0, W - 1, 0))  # (B, W-1+T, channels)
-            rows = sum(padded[:, tap:tap + T] * self.conv[:, tap] for tap in range(W))
+            rows = naive_causal_conv(rows, self.conv)
         q, k, v = self._heads(rows)
         return self._output(recurrent_gated_delta_rule(q, k, v, beta, g)[0], x)
 
@@ -306,18 +299,14 @@ class GatedDeltaNet(GroupedQKV):
             beta, g = beta * real[:, None], g * real[:, None]
         q, k, v = self._heads(self._convolved(rows, window))
         y, S = self.backend(q, k, v, beta, g, state=S, chunk_size=self.spec.chunk_size)
-        return y, (S, self._window_after(window, rows))
+        return y, (S, window_after(window, rows))
 
     def _step_from(self, rows: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, state):
         S, window = state
         q, k, v = self._heads(self._convolved(rows, window))
         y, S = gated_delta_step(q, k, v, beta, g, self.head_dim ** -0.5, S)
-        return y, (S, self._window_after(window, rows))
+        return y, (S, window_after(window, rows))
 
-    def _window_after(self, window: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """The last W-1 rows once `rows` (B, T, channels) follow `window` (B, W-1, channels)."""
-        keep = window.shape[1]
-        return torch.cat((window, rows.to(window.dtype)), dim=1)[:, -keep:] if keep else window
 
 
 # ------------------------------------------------------------ naive twin (for tests)

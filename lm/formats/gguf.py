@@ -38,6 +38,9 @@ def interleave_rope_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def check_exportable(model: Transformer) -> None:
+    if model.config.short_conv:
+        raise ConfigError(f"model.short_conv={model.config.short_conv} has no GGUF equivalent: llama.cpp's llama "
+                          "architecture does not convolve the input of its attention layers")
     kinds = set(model.config.attention)
     if kinds != {SoftmaxSpec()}:
         raise ConfigError(f"attention {model.config.describe_attention()} has no GGUF equivalent that llama.cpp runs "

@@ -56,6 +56,9 @@ UNEXPORTABLE = {
 def hf_architecture(config: ModelConfig) -> tuple[str, int | None]:
     """('llama', None), ('qwen3', None), ('mistral', window), or a ConfigError naming what
     transformers lacks."""
+    if config.short_conv:
+        raise ConfigError(f"model.short_conv={config.short_conv} cannot be exported to transformers: no Llama-family "
+                          "architecture convolves the input of its attention layers")
     specs = set(config.attention)
     for spec in specs:
         for option, why in UNEXPORTABLE.items():

@@ -37,6 +37,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
     init_std: float = 0.02
+    short_conv: int = 0  # taps of the causal convolution before each attention layer; 0: none (lm.model.short_conv)
     attention_options: dataclasses.InitVar[dict | None] = None  # format 1 only: refused with the new spelling
 
     def __post_init__(self, attention_options: dict | None) -> None:
@@ -47,6 +48,7 @@ class ModelConfig:
         for name in ("rope_theta", "norm_eps", "init_std"):
             require_positive(name, getattr(self, name))
         require_bool("tie_embeddings", self.tie_embeddings)
+        require_int("short_conv", self.short_conv, minimum=0)
         if self.d_model % self.n_head:
             raise ConfigError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
         if self.head_dim % 2:

@@ -16,19 +16,24 @@ from lm.attention.cache import GenerationCache
 from lm.attention.rope import RotaryEmbedding
 from lm.model.config import ModelConfig
 from lm.model.layers import RMSNorm, SwiGLU
+from lm.model.short_conv import ShortConv
 
 
 class Block(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.short_conv = ShortConv(config.d_model, config.short_conv) if config.short_conv else None
         self.attn = config.attention[layer_idx].build(config.layer_shape(layer_idx))
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = SwiGLU(config.d_model, config.d_ff)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None,
-                pos: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, cache, pos)
+                pos: torch.Tensor | None = None, conv_state=None) -> torch.Tensor:
+        h = self.attn_norm(x)
+        if self.short_conv is not None:
+            h = self.short_conv(h, conv_state, pos)
+        x = x + self.attn(h, cos, sin, cache, pos)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -77,7 +82,10 @@ class Transformer(nn.Module):
             cos, sin = self.rope(cache.positions(T))  # (B, T, hs/2) each: rows count from their first real token
         x = self.embed(idx)  # (B, T, C)
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, cache.layers[i] if cache is not None else None)
+            if cache is None:
+                x = block(x, cos, sin)
+            else:
+                x = block(x, cos, sin, cache.layers[i], conv_state=cache.short_convs[i])
         if cache is not None:
             cache.advance(T)
         return self.head(self.norm(x))
@@ -90,8 +98,8 @@ class Transformer(nn.Module):
         nor advances the cache: the caller does both on the host, outside the compiled graph."""
         cos, sin = self.rope(cache.decode_positions(pos))  # (B, 1, hs/2) each
         x = self.embed(idx)  # (B, 1, C)
-        for block, layer_cache in zip(self.blocks, cache.layers, strict=True):
-            x = block(x, cos, sin, layer_cache, pos)
+        for block, layer_cache, conv_state in zip(self.blocks, cache.layers, cache.short_convs, strict=True):
+            x = block(x, cos, sin, layer_cache, pos, conv_state)
         return self.head(self.norm(x[:, -1]))  # (B, V)
 
     def num_params(self) -> int:
@@ -101,6 +109,7 @@ class Transformer(nn.Module):
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward) by the PaLM appendix B count:
         6 per weight of every matmul plus 12 * n_layer * d_model * T for attention scores."""
-        matmul_weights = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+        # The short convolutions' taps count like matmul weights: 2 FLOPs each per token, x3 with backward.
+        matmul_weights = sum(m.weight.numel() for m in self.modules() if isinstance(m, (nn.Linear, ShortConv)))
         c = self.config
         return 6 * matmul_weights + 12 * c.n_layer * c.n_head * c.head_dim * seq_len

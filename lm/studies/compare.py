@@ -228,7 +228,7 @@ def check_run(name: str, run_cfg: DictConfig, recall: bool) -> None:
         if recall:
             d = run_cfg.data
             RecallTask(vocab_size=d.vocab_size, seq_len=d.seq_len, pairs=d.pairs, examples=d.examples,
-                       val_examples=d.val_examples, seed=d.seed)
+                       val_examples=d.val_examples, seed=d.seed, filler=d.filler, query_power=d.query_power)
     except ValueError as e:
         raise ConfigError(f"{name}: {e}") from None
 

@@ -10,6 +10,7 @@ import contextlib
 import logging
 import math
 import os
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -169,6 +170,8 @@ def check_run_settings(cfg: DictConfig) -> None:
     every = (cfg.get("checkpoint") or {}).get("every_n_steps")
     if every is not None:
         require_int("checkpoint.every_n_steps", every)
+    if t.get("stop_at_accuracy") is not None:
+        require_fraction("trainer.stop_at_accuracy", t.stop_at_accuracy)
 
 
 def distillation_settings(cfg: DictConfig, teacher: Transformer | None) -> tuple[float, float]:
@@ -203,6 +206,16 @@ def progress_bar(trainer_cfg: DictConfig) -> list:
     if not trainer_cfg.progress_bar:
         return []
     return [L.pytorch.callbacks.TQDMProgressBar(refresh_rate=trainer_cfg.progress_refresh_steps)]
+
+
+def early_stop(trainer_cfg: DictConfig) -> list:
+    """Stop at the validation where val/accuracy first reaches `trainer.stop_at_accuracy` (Zoology
+    stops its recall runs at 0.99); never for lack of progress."""
+    threshold = trainer_cfg.get("stop_at_accuracy")
+    if threshold is None:
+        return []
+    return [L.pytorch.callbacks.EarlyStopping(monitor="val/accuracy", mode="max", stopping_threshold=threshold,
+                                              patience=sys.maxsize, check_on_train_epoch_end=False, verbose=False)]
 
 
 def train(cfg: DictConfig, model_config: ModelConfig | None = None, init_state: dict | None = None,
@@ -278,7 +291,7 @@ def _train_locked(cfg: DictConfig, run_dir: Path, model_config: ModelConfig | No
         dirpath=run_dir, filename="last", monitor=None, save_top_k=1, enable_version_counter=False
     )
     stop = StopOnSignal(run_dir / "last.ckpt")
-    checkpoint_callbacks = [best, last, stop]
+    checkpoint_callbacks = [best, last, stop, *early_stop(cfg.trainer)]
     every = (cfg.get("checkpoint") or {}).get("every_n_steps")
     if every:  # a third writer of last.ckpt: Lightning saves either per n steps or per validation, not both
         checkpoint_callbacks.append(L.pytorch.callbacks.ModelCheckpoint(
