@@ -12,11 +12,13 @@ from pathlib import Path
 import pytest
 from conftest import CONF_DIR
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 import lm
 from lm.attention import available_kinds
 from lm.attention.base import spec_class
 from lm.model.config import ConfigError
+from lm.training.run import model_config_from
 from lm.util.errors import DataError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,10 +36,19 @@ def planned(*overrides: str):
         return plan(compose(config_name="compare", overrides=list(overrides)))
 
 
-def check_figures(r: dict) -> None:
+def check_figures(r: dict, stopped_early: bool = False) -> None:
     """The figures of one record against the settings it holds and against each other."""
     s = r["settings"]
-    assert r["settings"]["run_name"] == r["arm"] and r["steps"] == s["trainer"]["max_steps"]
+    if r["task"] == "speed":
+        assert [d["context"] for d in r["decode"]] == s["speed"]["contexts"]
+        for d in r["decode"]:  # the new tokens were decoded within the arm's time, and a step takes over a microsecond
+            assert s["speed"]["new_tokens"] / r["seconds"] < d["tokens_per_s"] < 1e6
+        config = model_config_from(OmegaConf.create({"model": s["model"], "attn": s["attn"]}), s["vocab_size"])
+        assert r["params"] == lm.Transformer(config).num_params()
+        return
+    assert s["run_name"] == r["arm"] and (r["steps"] <= s["trainer"]["max_steps"] if stopped_early
+                                          else r["steps"] == s["trainer"]["max_steps"])
+    assert (r["lr"], r["seed"]) == (s["optim"]["lr"], s["seed"])
     step, loss, accuracy, seconds = r["history"][-1]  # the last validation is the run's result
     assert (step, loss, accuracy, seconds) == (r["steps"], r["val_loss"], r["val_accuracy"], r["train_seconds"])
     sequence = s["data"]["seq_len"] if r["task"] == "mqar" else s["model"]["max_seq_len"]
@@ -48,9 +59,6 @@ def check_figures(r: dict) -> None:
         assert r["bits_per_byte"] == pytest.approx(r["eval_loss"] * r["eval_tokens"] / math.log(2) / r["eval_bytes"])
         model, _ = lm.load(Path(s["checkpoint_dir"]) / r["arm"] / "last.ckpt")
         assert r["params"] == model.num_params()
-        assert [d["context"] for d in r["decode"]] == s["speed"]["contexts"]
-        for d in r["decode"]:  # the new tokens were decoded within the arm's time, and a step takes over a microsecond
-            assert s["speed"]["new_tokens"] / r["seconds"] < d["tokens_per_s"] < 1e6
 
 
 def full_cache_bytes(r: dict, context: int) -> int:
@@ -74,35 +82,40 @@ def test_a_tiny_study_in_process_measures_reuses_and_reruns_what_a_setting_touch
             "lm.steps=2", "lm.val_every=2", "data=text", f"data.paths=[{corpus}]", "data.vocab_size=512",
             f"data.cache_dir={tmp_path / 'cache'}", f"out={tmp_path / 'compare'}"]
     records = run_in_process(*args, "speed.contexts=[64,128]")["records"]
-    assert [(r["arm"], r["task"], r["kind"]) for r in records] == [("mqar-mqa-d32-p2", "mqar", "mqa"),
-                                                                    ("lm-mqa", "lm", "mqa")]
+    assert [(r["arm"], r["task"], r["kind"]) for r in records] == [("mqar-mqa-d32-p2-lr0.003-s0", "mqar", "mqa"),
+                                                                    ("lm-mqa-lr0.002-s0", "lm", "mqa"),
+                                                                    ("speed-mqa", "speed", "mqa")]
     for r in records:
         check_figures(r)
-    mqa = records[1]
-    assert [d["cache_bytes"] for d in mqa["decode"]] == [full_cache_bytes(mqa, 64), full_cache_bytes(mqa, 128)]
+    mqa, speed = records[1], records[2]
+    assert [d["cache_bytes"] for d in speed["decode"]] == [full_cache_bytes(speed, 64), full_cache_bytes(speed, 128)]
+    assert speed["params"] == mqa["params"]  # the speed arm measures the language-modelling shape
     out = tmp_path / "compare"
     assert json.loads((out / "results.json").read_text())["records"] == records
     table = (out / "results.md").read_text()
-    assert f"| mqa | {mqa['params'] / 1e6:.2f}M | {mqa['eval_loss']:.4f} | {mqa['bits_per_byte']:.4f} |" in table
+    row = f"| mqa | {mqa['params'] / 1e6:.2f}M | 0.002 | {mqa['eval_loss']:.4f} | {mqa['bits_per_byte']:.4f} |"
+    assert row in table
     assert f"| mqa | {records[0]['val_accuracy']:.3f} |" in table
     assert (out / "mqar_accuracy.png").read_bytes()[:4] == b"\x89PNG" and (out / "lm_loss.png").is_file()
     progress = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
-    assert [line[:5] for line in progress] == ["[1/2]", "[2/2]"] and not any("done before" in x for x in progress)
+    assert [line[:5] for line in progress] == ["[1/3]", "[2/3]", "[3/3]"]
+    assert not any("done before" in x for x in progress)
 
     assert run_in_process(*args, "speed.contexts=[64,128]")["records"] == records  # nothing trained again
-    again = run_in_process(*args, "speed.contexts=[64]")["records"]  # the decoding figures only: the lm arm reruns
+    again = run_in_process(*args, "speed.contexts=[64]")["records"]  # the decoding figures only: the speed arm reruns
     progress = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
-    assert [line.endswith("(done before)") for line in progress] == [True, True, True, False, False]
-    assert progress[3] == "[2/2] lm-mqa: its settings changed (speed.contexts [64, 128] -> [64]); running it again"
-    assert again[0] == records[0] and [d["context"] for d in again[1]["decode"]] == [64]
+    assert [line.endswith("(done before)") for line in progress] == [True] * 5 + [False, False]
+    assert progress[5] == "[3/3] speed-mqa: its settings changed (speed.contexts [64, 128] -> [64]); running it again"
+    assert again[:2] == records[:2] and [d["context"] for d in again[2]["decode"]] == [64]
 
     # The corpus's text rewritten under the same names: the language-modelling arm measures it afresh.
     first = sorted(corpus.iterdir())[0]
     first.write_text(first.read_text() + "\n# one more line\n")
     rerun = run_in_process(*args, "speed.contexts=[64]")["records"]
     progress = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
-    assert progress[0].endswith("(done before)") and rerun[0] == records[0]
-    assert progress[1].startswith("[2/2] lm-mqa: its settings changed (corpus_fingerprint ")
+    assert [line.endswith("(done before)") for line in progress] == [True, False, False, True]
+    assert rerun[0] == records[0] and rerun[2] == again[2]
+    assert progress[1].startswith("[2/3] lm-mqa-lr0.002-s0: its settings changed (corpus_fingerprint ")
     assert rerun[1]["settings"]["corpus_fingerprint"] != again[1]["settings"]["corpus_fingerprint"]
 
 
@@ -117,24 +130,27 @@ def test_quick_preset_runs_every_kind_end_to_end_and_resumes(tmp_path, small_cor
     records = results["records"]
     kinds = {r["kind"] for r in records}
     # MHA, MQA, GQA and every other kind lm registers (the script's process does not import the
-    # test-only kinds other test files register here), each with 2 recall runs and 1 language-modelling run
+    # test-only kinds other test files register here), each with 2 recall runs, 1 language-modelling run
+    # and 1 speed arm
     shipped = {k for k in available_kinds() if spec_class(k).__module__.startswith("lm.")}
     assert kinds == {"mha", "mqa", "gqa"} | (shipped - {"softmax"})
-    assert len(records) == 3 * len(kinds)
+    assert len(records) == 4 * len(kinds)
     progress = [line for line in first.stdout.splitlines() if line.startswith("[")]
     assert len(progress) == len(records) and not any("done before" in line for line in progress)
     for r in records:
-        check_figures(r)
+        check_figures(r, stopped_early=True)
         assert json.loads((out / "records" / f"{r['arm']}.json").read_text()) == r
     by_kind = {r["kind"]: r for r in records if r["task"] == "lm"}
-    cache = {k: [d["cache_bytes"] for d in r["decode"]] for k, r in by_kind.items()}
-    assert cache["mha"] == [full_cache_bytes(by_kind["mha"], c) for c in (128, 256)]  # grows with the context
+    cache = {r["kind"]: [d["cache_bytes"] for d in r["decode"]] for r in records if r["task"] == "speed"}
+    speed_mha = next(r for r in records if r["arm"] == "speed-mha")
+    assert cache["mha"] == [full_cache_bytes(speed_mha, c) for c in (128, 256)]  # grows with the context
     assert cache["linear"][1] == cache["linear"][0]  # a recurrent state does not
     assert cache["mqa"][0] * 2 == cache["gqa"][0] == cache["mha"][0]  # quick: 2 heads, so GQA (2 K/V heads) is MHA
     table = (out / "results.md").read_text()
-    assert "### MQAR accuracy" in table and "### Language modelling, speed and memory" in table
+    assert "### MQAR accuracy" in table and "### Language modelling" in table and "### Decoding speed" in table
     for kind, r in by_kind.items():
-        assert f"| {kind} | {r['params'] / 1e6:.2f}M | {r['eval_loss']:.4f} | {r['bits_per_byte']:.4f} |" in table
+        row = f"| {kind} | {r['params'] / 1e6:.2f}M | 0.002 | {r['eval_loss']:.4f} | {r['bits_per_byte']:.4f} |"
+        assert row in table
     assert (out / "mqar_accuracy.png").stat().st_size > 10_000 and (out / "lm_loss.png").stat().st_size > 10_000
 
     again = run_compare(*args)  # every run finished: nothing is trained again, the same figures come out
@@ -152,7 +168,7 @@ def test_a_changed_setting_reruns_only_the_runs_it_touches(tmp_path, small_corpu
     second = run_compare(*args, "mqar.pairs=[2,3]")
     assert second.returncode == 0, second.stderr[-2000:]
     progress = [line for line in second.stdout.splitlines() if line.startswith("[")]
-    assert ["done before" in line for line in progress] == [True, False, True]  # p2 and lm kept, p3 new
+    assert ["done before" in line for line in progress] == [True, False, True, True]  # p2, lm, speed kept; p3 new
 
 
 def test_an_unknown_kind_is_one_line_before_any_work(tmp_path):
@@ -183,6 +199,17 @@ def test_an_unknown_kind_is_one_line_before_any_work(tmp_path):
     (["seed=-1"], "^seed=-1 must be an integer >= 0$"),
     (["extra_kinds=[{name: a/b, attn: mha}]"], "extra_kinds name 'a/b' must be a plain file name"),
     (["extra_kinds=[{name: .x, attn: mha}]"], "extra_kinds name '.x' must be a plain file name"),
+    (["tasks=[]"], "tasks=\\[\\] is empty"),
+    (["tasks=[mqar,recall]"], "^tasks entry 'recall' is not one of mqar, lm, speed$"),
+    (["seeds=0"], "^seeds=0 must be an integer >= 1$"),
+    (["mqar.lr=[]"], "mqar.lr=\\[\\] is empty"),
+    (["mqar.lr=[0.01,-1]"], "^mqar.lr entry=-1 must be a positive number$"),
+    (["mqar.lr=[0.01,0.01]"], "names a learning rate more than once"),
+    (["lm.lr=0"], "^lm.lr=0 must be a positive number$"),
+    (["mqar.stop_at_accuracy=2"], "^mqar.stop_at_accuracy=2 must be a number between 0 and 1$"),
+    (["mqar.short_conv=-1"], "^mqar.short_conv=-1 must be an integer >= 0$"),
+    (["mqar.filler=zeros"], "^mqar.filler='zeros' is not one of"),
+    (["mqar.query_power=0"], "^mqar.query_power=0 must be in \\(0, 1\\]$"),
 ])
 def test_bad_settings_are_refused_before_training(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -201,9 +228,28 @@ def test_registered_kinds_join_the_default_list_and_yaml_kinds_keep_their_config
     lm_arms = {arm.labels["kind"]: arm.settings for arm in arms if arm.labels["task"] == "lm"}
     assert lm_arms["mqa"]["attn"]["n_kv_head"] == 1 and lm_arms["gqa"]["attn"]["n_kv_head"] == 2
     assert all(s["model"]["d_model"] == 32 for s in lm_arms.values())  # equal model size for every kind
-    # the decoding figures depend on `speed` as well as on the run: an lm record's settings hold both
-    assert all(s["speed"] == {"contexts": [128, 256], "new_tokens": 8} for s in lm_arms.values())
-    assert all(arm.settings["run_name"] == arm.name for arm in arms)
+    assert all(arm.settings["run_name"] == arm.name for arm in arms if arm.labels["task"] != "speed")
+    # a speed arm's figures depend on the shape, the attention and `speed`, not on training
+    speed = {arm.labels["kind"]: arm.settings for arm in arms if arm.labels["task"] == "speed"}
+    assert set(speed) == set(lm_arms)
+    assert all(set(s) == {"model", "attn", "vocab_size", "speed"} for s in speed.values())
+    assert all(s["speed"] == {"contexts": [128, 256], "new_tokens": 8} for s in speed.values())
+    assert speed["mqa"]["model"] == lm_arms["mqa"]["model"] and speed["mqa"]["attn"] == lm_arms["mqa"]["attn"]
+
+
+def test_the_sweep_and_the_seeds_make_one_arm_per_cell_rate_and_seed():
+    arms = planned("preset=quick", "kinds=[mha]", "mqar.pairs=[2]", "mqar.lr=[0.001,0.01]", "lm.lr=[0.002,0.004]",
+                   "seed=5", "seeds=2", "mqar.examples=null")
+    assert [arm.name for arm in arms] == [
+        "mqar-mha-d32-p2-lr0.001-s5", "mqar-mha-d32-p2-lr0.001-s6", "mqar-mha-d32-p2-lr0.01-s5",
+        "mqar-mha-d32-p2-lr0.01-s6", "lm-mha-lr0.002-s5", "lm-mha-lr0.002-s6", "lm-mha-lr0.004-s5",
+        "lm-mha-lr0.004-s6", "speed-mha"]
+    first = arms[0].settings
+    assert (first["optim"]["lr"], first["seed"], first["data"]["seed"]) == (0.001, 5, 5)
+    assert first["data"]["examples"] == 30 * 16  # null: fresh examples at every step
+    assert (first["trainer"]["stop_at_accuracy"], first["model"]["short_conv"]) == (0.99, 2)
+    assert [arm.labels["task"] for arm in planned("preset=quick", "kinds=[mha]", "tasks=[speed,mqar]")] == \
+        ["mqar", "mqar", "speed"]
 
 
 def test_a_kind_typed_without_brackets_is_one_kind_not_its_letters():
@@ -216,12 +262,13 @@ def test_an_interrupted_study_continues_its_arm_from_its_checkpoint(tmp_path, sm
     from lm.formats.checkpoint import read_checkpoint
 
     out = tmp_path / "compare"
-    args = ["preset=quick", "kinds=[mqa]", "mqar.pairs=[2]", "mqar.steps=3000", "mqar.val_every=500", "data=text",
+    args = ["preset=quick", "kinds=[mqa]", "mqar.pairs=[2]", "mqar.steps=3000", "mqar.val_every=500",
+            "mqar.stop_at_accuracy=null", "data=text",
             f"data.paths=[{small_corpus}]", "data.vocab_size=512", f"data.cache_dir={tmp_path / 'cache'}",
             f"out={out}", "speed.contexts=[64]"]
     child = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "compare.py"), *args], cwd=ROOT,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    last = out / "runs" / "mqar-mqa-d32-p2" / "last.ckpt"
+    last = out / "runs" / "mqar-mqa-d32-p2-lr0.003-s0" / "last.ckpt"
     deadline = time.time() + 300
     while not (last.is_file() and read_checkpoint(last)["global_step"] >= 500):  # the first validation saved it
         assert child.poll() is None and time.time() < deadline, "the study finished or stalled before step 500"
@@ -231,12 +278,39 @@ def test_an_interrupted_study_continues_its_arm_from_its_checkpoint(tmp_path, sm
     assert child.returncode == 130, stderr
     stopped_at = read_checkpoint(last)["global_step"]
     assert 500 <= stopped_at < 3000
-    assert stderr.strip().splitlines() == [f"[1/2] mqar-mqa-d32-p2 stopped by SIGINT at step {stopped_at}; the arms "
-                                           f"before it are kept, and the same command continues it from {last}"]
+    assert stderr.strip().splitlines() == [
+        f"[1/3] mqar-mqa-d32-p2-lr0.003-s0 stopped by SIGINT at step {stopped_at}; the arms before it are kept, "
+        f"and the same command continues it from {last}"]
 
     again = run_compare(*args)
     assert again.returncode == 0, again.stderr[-2000:]
-    assert f"[1/2] mqar-mqa-d32-p2: continuing from {last}, where it was interrupted" in again.stdout
-    record = json.loads((out / "records" / "mqar-mqa-d32-p2.json").read_text())
+    assert f"[1/3] mqar-mqa-d32-p2-lr0.003-s0: continuing from {last}, where it was interrupted" in again.stdout
+    record = json.loads((out / "records" / "mqar-mqa-d32-p2-lr0.003-s0.json").read_text())
     check_figures(record)  # time, tokens and the validation history count the interrupted part too
     assert [h[0] for h in record["history"]] == list(range(500, 3001, 500))
+
+
+def test_arms_run_in_parallel_as_jobs_of_the_joblib_launcher_and_a_lost_one_alone_again(tmp_path):
+    out = tmp_path / "compare"
+    args = ["preset=quick", "kinds=[mqa]", "tasks=[mqar]", "mqar.pairs=[2,4]", "mqar.steps=4", "mqar.val_every=4",
+            f"out={out}", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", f"hydra.sweep.dir={tmp_path}/jobs"]
+    first = run_compare(*args)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "running 2 of 2 arms as jobs of hydra/launcher=joblib" in first.stdout
+    records = json.loads((out / "results.json").read_text())["records"]
+    assert [r["arm"] for r in records] == ["mqar-mqa-d32-p2-lr0.003-s0", "mqar-mqa-d32-p4-lr0.003-s0"]
+    for r in records:
+        check_figures(r)
+    # two worker processes of the launcher, neither of them the study's own
+    workers = {r["ran_on"]["pid"] for r in records}
+    assert len(workers) == 2
+    progress = [line for line in first.stdout.splitlines() if line.startswith("[")]
+    assert sum(line.endswith("(done before)") for line in progress) == 2  # the study gathered what the jobs wrote
+
+    # An arm whose record is lost (a crashed job, a killed node) is launched again, and only it.
+    (out / "records" / f"{records[1]['arm']}.json").unlink()
+    again = run_compare(*args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "running 1 of 2 arms as jobs of hydra/launcher=joblib" in again.stdout
+    rerun = json.loads((out / "results.json").read_text())["records"]
+    assert rerun[0] == records[0] and rerun[1]["ran_on"]["pid"] not in workers

@@ -18,8 +18,10 @@ mqar_accuracy.png, lm_loss.png under `out` (lm/studies/report.py).
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from hydra import compose
@@ -28,16 +30,17 @@ from omegaconf import DictConfig, OmegaConf
 
 from lm.attention import available_kinds
 from lm.data.corpora import build_corpus
-from lm.data.mqar import RecallTask
+from lm.data.mqar import FILLERS, RecallTask
 from lm.formats.checkpoint import load
 from lm.model.config import ConfigError
 from lm.model.transformer import Transformer
 from lm.studies.decode_speed import decode_speed
 from lm.studies.engine import Arm, machine, run_arms
 from lm.studies.evaluate import score, split_documents, token_stream
+from lm.studies.jobs import chosen_launcher, only_arm, run_as_jobs
 from lm.studies.report import comparison_table, lm_loss_plot, mqar_plot, write_results
 from lm.training.run import model_config_from, train
-from lm.util.checks import as_list, require_fraction, require_int, require_positive
+from lm.util.checks import as_list, require_choice, require_fraction, require_in_interval, require_int, require_positive
 from lm.util.errors import DataError
 from lm.util.paths import resolve_path
 
@@ -119,31 +122,72 @@ def training_config(entry: Entry, task_overrides: list[str], values: dict, data:
 # ---------------------------------------------------------------------------- the arms
 
 
+TASKS = ("mqar", "lm", "speed")
+
+
+def study_tasks(cfg: DictConfig) -> list[str]:
+    """`tasks`, in the study's order: mqar (recall), lm (language modelling), speed (decoding)."""
+    tasks = as_list("tasks", cfg.get("tasks", list(TASKS)))
+    if not tasks:
+        raise ConfigError(f"tasks=[] is empty: give one or more of {', '.join(TASKS)}")
+    for task in tasks:
+        if task not in TASKS:
+            raise ConfigError(f"tasks entry {task!r} is not one of {', '.join(TASKS)}")
+    return [task for task in TASKS if task in tasks]
+
+
+def learning_rates(name: str, value) -> list[float]:
+    """The swept learning rates of `mqar.lr` or `lm.lr`: one value, or a list."""
+    lrs = as_list(name, value)
+    if not lrs:
+        raise ConfigError(f"{name}=[] is empty: give at least one learning rate")
+    for lr in lrs:
+        require_positive(name if len(lrs) == 1 else f"{name} entry", lr)
+    if len(set(lrs)) < len(lrs):
+        raise ConfigError(f"{name}={lrs} names a learning rate more than once")
+    return lrs
+
+
+def study_seeds(cfg: DictConfig) -> list[int]:
+    """seed, seed + 1, ...: `seeds` of them, so `seed=<n>` reruns every cell with other seeds."""
+    require_int("seed", cfg.seed, minimum=0)
+    require_int("seeds", cfg.get("seeds", 1))
+    return list(range(cfg.seed, cfg.seed + cfg.get("seeds", 1)))
+
+
 def check_study_settings(cfg: DictConfig) -> None:
     """Every number of the study, named as the user types it, before any arm is planned: an arm's
     own check would name its internal key (trainer.max_steps for lm.steps) after others trained."""
     if cfg.data.get("source") == "mqar":
         raise ConfigError("data=mqar: the study's `data` is the language-modelling corpus (pystdlib, text or hf); "
                           "the recall runs are set under mqar.*")
-    require_int("seed", cfg.seed, minimum=0)
+    study_tasks(cfg)
+    study_seeds(cfg)
     require_fraction("data.val_fraction", cfg.data.get("val_fraction"))
     m, lm, speed = cfg.mqar, cfg.lm, cfg.speed
     for key in ("widths", "pairs"):
         values = as_list(f"mqar.{key}", m[key])
         if not values:
-            raise ConfigError(f"mqar.{key}=[] is empty: give at least one value, or kinds and tasks without MQAR")
+            raise ConfigError(f"mqar.{key}=[] is empty: give at least one value, or tasks without mqar")
         for value in values:
             require_int(f"mqar.{key} entry", value)
     for group, name, keys in (("mqar", m, ("seq_len", "vocab_size", "n_layer", "n_head", "ff_mult", "steps",
-                                           "val_every", "batch_size", "examples", "val_examples")),
+                                           "val_every", "batch_size", "val_examples")),
                               ("lm", lm, ("steps", "val_every", "batch_size")),
                               ("speed", speed, ("new_tokens",))):
         for key in keys:
             require_int(f"{group}.{key}", name[key])
+    if m.get("examples") is not None:
+        require_int("mqar.examples", m.examples)
+    require_int("mqar.short_conv", m.get("short_conv", 0), minimum=0)
+    require_choice("mqar.filler", m.get("filler", "pad"), FILLERS)
+    require_in_interval("mqar.query_power", m.get("query_power", 0.01), 0, 1, open_low=True)
+    if m.get("stop_at_accuracy") is not None:
+        require_fraction("mqar.stop_at_accuracy", m.stop_at_accuracy)
     if lm.get("val_batches") is not None:
         require_int("lm.val_batches", lm.val_batches)
     for group, name in (("mqar", m), ("lm", lm)):
-        require_positive(f"{group}.lr", name.lr)
+        learning_rates(f"{group}.lr", name.lr)
         require_int(f"{group}.warmup_steps", name.warmup_steps, minimum=0)
     contexts = as_list("speed.contexts", speed.contexts)
     if not contexts:
@@ -167,48 +211,93 @@ def corpus_key(cfg: DictConfig) -> str:
 
 
 def plan(cfg: DictConfig) -> list[Arm]:
-    """Every arm of the study, each checked before any training starts."""
+    """Every arm of the study, each checked before any training starts: per kind, the recall
+    cells (width x pairs) at each swept learning rate and seed, the language-modelling runs at each
+    learning rate and seed, and one speed arm."""
     check_study_settings(cfg)
     entries = study_entries(cfg)
+    tasks, seeds = study_tasks(cfg), study_seeds(cfg)
     runs = resolve_path(cfg.out) / "runs"
-    m, lm = cfg.mqar, cfg.lm
-    speed = {"contexts": as_list("speed.contexts", cfg.speed.contexts), "new_tokens": cfg.speed.new_tokens}
-    common = {"seed": cfg.seed, "checkpoint_dir": str(runs), "resume": False,
-              "checkpoint": {"every_n_steps": None}, "sample": {"max_new_tokens": 0}}
-    fingerprint = corpus_key(cfg)
+    common = {"checkpoint_dir": str(runs), "resume": False, "checkpoint": {"every_n_steps": None},
+              "sample": {"max_new_tokens": 0}}
+    fingerprint = corpus_key(cfg) if "lm" in tasks else None
     arms = []
     for entry in entries:
-        for width in as_list("mqar.widths", m.widths):
-            for pairs in as_list("mqar.pairs", m.pairs):
-                name = f"mqar-{entry.name}-d{width}-p{pairs}"
-                values = {**common, "run_name": name,
-                          "model": {"name": f"mqar-d{width}", "n_layer": m.n_layer, "d_model": width,
-                                    "n_head": m.n_head, "d_ff": m.ff_mult * width, "max_seq_len": m.seq_len},
-                          "data": {"vocab_size": m.vocab_size, "seq_len": m.seq_len, "pairs": pairs,
-                                   "examples": m.examples, "val_examples": m.val_examples, "seed": cfg.seed,
-                                   "batch_size": m.batch_size},
-                          "optim": {"lr": m.lr, "warmup_steps": m.warmup_steps},
-                          "trainer": _trainer(m.steps, m.val_every, None)}
-                run_cfg = training_config(entry, ["data=mqar"], values)
-                check_run(name, run_cfg, recall=True)
-                arms.append(Arm(name, OmegaConf.to_container(run_cfg, resolve=True),
-                                lambda resume=False, c=run_cfg: training_figures(train(resumed(c, resume))),
-                                labels={"task": "mqar", "kind": entry.name, "width": width, "pairs": pairs},
-                                log=runs / name / "train.log", checkpoint=runs / name / "last.ckpt"))
-        name = f"lm-{entry.name}"
-        values = {**common, "run_name": name, "model": {"name": "compare", **lm.model},
-                  "data": {"batch_size": lm.batch_size},
-                  "optim": {"lr": lm.lr, "warmup_steps": lm.warmup_steps},
-                  "trainer": _trainer(lm.steps, lm.val_every, lm.val_batches)}
-        run_cfg = training_config(entry, [], values, OmegaConf.to_container(cfg.data, resolve=True))
-        check_run(name, run_cfg, recall=False)
-        # The figures depend on the decoding settings and on the corpus's text too.
-        arms.append(Arm(name, {**OmegaConf.to_container(run_cfg, resolve=True), "speed": speed,
-                               "corpus_fingerprint": fingerprint},
-                        lambda resume=False, c=run_cfg: language_run(resumed(c, resume), speed),
-                        labels={"task": "lm", "kind": entry.name, "width": None, "pairs": None},
+        if "mqar" in tasks:
+            arms += recall_arms(cfg, entry, seeds, common, runs)
+        if "lm" in tasks:
+            arms += language_arms(cfg, entry, seeds, common, runs, fingerprint)
+        if "speed" in tasks:
+            arms.append(speed_arm(cfg, entry, common))
+    return arms
+
+
+def lr_tag(lr: float) -> str:
+    return f"lr{lr:g}"
+
+
+def recall_arms(cfg: DictConfig, entry: Entry, seeds: list[int], common: dict, runs: Path) -> list[Arm]:
+    m = cfg.mqar
+    # Fresh examples at every step unless a count is given: no run sees an example twice before
+    # it could have solved the task (a model memorises a small set and stays on the plateau).
+    examples = m.get("examples") or m.steps * m.batch_size
+    arms = []
+    for width, pairs, lr, seed in itertools.product(as_list("mqar.widths", m.widths), as_list("mqar.pairs", m.pairs),
+                                                    learning_rates("mqar.lr", m.lr), seeds):
+        name = f"mqar-{entry.name}-d{width}-p{pairs}-{lr_tag(lr)}-s{seed}"
+        values = {**common, "seed": seed, "run_name": name,
+                  "model": {"name": f"mqar-d{width}", "n_layer": m.n_layer, "d_model": width, "n_head": m.n_head,
+                            "d_ff": m.ff_mult * width, "max_seq_len": m.seq_len,
+                            "short_conv": m.get("short_conv", 0)},
+                  "data": {"vocab_size": m.vocab_size, "seq_len": m.seq_len, "pairs": pairs, "examples": examples,
+                           "val_examples": m.val_examples, "seed": seed, "batch_size": m.batch_size,
+                           "filler": m.get("filler", "pad"), "query_power": m.get("query_power", 0.01)},
+                  "optim": {"lr": lr, "warmup_steps": m.warmup_steps},
+                  "trainer": {**_trainer(m.steps, m.val_every, None), "stop_at_accuracy": m.get("stop_at_accuracy")}}
+        run_cfg = training_config(entry, ["data=mqar"], values)
+        check_run(name, run_cfg, recall=True)
+        arms.append(Arm(name, OmegaConf.to_container(run_cfg, resolve=True),
+                        lambda resume=False, c=run_cfg: training_figures(train(resumed(c, resume))),
+                        labels={"task": "mqar", "kind": entry.name, "width": width, "pairs": pairs, "lr": lr,
+                                "seed": seed},
                         log=runs / name / "train.log", checkpoint=runs / name / "last.ckpt"))
     return arms
+
+
+def language_config(cfg: DictConfig, entry: Entry, lr: float, seed: int, common: dict, name: str) -> DictConfig:
+    lm = cfg.lm
+    values = {**common, "seed": seed, "run_name": name, "model": {"name": "compare", **lm.model},
+              "data": {"batch_size": lm.batch_size}, "optim": {"lr": lr, "warmup_steps": lm.warmup_steps},
+              "trainer": _trainer(lm.steps, lm.val_every, lm.val_batches)}
+    return training_config(entry, [], values, OmegaConf.to_container(cfg.data, resolve=True))
+
+
+def language_arms(cfg: DictConfig, entry: Entry, seeds: list[int], common: dict, runs: Path,
+                  fingerprint: str) -> list[Arm]:
+    arms = []
+    for lr, seed in itertools.product(learning_rates("lm.lr", cfg.lm.lr), seeds):
+        name = f"lm-{entry.name}-{lr_tag(lr)}-s{seed}"
+        run_cfg = language_config(cfg, entry, lr, seed, common, name)
+        check_run(name, run_cfg, recall=False)
+        # The figures depend on the corpus's text too.
+        arms.append(Arm(name, {**OmegaConf.to_container(run_cfg, resolve=True), "corpus_fingerprint": fingerprint},
+                        lambda resume=False, c=run_cfg: language_run(resumed(c, resume)),
+                        labels={"task": "lm", "kind": entry.name, "lr": lr, "seed": seed},
+                        log=runs / name / "train.log", checkpoint=runs / name / "last.ckpt"))
+    return arms
+
+
+def speed_arm(cfg: DictConfig, entry: Entry, common: dict) -> Arm:
+    """Decoding figures of the language-modelling shape, freshly initialised: speed does not depend
+    on the weights, and the trained model's context may be shorter than the contexts measured."""
+    name = f"speed-{entry.name}"
+    run_cfg = language_config(cfg, entry, as_list("lm.lr", cfg.lm.lr)[0], 0, common, name)
+    check_run(name, run_cfg, recall=False)
+    speed = {"contexts": as_list("speed.contexts", cfg.speed.contexts), "new_tokens": cfg.speed.new_tokens}
+    shape = OmegaConf.to_container(run_cfg, resolve=True)
+    settings = {"model": shape["model"], "attn": shape["attn"], "vocab_size": run_cfg.data.vocab_size, "speed": speed}
+    return Arm(name, settings, lambda resume=False, c=run_cfg: speed_figures(c, speed),
+               labels={"task": "speed", "kind": entry.name})
 
 
 def resumed(run_cfg: DictConfig, resume: bool) -> DictConfig:
@@ -242,18 +331,21 @@ def training_figures(result: dict) -> dict:
             "history": result["val_history"]}
 
 
-def language_run(run_cfg: DictConfig, speed: dict) -> dict:
-    """Train, then loss and bits per byte over the whole validation split, the parameter count,
-    and the speed and cache figures of the same shape at each context."""
+def language_run(run_cfg: DictConfig) -> dict:
+    """Train, then loss and bits per byte over the whole validation split and the parameter count."""
     result = train(run_cfg)
     model, tokenizer = load(result["last"])
     texts = split_documents(build_corpus(run_cfg.data), "val", float(run_cfg.data.val_fraction))
     scored = score(model, *token_stream(texts, tokenizer), progress=False)
-    decode = [fresh_model_decoding(run_cfg, model.config.vocab_size, context, speed["new_tokens"])
-              for context in speed["contexts"]]
     return {**training_figures(result), "params": model.num_params(), "eval_loss": scored.loss,
-            "bits_per_byte": scored.bits_per_byte, "eval_tokens": scored.tokens, "eval_bytes": scored.bytes,
-            "decode": decode}
+            "bits_per_byte": scored.bits_per_byte, "eval_tokens": scored.tokens, "eval_bytes": scored.bytes}
+
+
+def speed_figures(run_cfg: DictConfig, speed: dict) -> dict:
+    decode = [fresh_model_decoding(run_cfg, run_cfg.data.vocab_size, context, speed["new_tokens"])
+              for context in speed["contexts"]]
+    params = Transformer(model_config_from(run_cfg, run_cfg.data.vocab_size)).num_params()
+    return {"params": params, "decode": decode}
 
 
 def fresh_model_decoding(run_cfg: DictConfig, vocab_size: int, context: int, new_tokens: int) -> dict:
@@ -270,20 +362,31 @@ def fresh_model_decoding(run_cfg: DictConfig, vocab_size: int, context: int, new
 
 def describe(r: dict) -> str:
     if r["task"] == "mqar":
-        return f"mqar {r['kind']:<14} d={r['width']:<4} pairs={r['pairs']:<3} accuracy {r['val_accuracy']:.3f}"
+        return (f"mqar  {r['kind']:<14} d={r['width']:<4} pairs={r['pairs']:<3} lr={r['lr']:<7g} seed={r['seed']:<2} "
+                f"accuracy {r['val_accuracy']:.3f} after {r['steps']} steps")
+    if r["task"] == "lm":
+        return (f"lm    {r['kind']:<14} lr={r['lr']:<7g} seed={r['seed']:<2} val loss {r['eval_loss']:.3f}, "
+                f"{r['bits_per_byte']:.3f} bits/byte, train {r['train_tokens_per_s']:.0f} tok/s")
     speeds = ", ".join(f"{d['tokens_per_s']:.0f} tok/s at {d['context']}" for d in r["decode"])
-    return (f"lm   {r['kind']:<14} val loss {r['eval_loss']:.3f}, {r['bits_per_byte']:.3f} bits/byte, "
-            f"train {r['train_tokens_per_s']:.0f} tok/s, decode {speeds}")
+    return f"speed {r['kind']:<14} decode {speeds}"
 
 
 # ---------------------------------------------------------------------------- the study
 
 
-def run_study(cfg: DictConfig) -> dict:
-    """What scripts/compare.py runs: every arm (reusing finished ones), then the outputs."""
+def run_study(cfg: DictConfig) -> dict | None:
+    """What scripts/compare.py runs: every arm (reusing finished ones; as jobs of the chosen Hydra
+    launcher, lm.studies.jobs), then the outputs. `arm=<i>` runs that arm alone, as a job does,
+    and writes no report (None)."""
     started = time.perf_counter()
     arms = plan(cfg)
     out = resolve_path(cfg.out)
+    if cfg.get("arm") is not None:
+        run_arms(arms, out / "records", describe, only=only_arm(arms, cfg.arm))
+        return None
+    launcher = chosen_launcher()
+    if launcher is not None:
+        run_as_jobs(arms, out / "records", launcher)
     records = run_arms(arms, out / "records", describe)
     settings = OmegaConf.to_container(cfg, resolve=True)
     settings["speed"]["contexts"] = as_list("speed.contexts", settings["speed"]["contexts"])

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import platform
 import signal
 import threading
@@ -167,21 +168,23 @@ def signals_interrupt() -> Iterator[None]:
             signal.signal(s, handler)
 
 
-def run_arms(arms: list[Arm], records: Path, describe: Callable[[dict], str]) -> list[dict]:
+def run_arms(arms: list[Arm], records: Path, describe: Callable[[dict], str], only: int | None = None) -> list[dict]:
     """Every arm's record, in order, reusing those whose settings match; one line per arm, from
-    `describe(record)`."""
+    `describe(record)`. `only`: the index of the one arm to run (a launcher's job), numbered among all."""
     names = [arm.name for arm in arms]
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
         raise ValueError(f"arm names {repeated} more than once: their records would overwrite each other")
     make_folder(records)
     with quiet_lightning():
-        return _run_each(arms, records, describe)
+        return _run_each(arms, records, describe, only)
 
 
-def _run_each(arms: list[Arm], records: Path, describe: Callable[[dict], str]) -> list[dict]:
+def _run_each(arms: list[Arm], records: Path, describe: Callable[[dict], str], only: int | None) -> list[dict]:
     done = []
     for i, arm in enumerate(arms, 1):
+        if only is not None and i - 1 != only:
+            continue
         prefix = f"[{i:>{len(str(len(arms)))}}/{len(arms)}]"
         path = records / f"{arm.name}.json"
         stored = stored_record(path, arm.settings)
@@ -229,7 +232,7 @@ def _run_one(arm: Arm, path: Path, prefix: str, resume: bool, earlier: float,
               + (f" (its log: {arm.log})" if arm.log else ""), flush=True)
         raise
     record = sealed(as_json_data({**base, **figures, "seconds": time.perf_counter() - started,
-                                  "settings": settings}))
+                                  "ran_on": {"host": platform.node(), "pid": os.getpid()}, "settings": settings}))
     write_record(path, record)
     print(f"{prefix} {describe(record)}  ({record['seconds']:.0f} s)", flush=True)
     return record

@@ -89,70 +89,186 @@ def si_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def lr_of(r: dict) -> float:
+    """The arm's learning rate (records written before the sweep existed hold it in their settings only)."""
+    return r.get("lr", r["settings"]["optim"]["lr"])
+
+
+def mean_and_spread(values: list[float]) -> tuple[float, float]:
+    """The mean and the sample standard deviation (0 for a single value)."""
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return mean, 0.0
+    return mean, (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
+
+
+def with_spread(values: list[float], digits: int) -> str:
+    mean, spread = mean_and_spread(values)
+    return f"{mean:.{digits}f}" + (f" ± {spread:.{digits}f}" if len(values) > 1 else "")
+
+
+def sweep(records: list[dict], task: str, cell: Callable[[dict], tuple]) -> dict[str, dict[tuple, dict]]:
+    """kind -> cell -> learning rate -> the records of its seeds, in the records' order."""
+    kinds: dict[str, dict[tuple, dict]] = {}
+    for kind, rs in by_kind(records, task).items():
+        for r in rs:
+            kinds.setdefault(kind, {}).setdefault(cell(r), {}).setdefault(lr_of(r), []).append(r)
+    return kinds
+
+
+def best_lr(by_lr: dict[float, list[dict]], score: Callable[[dict], float], higher: bool) -> float:
+    """The learning rate with the best mean score over its seeds (the smaller on a tie)."""
+    means = {lr: mean_and_spread([score(r) for r in rs])[0] for lr, rs in by_lr.items()}
+    return sorted(means, key=lambda lr: (-means[lr] if higher else means[lr], lr))[0]
+
+
+def recall_cell(r: dict) -> tuple:
+    return r["width"], r["pairs"]
+
+
+def accuracy(r: dict) -> float:
+    return r["val_accuracy"]
+
+
+def machine_line(results: dict) -> str:
+    records, machine = results["records"], results["machine"]
+    gpu = f", {machine['gpu']}" if machine["gpu"] else ""
+    minutes = sum(r["seconds"] for r in records) / 60
+    return (f"Machine: {machine['cpu']} ({machine['threads']} threads){gpu}, torch {machine['torch']}; its arms took "
+            f"{minutes:.1f} min of training and measuring in all (summed over the records, also those a repeated "
+            "command reused).")
+
+
+def recall_tables(records: list[dict], settings: dict) -> list[str]:
+    cells = sweep(records, "mqar", recall_cell)
+    if not cells:
+        return []
+    m = settings["mqar"]
+    grid = sorted({c for by_cell in cells.values() for c in by_cell})
+    seeds = max(len(rs) for by_cell in cells.values() for by_lr in by_cell.values() for rs in by_lr.values())
+    lrs = sorted({lr for by_cell in cells.values() for by_lr in by_cell.values() for lr in by_lr})
+    recipe = ", ".join(f"{key} {m[key]}" for key in ("filler", "query_power", "short_conv", "stop_at_accuracy")
+                       if key in m)
+    lines = [f"### MQAR accuracy (held-out answers; chance {1 / (m['vocab_size'] - m['vocab_size'] // 2):.3f})", "",
+             f"{m['n_layer']} layers, {m['n_head']} heads, d_ff = {m['ff_mult']} x width, sequence length "
+             f"{m['seq_len']}, vocabulary {m['vocab_size']}, at most {m['steps']} steps of {m['batch_size']} examples"
+             + (f"; {recipe}" if recipe else "") + ". "
+             + (f"Each cell: the best of the learning rates {', '.join(f'{lr:g}' for lr in lrs)} by mean accuracy"
+                if len(lrs) > 1 else f"Learning rate {lrs[0]:g}")
+             + (f", mean ± standard deviation over {seeds} seeds" if seeds > 1 else ", one seed")
+             + "; columns are model width / key-value pairs.", "",
+             "| kind | " + " | ".join(f"d{w} / {p}" for w, p in grid) + " |",
+             "| --- |" + " ---: |" * len(grid)]
+    for kind, by_cell in cells.items():
+        shown = {c: with_spread([accuracy(r) for r in by_lr[best_lr(by_lr, accuracy, True)]], 3)
+                 for c, by_lr in by_cell.items()}
+        lines.append(f"| {kind} | " + " | ".join(shown.get(c, "") for c in grid) + " |")
+    lines.append("")
+    if len(lrs) > 1:
+        lines += ["#### Every learning rate of the sweep", "",
+                  "Mean accuracy over the seeds (mean steps taken, after early stopping); the best of each cell "
+                  "in bold.", "", "| kind | cell | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " |",
+                  "| --- | --- |" + " ---: |" * len(lrs)]
+        for kind, by_cell in cells.items():
+            for (w, p), by_lr in sorted(by_cell.items()):
+                best = best_lr(by_lr, accuracy, True)
+                row = []
+                for lr in lrs:
+                    if lr not in by_lr:
+                        row.append("")
+                        continue
+                    acc = mean_and_spread([accuracy(r) for r in by_lr[lr]])[0]
+                    steps = mean_and_spread([r["steps"] for r in by_lr[lr]])[0]
+                    text = f"{acc:.3f} ({steps:.0f})"
+                    row.append(f"**{text}**" if lr == best else text)
+                lines.append(f"| {kind} | d{w} / {p} | " + " | ".join(row) + " |")
+        lines.append("")
+    return lines
+
+
+def eval_loss(r: dict) -> float:
+    return r["eval_loss"]
+
+
+def language_table(records: list[dict], settings: dict) -> list[str]:
+    cells = sweep(records, "lm", lambda r: ())
+    if not cells:
+        return []
+    s = settings["lm"]
+    model = s["model"]
+    seeds = max(len(rs) for by_cell in cells.values() for by_lr in by_cell.values() for rs in by_lr.values())
+    lines = ["### Language modelling", "",
+             f"{model['n_layer']} layers, d_model {model['d_model']}, {model['n_head']} heads, d_ff {model['d_ff']}, "
+             f"context {model['max_seq_len']}; {s['steps']} steps of {s['batch_size']} sequences "
+             f"({s['steps'] * s['batch_size'] * model['max_seq_len'] / 1e6:.2f}M tokens). Loss and bits per byte over "
+             "the whole validation split, at the best learning rate by mean loss"
+             + (f", mean ± standard deviation over {seeds} seeds." if seeds > 1 else ", one seed."), "",
+             "| kind | parameters | lr | val loss | bits/byte | train tokens/s |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for kind, by_cell in cells.items():
+        by_lr = by_cell[()]
+        lr = best_lr(by_lr, eval_loss, False)
+        rs = by_lr[lr]
+        loss, bits = with_spread([eval_loss(r) for r in rs], 4), with_spread([r["bits_per_byte"] for r in rs], 4)
+        lines.append(f"| {kind} | {rs[0]['params'] / 1e6:.2f}M | {lr:g} | {loss} | {bits} | "
+                     f"{mean_and_spread([r['train_tokens_per_s'] for r in rs])[0]:,.0f} |")
+    lines.append("")
+    return lines
+
+
+def speed_table(records: list[dict], settings: dict) -> list[str]:
+    """Decoding figures: the speed arms' (or, in results written before they existed, the first
+    language-modelling record's of each kind)."""
+    measured = {}
+    for r in records:
+        if "decode" in r and r["kind"] not in measured:
+            measured[r["kind"]] = r
+    if not measured:
+        return []
+    contexts = settings["speed"]["contexts"]
+    model = settings["lm"]["model"]
+    return ["### Decoding speed and memory", "",
+            f"The language-modelling shape ({model['n_layer']} layers, d_model {model['d_model']}), freshly "
+            f"initialised: batch 1, greedy, the last {settings['speed']['new_tokens']} tokens of each context; cache "
+            "bytes once the whole context is in.", "",
+            "| kind | " + " | ".join(f"decode tok/s @{c}" for c in contexts) + " | "
+            + " | ".join(f"cache @{c}" for c in contexts) + " |",
+            "| --- |" + " ---: |" * (2 * len(contexts)),
+            *(f"| {kind} | " + " | ".join(f"{d['tokens_per_s']:,.0f}" for d in r["decode"]) + " | "
+              + " | ".join(si_bytes(d["cache_bytes"]) for d in r["decode"]) + " |" for kind, r in measured.items()),
+            ""]
+
+
 def comparison_table(results: dict) -> str:
-    records, settings, machine = results["records"], results["settings"], results["machine"]
-    lines = [f"Machine: {machine['cpu']} ({machine['threads']} threads)"
-             + (f", {machine['gpu']}" if machine["gpu"] else "") + f", torch {machine['torch']}; "
-             f"its arms took {sum(r['seconds'] for r in records) / 60:.1f} min of training and measuring in all "
-             f"(summed over the records, also those a repeated command reused).", ""]
-    mqar = by_kind(records, "mqar")
-    if mqar:
-        m = settings["mqar"]
-        grid = sorted({(r["width"], r["pairs"]) for rs in mqar.values() for r in rs})
-        lines += [f"### MQAR accuracy (held-out answers; chance {1 / (m['vocab_size'] - m['vocab_size'] // 2):.3f})",
-                  "",
-                  f"{m['n_layer']} layers, {m['n_head']} heads, d_ff = {m['ff_mult']} x width, sequence length "
-                  f"{m['seq_len']}, vocabulary {m['vocab_size']}, {m['steps']} steps of {m['batch_size']} examples, "
-                  f"lr {m['lr']}; columns are model width / key-value pairs.", "",
-                  "| kind | " + " | ".join(f"d{w} / {p}" for w, p in grid) + " |",
-                  "| --- |" + " ---: |" * len(grid)]
-        for kind, rs in mqar.items():
-            cell = {(r["width"], r["pairs"]): r["val_accuracy"] for r in rs}
-            lines.append(f"| {kind} | " + " | ".join(f"{cell[g]:.3f}" if g in cell else "" for g in grid) + " |")
-        lines.append("")
-    lm = by_kind(records, "lm")
-    if lm:
-        s = settings["lm"]
-        contexts = settings["speed"]["contexts"]
-        model = s["model"]
-        lines += ["### Language modelling, speed and memory", "",
-                  f"{model['n_layer']} layers, d_model {model['d_model']}, {model['n_head']} heads, "
-                  f"d_ff {model['d_ff']}, context {model['max_seq_len']}; {s['steps']} steps of {s['batch_size']} "
-                  f"sequences, lr {s['lr']}. Loss and bits per byte over the whole validation split. "
-                  f"Decoding: batch 1, "
-                  f"greedy, the last {settings['speed']['new_tokens']} tokens of each context, on a freshly "
-                  f"initialised model of the same shape; cache bytes once the whole context is in.", "",
-                  "| kind | parameters | val loss | bits/byte | train tokens/s | "
-                  + " | ".join(f"decode tok/s @{c}" for c in contexts) + " | "
-                  + " | ".join(f"cache @{c}" for c in contexts) + " |",
-                  "| --- |" + " ---: |" * (4 + 2 * len(contexts))]
-        for kind, (r, *_) in lm.items():
-            speeds = {d["context"]: d for d in r["decode"]}
-            lines.append(f"| {kind} | {r['params'] / 1e6:.2f}M | {r['eval_loss']:.4f} | {r['bits_per_byte']:.4f} | "
-                         f"{r['train_tokens_per_s']:,.0f} | "
-                         + " | ".join(f"{speeds[c]['tokens_per_s']:,.0f}" for c in contexts) + " | "
-                         + " | ".join(si_bytes(speeds[c]["cache_bytes"]) for c in contexts) + " |")
-        lines.append("")
-    return "\n".join(lines)
+    records, settings = results["records"], results["settings"]
+    return "\n".join([machine_line(results), "", *recall_tables(records, settings),
+                      *language_table(records, settings), *speed_table(records, settings)])
 
 
 def mqar_plot(records: list[dict]):
-    """Accuracy against whichever of width and pairs the grid varies more (log2 axis), one panel
-    per value of the other, one line per kind; None without recall records."""
-    mqar = by_kind(records, "mqar")
-    if not mqar:
+    """Accuracy (the best learning rate's mean over seeds, bars one standard deviation) against
+    whichever of width and pairs the grid varies more (log2 axis), one panel per value of the
+    other, one line per kind; None without recall records."""
+    cells = sweep(records, "mqar", recall_cell)
+    if not cells:
         return None
     plt = pyplot()
-    every = [r for rs in mqar.values() for r in rs]
-    widths, pairs = sorted({r["width"] for r in every}), sorted({r["pairs"] for r in every})
+    widths = sorted({w for by_cell in cells.values() for w, _ in by_cell})
+    pairs = sorted({p for by_cell in cells.values() for _, p in by_cell})
     x_key, panel_key = ("pairs", "width") if len(pairs) >= len(widths) else ("width", "pairs")
     x_values, panels = (pairs, widths) if x_key == "pairs" else (widths, pairs)
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), sharey=True, squeeze=False)
     for ax, panel in zip(axes[0], panels, strict=True):
-        for i, (kind, rs) in enumerate(mqar.items()):
-            points = sorted((r[x_key], r["val_accuracy"]) for r in rs if r[panel_key] == panel)
+        for i, (kind, by_cell) in enumerate(cells.items()):
+            points = []
+            for (w, p), by_lr in sorted(by_cell.items()):
+                cell = {"width": w, "pairs": p}
+                if cell[panel_key] == panel:
+                    points.append((cell[x_key], *mean_and_spread([accuracy(r) for r in by_lr[best_lr(by_lr, accuracy,
+                                                                                                         True)]])))
             if points:
-                ax.plot(*zip(*points, strict=True), label=kind, **line_style(i))
+                x, mean, spread = zip(*points, strict=True)
+                ax.errorbar(x, mean, yerr=spread, label=kind, capsize=3, **line_style(i))
         ax.set_xscale("log", base=2)
         ax.set_xticks(x_values, [str(v) for v in x_values])
         ax.set_title(f"{'model width' if panel_key == 'width' else 'key-value pairs'} {panel}")
@@ -164,19 +280,27 @@ def mqar_plot(records: list[dict]):
 
 
 def lm_loss_plot(records: list[dict]):
-    """Validation loss against training wall-clock, one line per kind; None without language
-    modelling records."""
-    lm = by_kind(records, "lm")
-    if not lm:
+    """Validation loss against training tokens and against training wall-clock, one line per kind
+    (the best learning rate, the mean over seeds); None without language modelling records."""
+    cells = sweep(records, "lm", lambda r: ())
+    if not cells:
         return None
-    fig, ax = pyplot().subplots(figsize=(7, 4.5))
-    for i, (kind, (r, *_)) in enumerate(lm.items()):
-        seconds = [h[3] for h in r["history"]]  # history rows: (step, val loss, val accuracy, training seconds)
-        losses = [h[1] for h in r["history"]]
-        ax.plot(seconds, losses, markersize=3, label=kind, **line_style(i))
-    ax.set_xlabel("training wall-clock (s, validation excluded)")
-    ax.set_ylabel("validation loss")
-    ax.legend()
+    fig, (by_tokens, by_time) = pyplot().subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for i, (kind, by_cell) in enumerate(cells.items()):
+        by_lr = by_cell[()]
+        rs = by_lr[best_lr(by_lr, eval_loss, False)]
+        steps = min(len(r["history"]) for r in rs)  # history rows: (step, val loss, val accuracy, training seconds)
+        s = rs[0]["settings"]
+        tokens = [rs[0]["history"][j][0] * s["data"]["batch_size"] * s["model"]["max_seq_len"] / 1e6
+                  for j in range(steps)]
+        losses = [mean_and_spread([r["history"][j][1] for r in rs])[0] for j in range(steps)]
+        seconds = [mean_and_spread([r["history"][j][3] for r in rs])[0] for j in range(steps)]
+        by_tokens.plot(tokens, losses, markersize=3, label=kind, **line_style(i))
+        by_time.plot(seconds, losses, markersize=3, label=kind, **line_style(i))
+    by_tokens.set_xlabel("training tokens (millions)")
+    by_time.set_xlabel("training wall-clock (s, validation excluded)")
+    by_tokens.set_ylabel("validation loss")
+    by_time.legend()
     return fig
 
 

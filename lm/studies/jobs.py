@@ -1,0 +1,68 @@
+"""A study's arms as jobs of a Hydra launcher: in parallel on one machine, or on a cluster.
+
+`python scripts/compare.py hydra/launcher=joblib hydra.launcher.n_jobs=2` (any launcher Hydra
+has a plugin for: joblib from `hydra-joblib-launcher`, submitit_slurm from
+`hydra-submitit-launcher`, ...) plans the study as usual, then starts one Hydra multirun of the
+same command with `arm=<i>,<j>,...`: one job per arm whose record is not done yet, which runs
+that arm alone and writes its record (lm.studies.engine). When the jobs are over, the study
+gathers every record into the report as if it had run them itself. An arm that crashed or was
+interrupted has no finished record, so the same command launches it, and only it, again.
+
+Shapes of the records and the report do not depend on where an arm ran; each record names the
+process and host that ran it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from lm.studies.engine import Arm, stored_record
+from lm.util.errors import ConfigError, TrainingError
+
+
+def chosen_launcher() -> str | None:
+    """The hydra/launcher the command chose, when it is not Hydra's default (basic, in process)
+    and the command is not itself one of the jobs; None otherwise."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode == RunMode.MULTIRUN:
+        return None
+    choice = HydraConfig.get().runtime.choices.get("hydra/launcher")
+    return None if choice in (None, "basic") else choice
+
+
+def unfinished(arms: list[Arm], records: Path) -> list[int]:
+    """Indexes of the arms without a finished record of their current settings."""
+    states = [stored_record(records / f"{arm.name}.json", arm.settings).state for arm in arms]
+    return [i for i, state in enumerate(states) if state != "done"]
+
+
+def only_arm(arms: list[Arm], arm) -> int:
+    """`arm=<i>` of a job, checked: an index of the planned arms."""
+    if isinstance(arm, bool) or not isinstance(arm, int) or not 0 <= arm < len(arms):
+        raise ConfigError(f"arm={arm!r} must be the index of one of the study's {len(arms)} arms "
+                          f"(0 to {len(arms) - 1})")
+    return arm
+
+
+def run_as_jobs(arms: list[Arm], records: Path, launcher: str) -> None:
+    """Launch every unfinished arm as a job of `launcher` and wait for them all."""
+    from hydra.core.hydra_config import HydraConfig
+
+    pending = unfinished(arms, records)
+    if not pending:
+        return
+    overrides = HydraConfig.get().overrides
+    command = [sys.executable, sys.argv[0], "--multirun", *overrides.task, *overrides.hydra,
+               f"arm={','.join(str(i) for i in pending)}"]
+    print(f"running {len(pending)} of {len(arms)} arms as jobs of hydra/launcher={launcher}", flush=True)
+    subprocess.run(command, check=False)  # each job prints its arm's line; failures are read from the records
+    failed = [arms[i].name for i in unfinished(arms, records) if i in pending]
+    if failed:
+        shown = ", ".join(failed[:3]) + (f" and {len(failed) - 3} more" if len(failed) > 3 else "")
+        raise TrainingError(f"{len(failed)} of the {len(pending)} arms launched did not finish ({shown}): their "
+                            f"records under {records} and logs under the runs folder say why; the same command "
+                            "launches those again")
