@@ -38,11 +38,17 @@ TRAIN = [
     ("optim.lr=inf",),
     ("trainer.max_steps=1e3",),
     ("data.batch_size=-1",),
+    ("model.short_conv=-2",),
+    ("model.short_conv=abc",),
+    ("trainer.stop_at_accuracy=1.5",),
+    ("data=mqar", "data.filler=zeros"),
+    ("data=mqar", "data.query_power=0"),
     ("seed=abc",),
 ]
 TRAIN_KEYS = ["data.examples", "data.examples", "data.pairs", "data.seq_len", "data.val_fraction",
               "data.val_fraction", "data.val_fraction", "data.paths", "optim.lr", "optim.lr", "trainer.max_steps",
-              "data.batch_size", "seed"]
+              "data.batch_size", "short_conv", "short_conv", "trainer.stop_at_accuracy", "data.filler",
+              "data.query_power", "seed"]
 
 COMPARE = [
     ("lm.steps=0", "lm.steps"), ("lm.steps=abc", "lm.steps"), ("lm.steps=1.5", "lm.steps"),
@@ -56,6 +62,10 @@ COMPARE = [
     ("extra_kinds=[5]", "extra_kinds"), ("extra_kinds=[{name: a/b, attn: mha}]", "extra_kinds"),
     ("seed=-1", "seed"), ("seed=abc", "seed"), ("data.val_fraction=abc", "data.val_fraction"),
     ("data=mqar", "data=mqar"), (("data=text", "data.paths=[{empty}]"), "data.paths"),
+    ("tasks=[]", "tasks"), ("tasks=abc", "tasks"), ("seeds=0", "seeds"), ("seeds=1.5", "seeds"),
+    ("mqar.lr=[]", "mqar.lr"), ("mqar.lr=[0.01,nan]", "mqar.lr"), ("mqar.stop_at_accuracy=2", "mqar.stop_at_accuracy"),
+    ("mqar.short_conv=-1", "mqar.short_conv"), ("mqar.query_power=nan", "mqar.query_power"),
+    ("mqar.filler=abc", "mqar.filler"), ("arm=99", "arm"), ("arm=-1", "arm"), ("arm=abc", "arm"),
 ]
 
 EVAL = [

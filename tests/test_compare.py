@@ -314,3 +314,11 @@ def test_arms_run_in_parallel_as_jobs_of_the_joblib_launcher_and_a_lost_one_alon
     assert "running 1 of 2 arms as jobs of hydra/launcher=joblib" in again.stdout
     rerun = json.loads((out / "results.json").read_text())["records"]
     assert rerun[0] == records[0] and rerun[1]["ran_on"]["pid"] not in workers
+
+
+def test_the_slurm_example_config_selects_the_submitit_launcher():
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="compare", overrides=["+experiment=compare_on_slurm", "hydra.launcher.partition=p"],
+                      return_hydra_config=True)
+    assert cfg.hydra.runtime.choices["hydra/launcher"] == "submitit_slurm"
+    assert cfg.hydra.launcher._target_.endswith("SlurmLauncher") and cfg.hydra.launcher.partition == "p"
