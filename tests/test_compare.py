@@ -322,3 +322,16 @@ def test_the_slurm_example_config_selects_the_submitit_launcher():
                       return_hydra_config=True)
     assert cfg.hydra.runtime.choices["hydra/launcher"] == "submitit_slurm"
     assert cfg.hydra.launcher._target_.endswith("SlurmLauncher") and cfg.hydra.launcher.partition == "p"
+
+
+def test_the_zoology_preset_plans_figure_2s_grid():
+    arms = planned("preset=zoology", "kinds=[mha]", "tasks=[mqar]")
+    cells = {(a.labels["width"], a.labels["pairs"], a.settings["data"]["seq_len"]) for a in arms}
+    assert cells == {(w, p, 16 * p) for w in (64, 128, 256) for p in (4, 8, 16)}
+    assert {a.labels["lr"] for a in arms} == {0.0001, 0.000464, 0.00215, 0.01}
+    assert {a.labels["seed"] for a in arms} == {0, 1}
+    data = arms[0].settings["data"]
+    assert (data["vocab_size"], data["examples"], data["val_examples"]) == (8192, 100_000, 3000)
+    assert all(a.settings["model"]["max_seq_len"] == a.settings["data"]["seq_len"] for a in arms)
+    with pytest.raises(ConfigError, match=r"mqar.seq_len=\[64, 128\] must be one length, or one per entry"):
+        planned("preset=zoology", "kinds=[mha]", "tasks=[mqar]", "mqar.seq_len=[64,128]")

@@ -171,7 +171,8 @@ def check_study_settings(cfg: DictConfig) -> None:
             raise ConfigError(f"mqar.{key}=[] is empty: give at least one value, or tasks without mqar")
         for value in values:
             require_int(f"mqar.{key} entry", value)
-    for group, name, keys in (("mqar", m, ("seq_len", "vocab_size", "n_layer", "n_head", "ff_mult", "steps",
+    recall_lengths(m)
+    for group, name, keys in (("mqar", m, ("vocab_size", "n_layer", "n_head", "ff_mult", "steps",
                                            "val_every", "batch_size", "val_examples")),
                               ("lm", lm, ("steps", "val_every", "batch_size")),
                               ("speed", speed, ("new_tokens",))):
@@ -232,6 +233,21 @@ def plan(cfg: DictConfig) -> list[Arm]:
     return arms
 
 
+def recall_lengths(m: DictConfig) -> dict[int, int]:
+    """pairs -> sequence length: `mqar.seq_len` is one length for every number of pairs, or a list
+    with one per entry of `mqar.pairs` (Zoology's Figure 2 grows the sequence with the pairs)."""
+    pairs = as_list("mqar.pairs", m.pairs)
+    if isinstance(m.seq_len, int) and not isinstance(m.seq_len, bool):
+        require_int("mqar.seq_len", m.seq_len)
+        return dict.fromkeys(pairs, m.seq_len)
+    lengths = as_list("mqar.seq_len", m.seq_len)
+    if len(lengths) != len(pairs):
+        raise ConfigError(f"mqar.seq_len={lengths} must be one length, or one per entry of mqar.pairs={pairs}")
+    for length in lengths:
+        require_int("mqar.seq_len entry", length)
+    return dict(zip(pairs, lengths, strict=True))
+
+
 def lr_tag(lr: float) -> str:
     return f"lr{lr:g}"
 
@@ -241,15 +257,16 @@ def recall_arms(cfg: DictConfig, entry: Entry, seeds: list[int], common: dict, r
     # Fresh examples at every step unless a count is given: no run sees an example twice before
     # it could have solved the task (a model memorises a small set and stays on the plateau).
     examples = m.get("examples") or m.steps * m.batch_size
+    lengths = recall_lengths(m)
     arms = []
     for width, pairs, lr, seed in itertools.product(as_list("mqar.widths", m.widths), as_list("mqar.pairs", m.pairs),
                                                     learning_rates("mqar.lr", m.lr), seeds):
         name = f"mqar-{entry.name}-d{width}-p{pairs}-{lr_tag(lr)}-s{seed}"
         values = {**common, "seed": seed, "run_name": name,
                   "model": {"name": f"mqar-d{width}", "n_layer": m.n_layer, "d_model": width, "n_head": m.n_head,
-                            "d_ff": m.ff_mult * width, "max_seq_len": m.seq_len,
+                            "d_ff": m.ff_mult * width, "max_seq_len": lengths[pairs],
                             "short_conv": m.get("short_conv", 0)},
-                  "data": {"vocab_size": m.vocab_size, "seq_len": m.seq_len, "pairs": pairs, "examples": examples,
+                  "data": {"vocab_size": m.vocab_size, "seq_len": lengths[pairs], "pairs": pairs, "examples": examples,
                            "val_examples": m.val_examples, "seed": seed, "batch_size": m.batch_size,
                            "filler": m.get("filler", "pad"), "query_power": m.get("query_power", 0.01)},
                   "optim": {"lr": lr, "warmup_steps": m.warmup_steps},

@@ -130,6 +130,14 @@ def accuracy(r: dict) -> float:
     return r["val_accuracy"]
 
 
+def sequence_lengths(m: dict) -> str:
+    """'64', or '64 / 128 / 256 for 4 / 8 / 16 pairs' where the length grows with the pairs."""
+    if not isinstance(m["seq_len"], list):
+        return str(m["seq_len"])
+    pairs = m["pairs"] if isinstance(m["pairs"], list) else [m["pairs"]]
+    return f"{' / '.join(map(str, m['seq_len']))} for {' / '.join(map(str, pairs))} pairs"
+
+
 def machine_line(results: dict) -> str:
     records, machine = results["records"], results["machine"]
     gpu = f", {machine['gpu']}" if machine["gpu"] else ""
@@ -151,7 +159,8 @@ def recall_tables(records: list[dict], settings: dict) -> list[str]:
                        if key in m)
     lines = [f"### MQAR accuracy (held-out answers; chance {1 / (m['vocab_size'] - m['vocab_size'] // 2):.3f})", "",
              f"{m['n_layer']} layers, {m['n_head']} heads, d_ff = {m['ff_mult']} x width, sequence length "
-             f"{m['seq_len']}, vocabulary {m['vocab_size']}, at most {m['steps']} steps of {m['batch_size']} examples"
+             f"{sequence_lengths(m)}, vocabulary {m['vocab_size']}, at most {m['steps']} steps of "
+             f"{m['batch_size']} examples"
              + (f"; {recipe}" if recipe else "") + ". "
              + (f"Each cell: the best of the learning rates {', '.join(f'{lr:g}' for lr in lrs)} by mean accuracy"
                 if len(lrs) > 1 else f"Learning rate {lrs[0]:g}")
