@@ -40,7 +40,8 @@ def check_figures(r: dict, stopped_early: bool = False) -> None:
     """The figures of one record against the settings it holds and against each other."""
     s = r["settings"]
     if r["task"] == "speed":
-        assert [d["context"] for d in r["decode"]] == s["speed"]["contexts"]
+        assert [(d["batch"], d["context"]) for d in r["decode"]] == [
+            (b, c) for b in s["speed"]["batches"] for c in s["speed"]["contexts"]]
         for d in r["decode"]:  # the new tokens were decoded within the arm's time, and a step takes over a microsecond
             assert s["speed"]["new_tokens"] / r["seconds"] < d["tokens_per_s"] < 1e6
         config = model_config_from(OmegaConf.create({"model": s["model"], "attn": s["attn"]}), s["vocab_size"])
@@ -88,7 +89,9 @@ def test_a_tiny_study_in_process_measures_reuses_and_reruns_what_a_setting_touch
     for r in records:
         check_figures(r)
     mqa, speed = records[1], records[2]
-    assert [d["cache_bytes"] for d in speed["decode"]] == [full_cache_bytes(speed, 64), full_cache_bytes(speed, 128)]
+    # the quick preset decodes batches of 1 and 2: twice the rows, twice the cache
+    assert [d["cache_bytes"] for d in speed["decode"]] == [b * full_cache_bytes(speed, c) for b in (1, 2)
+                                                           for c in (64, 128)]
     assert speed["params"] == mqa["params"]  # the speed arm measures the language-modelling shape
     out = tmp_path / "compare"
     assert json.loads((out / "results.json").read_text())["records"] == records
@@ -106,7 +109,7 @@ def test_a_tiny_study_in_process_measures_reuses_and_reruns_what_a_setting_touch
     progress = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
     assert [line.endswith("(done before)") for line in progress] == [True] * 5 + [False, False]
     assert progress[5] == "[3/3] speed-mqa: its settings changed (speed.contexts [64, 128] -> [64]); running it again"
-    assert again[:2] == records[:2] and [d["context"] for d in again[2]["decode"]] == [64]
+    assert again[:2] == records[:2] and [d["context"] for d in again[2]["decode"]] == [64, 64]
 
     # The corpus's text rewritten under the same names: the language-modelling arm measures it afresh.
     first = sorted(corpus.iterdir())[0]
@@ -143,7 +146,8 @@ def test_quick_preset_runs_every_kind_end_to_end_and_resumes(tmp_path, small_cor
     by_kind = {r["kind"]: r for r in records if r["task"] == "lm"}
     cache = {r["kind"]: [d["cache_bytes"] for d in r["decode"]] for r in records if r["task"] == "speed"}
     speed_mha = next(r for r in records if r["arm"] == "speed-mha")
-    assert cache["mha"] == [full_cache_bytes(speed_mha, c) for c in (128, 256)]  # grows with the context
+    # grows with the context and the batch
+    assert cache["mha"] == [b * full_cache_bytes(speed_mha, c) for b in (1, 2) for c in (128, 256)]
     assert cache["linear"][1] == cache["linear"][0]  # a recurrent state does not
     assert cache["mqa"][0] * 2 == cache["gqa"][0] == cache["mha"][0]  # quick: 2 heads, so GQA (2 K/V heads) is MHA
     table = (out / "results.md").read_text()
@@ -210,6 +214,8 @@ def test_an_unknown_kind_is_one_line_before_any_work(tmp_path):
     (["mqar.short_conv=-1"], "^mqar.short_conv=-1 must be an integer >= 0$"),
     (["mqar.filler=zeros"], "^mqar.filler='zeros' is not one of"),
     (["mqar.query_power=0"], "^mqar.query_power=0 must be in \\(0, 1\\]$"),
+    (["speed.batches=[]"], "speed.batches=\\[\\] is empty"),
+    (["speed.batches=[1,0]"], "^speed.batches entry=0 must be an integer >= 1$"),
 ])
 def test_bad_settings_are_refused_before_training(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -233,7 +239,7 @@ def test_registered_kinds_join_the_default_list_and_yaml_kinds_keep_their_config
     speed = {arm.labels["kind"]: arm.settings for arm in arms if arm.labels["task"] == "speed"}
     assert set(speed) == set(lm_arms)
     assert all(set(s) == {"model", "attn", "vocab_size", "speed"} for s in speed.values())
-    assert all(s["speed"] == {"contexts": [128, 256], "new_tokens": 8} for s in speed.values())
+    assert all(s["speed"] == {"contexts": [128, 256], "new_tokens": 8, "batches": [1, 2]} for s in speed.values())
     assert speed["mqa"]["model"] == lm_arms["mqa"]["model"] and speed["mqa"]["attn"] == lm_arms["mqa"]["attn"]
 
 

@@ -190,6 +190,11 @@ def check_study_settings(cfg: DictConfig) -> None:
     for group, name in (("mqar", m), ("lm", lm)):
         learning_rates(f"{group}.lr", name.lr)
         require_int(f"{group}.warmup_steps", name.warmup_steps, minimum=0)
+    batches = as_list("speed.batches", speed.get("batches", 1))
+    if not batches:
+        raise ConfigError("speed.batches=[] is empty: give at least one batch size to decode at")
+    for batch in batches:
+        require_int("speed.batches entry", batch)
     contexts = as_list("speed.contexts", speed.contexts)
     if not contexts:
         raise ConfigError("speed.contexts=[] is empty: give at least one context length to decode at")
@@ -310,7 +315,8 @@ def speed_arm(cfg: DictConfig, entry: Entry, common: dict) -> Arm:
     name = f"speed-{entry.name}"
     run_cfg = language_config(cfg, entry, as_list("lm.lr", cfg.lm.lr)[0], 0, common, name)
     check_run(name, run_cfg, recall=False)
-    speed = {"contexts": as_list("speed.contexts", cfg.speed.contexts), "new_tokens": cfg.speed.new_tokens}
+    speed = {"contexts": as_list("speed.contexts", cfg.speed.contexts), "new_tokens": cfg.speed.new_tokens,
+             "batches": as_list("speed.batches", cfg.speed.get("batches", 1))}
     shape = OmegaConf.to_container(run_cfg, resolve=True)
     settings = {"model": shape["model"], "attn": shape["attn"], "vocab_size": run_cfg.data.vocab_size, "speed": speed}
     return Arm(name, settings, lambda resume=False, c=run_cfg: speed_figures(c, speed),
@@ -359,21 +365,21 @@ def language_run(run_cfg: DictConfig) -> dict:
 
 
 def speed_figures(run_cfg: DictConfig, speed: dict) -> dict:
-    decode = [fresh_model_decoding(run_cfg, run_cfg.data.vocab_size, context, speed["new_tokens"])
-              for context in speed["contexts"]]
+    decode = [fresh_model_decoding(run_cfg, run_cfg.data.vocab_size, context, speed["new_tokens"], batch)
+              for batch in speed["batches"] for context in speed["contexts"]]
     params = Transformer(model_config_from(run_cfg, run_cfg.data.vocab_size)).num_params()
     return {"params": params, "decode": decode}
 
 
-def fresh_model_decoding(run_cfg: DictConfig, vocab_size: int, context: int, new_tokens: int) -> dict:
-    """Decoding figures of the last `new_tokens` of a `context`-token sequence on a freshly
-    initialised model of the run's shape, its context stretched to `context`."""
+def fresh_model_decoding(run_cfg: DictConfig, vocab_size: int, context: int, new_tokens: int, batch: int = 1) -> dict:
+    """Decoding figures of the last `new_tokens` of a `context`-token sequence in `batch` rows on a
+    freshly initialised model of the run's shape, its context stretched to `context`."""
     long = OmegaConf.merge(run_cfg, {"model": {"max_seq_len": context}})
     torch.manual_seed(0)
     model = Transformer(model_config_from(long, vocab_size)).eval()
     prompt = torch.randint(0, vocab_size, (context - new_tokens,)).tolist()
-    measured = decode_speed(model, prompt, new_tokens)
-    return {"context": context, "tokens_per_s": measured.tokens_per_s, "prefill_s": measured.prefill_s,
+    measured = decode_speed(model, prompt, new_tokens, batch)
+    return {"batch": batch, "context": context, "tokens_per_s": measured.tokens_per_s, "prefill_s": measured.prefill_s,
             "cache_bytes": measured.cache_bytes}
 
 
@@ -384,7 +390,7 @@ def describe(r: dict) -> str:
     if r["task"] == "lm":
         return (f"lm    {r['kind']:<14} lr={r['lr']:<7g} seed={r['seed']:<2} val loss {r['eval_loss']:.3f}, "
                 f"{r['bits_per_byte']:.3f} bits/byte, train {r['train_tokens_per_s']:.0f} tok/s")
-    speeds = ", ".join(f"{d['tokens_per_s']:.0f} tok/s at {d['context']}" for d in r["decode"])
+    speeds = ", ".join(f"{d['tokens_per_s']:.0f} tok/s at {d['context']} x {d.get('batch', 1)}" for d in r["decode"])
     return f"speed {r['kind']:<14} decode {speeds}"
 
 
@@ -406,7 +412,8 @@ def run_study(cfg: DictConfig) -> dict | None:
         run_as_jobs(arms, out / "records", launcher)
     records = run_arms(arms, out / "records", describe)
     settings = OmegaConf.to_container(cfg, resolve=True)
-    settings["speed"]["contexts"] = as_list("speed.contexts", settings["speed"]["contexts"])
+    for key in ("contexts", "batches"):
+        settings["speed"][key] = as_list(f"speed.{key}", settings["speed"].get(key, 1))
     results = {"machine": machine(), "seconds": round(time.perf_counter() - started, 1),
                "settings": settings, "records": records}
     write_results(out, results, comparison_table(results),

@@ -231,20 +231,28 @@ def speed_table(records: list[dict], settings: dict) -> list[str]:
     measured = {}
     for r in records:
         if "decode" in r and r["kind"] not in measured:
-            measured[r["kind"]] = r
+            measured[r["kind"]] = {(d.get("batch", 1), d["context"]): d for d in r["decode"]}
     if not measured:
         return []
-    contexts = settings["speed"]["contexts"]
+    columns = sorted({key for by_key in measured.values() for key in by_key})
+    contexts = sorted({c for _, c in columns})
     model = settings["lm"]["model"]
+
+    def per_row_cache(by_key: dict, context: int) -> str:
+        batch, d = min((b, d) for (b, c), d in by_key.items() if c == context)
+        return si_bytes(d["cache_bytes"] / batch)
+
     return ["### Decoding speed and memory", "",
             f"The language-modelling shape ({model['n_layer']} layers, d_model {model['d_model']}), freshly "
-            f"initialised: batch 1, greedy, the last {settings['speed']['new_tokens']} tokens of each context; cache "
-            "bytes once the whole context is in.", "",
-            "| kind | " + " | ".join(f"decode tok/s @{c}" for c in contexts) + " | "
-            + " | ".join(f"cache @{c}" for c in contexts) + " |",
-            "| --- |" + " ---: |" * (2 * len(contexts)),
-            *(f"| {kind} | " + " | ".join(f"{d['tokens_per_s']:,.0f}" for d in r["decode"]) + " | "
-              + " | ".join(si_bytes(d["cache_bytes"]) for d in r["decode"]) + " |" for kind, r in measured.items()),
+            f"initialised, eager: greedy, the last {settings['speed']['new_tokens']} tokens of each context in "
+            "every row of the batch (tokens/s counts every row's tokens); cache bytes per row once the whole "
+            "context is in.", "",
+            "| kind | " + " | ".join(f"tok/s batch {b} @{c}" for b, c in columns) + " | "
+            + " | ".join(f"cache/row @{c}" for c in contexts) + " |",
+            "| --- |" + " ---: |" * (len(columns) + len(contexts)),
+            *(f"| {kind} | " + " | ".join(f"{by_key[k]['tokens_per_s']:,.0f}" if k in by_key else "" for k in columns)
+              + " | " + " | ".join(per_row_cache(by_key, c) for c in contexts) + " |"
+              for kind, by_key in measured.items()),
             ""]
 
 
