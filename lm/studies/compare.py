@@ -107,11 +107,17 @@ def _entry(base: str, options: dict, configs: list[str], name: str | None = None
                       f"nor a registered kind ({', '.join(available_kinds())})")
 
 
+COMPOSED: dict[tuple, DictConfig] = {}  # (attn config, overrides) -> conf/train.yaml composed; one plan's
+
+
 def training_config(entry: Entry, task_overrides: list[str], values: dict, data: dict | None = None) -> DictConfig:
     """conf/train.yaml with this entry's attention and the study's settings (`data` replaces the
-    data group whole)."""
-    attn = f"attn={entry.attn}" if entry.attn else "attn=mha"
-    cfg = compose(config_name="train", overrides=[attn, "logger=none", *task_overrides])
+    data group whole). Hydra composes it once per attention config and task within a plan (a
+    grid has hundreds of arms); each arm gets its own copy."""
+    overrides = (f"attn={entry.attn}" if entry.attn else "attn=mha", "logger=none", *task_overrides)
+    if overrides not in COMPOSED:
+        COMPOSED[overrides] = compose(config_name="train", overrides=list(overrides))
+    cfg = OmegaConf.merge(COMPOSED[overrides])  # a copy: the changes below stay this arm's
     if entry.attn is None:  # a registered kind without a YAML: its spec's defaults, every head its own K/V
         cfg.attn = OmegaConf.create({"name": entry.kind, "kind": entry.kind, "n_kv_head": None})
     if data is not None:
@@ -221,6 +227,7 @@ def plan(cfg: DictConfig) -> list[Arm]:
     cells (width x pairs) at each swept learning rate and seed, the language-modelling runs at each
     learning rate and seed, and one speed arm."""
     check_study_settings(cfg)
+    COMPOSED.clear()  # the config files may have changed since the last plan of this process
     entries = study_entries(cfg)
     tasks, seeds = study_tasks(cfg), study_seeds(cfg)
     runs = resolve_path(cfg.out) / "runs"
