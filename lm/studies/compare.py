@@ -156,9 +156,10 @@ def learning_rates(name: str, value) -> list[float]:
 
 def study_seeds(cfg: DictConfig) -> list[int]:
     """seed, seed + 1, ...: `seeds` of them, so `seed=<n>` reruns every cell with other seeds."""
+    count = cfg.get("seeds", 1)
     require_int("seed", cfg.seed, minimum=0)
-    require_int("seeds", cfg.get("seeds", 1))
-    return list(range(cfg.seed, cfg.seed + cfg.get("seeds", 1)))
+    require_int("seeds", count)
+    return list(range(cfg.seed, cfg.seed + count))
 
 
 def check_study_settings(cfg: DictConfig) -> None:

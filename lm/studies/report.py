@@ -7,6 +7,7 @@ One matplotlib set-up (`pyplot`) for every plot; the attention comparison's tabl
 from __future__ import annotations
 
 import json
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 
@@ -96,10 +97,7 @@ def lr_of(r: dict) -> float:
 
 def mean_and_spread(values: list[float]) -> tuple[float, float]:
     """The mean and the sample standard deviation (0 for a single value)."""
-    mean = sum(values) / len(values)
-    if len(values) < 2:
-        return mean, 0.0
-    return mean, (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
 def with_spread(values: list[float], digits: int) -> str:
@@ -114,6 +112,11 @@ def sweep(records: list[dict], task: str, cell: Callable[[dict], tuple]) -> dict
         for r in rs:
             kinds.setdefault(kind, {}).setdefault(cell(r), {}).setdefault(lr_of(r), []).append(r)
     return kinds
+
+
+def most_seeds(cells: dict[str, dict[tuple, dict]]) -> int:
+    """The largest number of seeds any (kind, cell, learning rate) of a sweep ran."""
+    return max(len(rs) for by_cell in cells.values() for by_lr in by_cell.values() for rs in by_lr.values())
 
 
 def best_lr(by_lr: dict[float, list[dict]], score: Callable[[dict], float], higher: bool) -> float:
@@ -153,7 +156,7 @@ def recall_tables(records: list[dict], settings: dict) -> list[str]:
         return []
     m = settings["mqar"]
     grid = sorted({c for by_cell in cells.values() for c in by_cell})
-    seeds = max(len(rs) for by_cell in cells.values() for by_lr in by_cell.values() for rs in by_lr.values())
+    seeds = most_seeds(cells)
     lrs = sorted({lr for by_cell in cells.values() for by_lr in by_cell.values() for lr in by_lr})
     recipe = ", ".join(f"{key} {m[key]}" for key in ("filler", "query_power", "short_conv", "stop_at_accuracy")
                        if key in m)
@@ -205,7 +208,7 @@ def language_table(records: list[dict], settings: dict) -> list[str]:
         return []
     s = settings["lm"]
     model = s["model"]
-    seeds = max(len(rs) for by_cell in cells.values() for by_lr in by_cell.values() for rs in by_lr.values())
+    seeds = most_seeds(cells)
     lines = ["### Language modelling", "",
              f"{model['n_layer']} layers, d_model {model['d_model']}, {model['n_head']} heads, d_ff {model['d_ff']}, "
              f"context {model['max_seq_len']}; {s['steps']} steps of {s['batch_size']} sequences "
