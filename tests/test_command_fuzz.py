@@ -66,6 +66,10 @@ COMPARE = [
     ("mqar.lr=[]", "mqar.lr"), ("mqar.lr=[0.01,nan]", "mqar.lr"), ("mqar.stop_at_accuracy=2", "mqar.stop_at_accuracy"),
     ("mqar.short_conv=-1", "mqar.short_conv"), ("mqar.query_power=nan", "mqar.query_power"),
     ("mqar.filler=abc", "mqar.filler"), ("arm=99", "arm"), ("arm=-1", "arm"), ("arm=abc", "arm"),
+    ("speed.new_tokens=2", "speed.new_tokens"), ("speed.max_batch_tokens=-1", "speed.max_batch_tokens"),
+    ("speed.compile=abc", "speed.compile"), ("speed.train_contexts=[nan]", "speed.train_contexts"),
+    ("speed.train_tokens=0", "speed.train_tokens"), ("speed.train_steps=abc", "speed.train_steps"),
+    ("per_kind=5", "per_kind"), ("++per_kind.mha={lm: {steps: 0}}", "per_kind.mha"),
 ]
 
 EVAL = [

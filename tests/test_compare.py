@@ -40,10 +40,17 @@ def check_figures(r: dict, stopped_early: bool = False) -> None:
     """The figures of one record against the settings it holds and against each other."""
     s = r["settings"]
     if r["task"] == "speed":
-        assert [(d["batch"], d["context"]) for d in r["decode"]] == [
-            (b, c) for b in s["speed"]["batches"] for c in s["speed"]["contexts"]]
+        cap = s["speed"]["max_batch_tokens"] or math.inf
+        rows = [(b, c) for b in s["speed"]["batches"] for c in s["speed"]["contexts"]]
+        assert [(d["batch"], d["context"]) for d in r["decode"]] == [(b, c) for b, c in rows if b * c <= cap]
+        assert r["decode_left_out"] == [[b, c] for b, c in rows if b * c > cap]
         for d in r["decode"]:  # the new tokens were decoded within the arm's time, and a step takes over a microsecond
             assert s["speed"]["new_tokens"] / r["seconds"] < d["tokens_per_s"] < 1e6
+        assert [t["context"] for t in r["train"]] == s["speed"]["train_contexts"]
+        for t in r["train"]:  # a training step of batch x context tokens, timed within the arm
+            assert t["batch"] == max(1, s["speed"]["train_tokens"] // t["context"])
+            assert t["tokens_per_s"] == pytest.approx(t["batch"] * t["context"] / t["step_s"])
+            assert 0 < t["step_s"] < r["seconds"]
         config = model_config_from(OmegaConf.create({"model": s["model"], "attn": s["attn"]}), s["vocab_size"])
         assert r["params"] == lm.Transformer(config).num_params()
         return
@@ -196,7 +203,14 @@ def test_an_unknown_kind_is_one_line_before_any_work(tmp_path):
     (["lm.batch_size=0"], "^lm.batch_size=0 must be an integer >= 1$"),
     (["lm.lr=-1"], "^lm.lr=-1 must be a positive number$"),
     (["mqar.examples=1.5"], "^mqar.examples=1.5 must be an integer >= 1$"),
-    (["speed.new_tokens=-5"], "^speed.new_tokens=-5 must be an integer >= 1$"),
+    (["speed.new_tokens=2"], "^speed.new_tokens=2 must be an integer >= 3$"),
+    (["speed.max_batch_tokens=0"], "^speed.max_batch_tokens=0 must be an integer >= 1$"),
+    (["speed.compile=yes"], "^speed.compile='yes' must be true or false$"),
+    (["speed.train_contexts=[64,0]"], "^speed.train_contexts entry=0 must be an integer >= 1$"),
+    (["speed.train_tokens=-1"], "^speed.train_tokens=-1 must be an integer >= 1$"),
+    (["++per_kind.mha={optim: {lr: 1}}"], "^per_kind.mha.optim is not a setting a kind may change"),
+    (["++per_kind.mha={mqar: {widths: []}}"], "^per_kind.mha: mqar.widths=\\[\\] is empty"),
+    (["++per_kind.mha=3"], "^per_kind.mha=3 must be a mapping"),
     (["speed.contexts=[]"], "speed.contexts=\\[\\] is empty"),
     (["mqar.widths=[]"], "mqar.widths=\\[\\] is empty"),
     (["lm.warmup_steps=-1"], "^lm.warmup_steps=-1 must be an integer >= 0$"),
@@ -239,7 +253,9 @@ def test_registered_kinds_join_the_default_list_and_yaml_kinds_keep_their_config
     speed = {arm.labels["kind"]: arm.settings for arm in arms if arm.labels["task"] == "speed"}
     assert set(speed) == set(lm_arms)
     assert all(set(s) == {"model", "attn", "vocab_size", "speed"} for s in speed.values())
-    assert all(s["speed"] == {"contexts": [128, 256], "new_tokens": 8, "batches": [1, 2]} for s in speed.values())
+    assert all(s["speed"] == {"contexts": [128, 256], "new_tokens": 8, "batches": [1, 2], "max_batch_tokens": None,
+                              "compile": False, "train_contexts": [64], "train_tokens": 128, "train_steps": 1}
+               for s in speed.values())
     assert speed["mqa"]["model"] == lm_arms["mqa"]["model"] and speed["mqa"]["attn"] == lm_arms["mqa"]["attn"]
 
 
@@ -256,6 +272,60 @@ def test_the_sweep_and_the_seeds_make_one_arm_per_cell_rate_and_seed():
     assert (first["trainer"]["stop_at_accuracy"], first["model"]["short_conv"]) == (0.99, 2)
     assert [arm.labels["task"] for arm in planned("preset=quick", "kinds=[mha]", "tasks=[speed,mqar]")] == \
         ["mqar", "mqar", "speed"]
+
+
+def test_a_kind_of_its_own_settings_runs_fewer_cells_and_the_report_names_them():
+    overrides = ("preset=quick", "kinds=[mha,additive]", "mqar.widths=[32,64]",
+                 "per_kind={additive: {mqar: {widths: [32], pairs: [2]}, speed: {contexts: [128]}}, "
+                 "nokind: {seeds: 3}}")
+    arms = planned(*overrides)
+    names = [arm.name for arm in arms]
+    assert [n for n in names if n.startswith("mqar-additive")] == ["mqar-additive-d32-p2-lr0.003-s0"]
+    assert len([n for n in names if n.startswith("mqar-mha")]) == 4  # 2 widths x 2 pairs: the others' grid stays
+    speed = {arm.labels["kind"]: arm.settings["speed"]["contexts"] for arm in arms if arm.labels["task"] == "speed"}
+    assert speed == {"mha": [128, 256], "additive": [128]}
+
+    from lm.studies.report import recall_tables
+    records = [{**arm.labels, "val_accuracy": 0.5, "steps": 30} for arm in arms if arm.labels["task"] == "mqar"]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        settings = OmegaConf.to_container(compose(config_name="compare", overrides=list(overrides)))
+    table = "\n".join(recall_tables(records, settings))
+    assert "| additive | 0.500 |  |  |  |" in table
+    assert ("Settings of their own (per_kind; a blank cell was not run): additive: mqar.widths=[32], "
+            "mqar.pairs=[2].") in table
+
+
+def test_a_diverged_run_is_a_result_of_the_sweep_and_the_best_of_the_others_is_reported():
+    from lm.studies.compare import unless_diverged
+    from lm.studies.report import language_table, recall_tables
+    from lm.util.errors import TrainingError
+
+    def diverging(run_cfg):
+        raise TrainingError("loss is nan at step 7; stopping with the last good checkpoint kept")
+
+    assert unless_diverged(diverging, None) == {"diverged": "loss is nan at step 7; stopping with the last good "
+                                                            "checkpoint kept"}
+    with pytest.raises(ValueError, match="other errors"):  # only a non-finite loss is a result; the rest stop the study
+        unless_diverged(lambda c: (_ for _ in ()).throw(ValueError("other errors")), None)
+
+    def recall(lr, seed, **figures):
+        return {"task": "mqar", "kind": "linear", "width": 64, "pairs": 4, "lr": lr, "seed": seed, **figures}
+
+    records = [recall(0.01, 0, diverged="nan"), recall(0.01, 1, val_accuracy=0.9, steps=100),
+               recall(0.003, 0, val_accuracy=0.6, steps=200), recall(0.003, 1, val_accuracy=0.5, steps=300),
+               recall(0.03, 0, diverged="nan"), recall(0.03, 1, diverged="nan")]
+    settings = {"mqar": {"vocab_size": 256, "n_layer": 2, "n_head": 4, "ff_mult": 3, "seq_len": 64, "steps": 300,
+                         "batch_size": 64}}
+    table = "\n".join(recall_tables(records, settings))
+    # 0.01: 0.9 and a diverged seed (0) average 0.45, below 0.003's 0.55: the sweep's best is 0.003
+    assert "| linear | 0.550 ± 0.071 |" in table
+    assert "| linear | d64 / 4 | **0.550 (250)** | 0.900 (100), 1 of 2 diverged | diverged |" in table
+    assert "a diverged run counts as 0 in the means above" in table
+
+    lm_settings = {"lm": {"model": {"n_layer": 2, "d_model": 128, "n_head": 4, "d_ff": 384, "max_seq_len": 256},
+                          "steps": 10, "batch_size": 4}}
+    diverged_lm = [{"task": "lm", "kind": "linear", "lr": lr, "seed": 0, "diverged": "nan"} for lr in (0.01, 0.03)]
+    assert "| linear | | | diverged at every learning rate | | |" in language_table(diverged_lm, lm_settings)
 
 
 def test_a_kind_typed_without_brackets_is_one_kind_not_its_letters():

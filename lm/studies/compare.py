@@ -19,6 +19,7 @@ mqar_accuracy.png, lm_loss.png under `out` (lm/studies/report.py).
 from __future__ import annotations
 
 import itertools
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,14 +35,23 @@ from lm.data.mqar import FILLERS, RecallTask
 from lm.formats.checkpoint import load
 from lm.model.config import ConfigError
 from lm.model.transformer import Transformer
+from lm.studies.bench import train_step_fn
 from lm.studies.decode_speed import decode_speed
 from lm.studies.engine import Arm, machine, run_arms
 from lm.studies.evaluate import score, split_documents, token_stream
 from lm.studies.jobs import chosen_launcher, only_arm, run_as_jobs
 from lm.studies.report import comparison_table, lm_loss_plot, mqar_plot, write_results
 from lm.training.run import model_config_from, train
-from lm.util.checks import as_list, require_choice, require_fraction, require_in_interval, require_int, require_positive
-from lm.util.errors import DataError
+from lm.util.checks import (
+    as_list,
+    require_bool,
+    require_choice,
+    require_fraction,
+    require_in_interval,
+    require_int,
+    require_positive,
+)
+from lm.util.errors import DataError, TrainingError
 from lm.util.paths import resolve_path
 
 PEERS = ["mha", "mqa", "gqa"]  # the softmax kind at three K/V head counts
@@ -181,8 +191,7 @@ def check_study_settings(cfg: DictConfig) -> None:
     recall_lengths(m)
     for group, name, keys in (("mqar", m, ("vocab_size", "n_layer", "n_head", "ff_mult", "steps",
                                            "val_every", "batch_size", "val_examples")),
-                              ("lm", lm, ("steps", "val_every", "batch_size")),
-                              ("speed", speed, ("new_tokens",))):
+                              ("lm", lm, ("steps", "val_every", "batch_size"))):
         for key in keys:
             require_int(f"{group}.{key}", name[key])
     if m.get("examples") is not None:
@@ -197,6 +206,7 @@ def check_study_settings(cfg: DictConfig) -> None:
     for group, name in (("mqar", m), ("lm", lm)):
         learning_rates(f"{group}.lr", name.lr)
         require_int(f"{group}.warmup_steps", name.warmup_steps, minimum=0)
+    require_int("speed.new_tokens", speed.new_tokens, minimum=3)  # the first step is not timed (decode_speed)
     batches = as_list("speed.batches", speed.get("batches", 1))
     if not batches:
         raise ConfigError("speed.batches=[] is empty: give at least one batch size to decode at")
@@ -209,6 +219,15 @@ def check_study_settings(cfg: DictConfig) -> None:
         if not isinstance(context, int) or isinstance(context, bool) or context <= speed.new_tokens:
             raise ConfigError(f"speed.contexts entry {context!r} must be an integer above "
                               f"speed.new_tokens={speed.new_tokens}")
+    if speed.get("max_batch_tokens") is not None:
+        require_int("speed.max_batch_tokens", speed.max_batch_tokens)
+    require_bool("speed.compile", speed.get("compile", False))
+    train_contexts = as_list("speed.train_contexts", speed.get("train_contexts", []))
+    for context in train_contexts:
+        require_int("speed.train_contexts entry", context)
+    if train_contexts:
+        require_int("speed.train_tokens", speed.get("train_tokens"))
+        require_int("speed.train_steps", speed.get("train_steps", 3))
 
 
 def corpus_key(cfg: DictConfig) -> str:
@@ -230,20 +249,56 @@ def plan(cfg: DictConfig) -> list[Arm]:
     check_study_settings(cfg)
     COMPOSED.clear()  # the config files may have changed since the last plan of this process
     entries = study_entries(cfg)
-    tasks, seeds = study_tasks(cfg), study_seeds(cfg)
+    check_per_kind(cfg)
+    tasks = study_tasks(cfg)
     runs = resolve_path(cfg.out) / "runs"
     common = {"checkpoint_dir": str(runs), "resume": False, "checkpoint": {"every_n_steps": None},
               "sample": {"max_new_tokens": 0}}
     fingerprint = corpus_key(cfg) if "lm" in tasks else None
     arms = []
     for entry in entries:
+        own = for_kind(cfg, entry.name)
+        seeds = study_seeds(own)
         if "mqar" in tasks:
-            arms += recall_arms(cfg, entry, seeds, common, runs)
+            arms += recall_arms(own, entry, seeds, common, runs)
         if "lm" in tasks:
-            arms += language_arms(cfg, entry, seeds, common, runs, fingerprint)
+            arms += language_arms(own, entry, seeds, common, runs, fingerprint)
         if "speed" in tasks:
-            arms.append(speed_arm(cfg, entry, common))
+            arms.append(speed_arm(own, entry, common))
     return arms
+
+
+PER_KIND_KEYS = ("mqar", "lm", "speed", "seeds")
+
+
+def for_kind(cfg: DictConfig, name: str) -> DictConfig:
+    """The study's settings for one kind: `per_kind.<name>` on top of the rest. A kind too slow
+    for the whole grid (additive's pairwise scores) runs fewer cells or shorter contexts, and the
+    report names what it left out."""
+    own = (cfg.get("per_kind") or {}).get(name)
+    if own is None:
+        return cfg
+    return OmegaConf.merge(cfg, own)
+
+
+def check_per_kind(cfg: DictConfig) -> None:
+    """`per_kind` gives only the keys a kind may change, each checked as the study's own settings are."""
+    per_kind = cfg.get("per_kind")
+    if per_kind is None:
+        return
+    if not isinstance(per_kind, DictConfig):
+        raise ConfigError(f"per_kind={per_kind!r} must be a mapping: {{<kind>: {{mqar: {{widths: [64]}}}}}}")
+    for name, own in per_kind.items():
+        if not isinstance(own, DictConfig):
+            raise ConfigError(f"per_kind.{name}={own!r} must be a mapping of {', '.join(PER_KIND_KEYS)}")
+        unknown = sorted(set(own) - set(PER_KIND_KEYS))
+        if unknown:
+            raise ConfigError(f"per_kind.{name}.{unknown[0]} is not a setting a kind may change: "
+                              f"give {', '.join(PER_KIND_KEYS)}")
+        try:  # also for a kind this study leaves out (kinds=[mha]): its entry stays for the full study
+            check_study_settings(for_kind(cfg, name))
+        except ConfigError as e:
+            raise ConfigError(f"per_kind.{name}: {e}") from None
 
 
 def recall_lengths(m: DictConfig) -> dict[int, int]:
@@ -287,7 +342,7 @@ def recall_arms(cfg: DictConfig, entry: Entry, seeds: list[int], common: dict, r
         run_cfg = training_config(entry, ["data=mqar"], values)
         check_run(name, run_cfg, recall=True)
         arms.append(Arm(name, OmegaConf.to_container(run_cfg, resolve=True),
-                        lambda resume=False, c=run_cfg: training_figures(train(resumed(c, resume))),
+                        lambda resume=False, c=run_cfg: unless_diverged(recall_run, resumed(c, resume)),
                         labels={"task": "mqar", "kind": entry.name, "width": width, "pairs": pairs, "lr": lr,
                                 "seed": seed},
                         log=runs / name / "train.log", checkpoint=runs / name / "last.ckpt"))
@@ -311,20 +366,29 @@ def language_arms(cfg: DictConfig, entry: Entry, seeds: list[int], common: dict,
         check_run(name, run_cfg, recall=False)
         # The figures depend on the corpus's text too.
         arms.append(Arm(name, {**OmegaConf.to_container(run_cfg, resolve=True), "corpus_fingerprint": fingerprint},
-                        lambda resume=False, c=run_cfg: language_run(resumed(c, resume)),
+                        lambda resume=False, c=run_cfg: unless_diverged(language_run, resumed(c, resume)),
                         labels={"task": "lm", "kind": entry.name, "lr": lr, "seed": seed},
                         log=runs / name / "train.log", checkpoint=runs / name / "last.ckpt"))
     return arms
 
 
+def speed_settings(speed: DictConfig) -> dict:
+    """`speed` as the speed arm records it, every list a list and every default filled in."""
+    return {"contexts": as_list("speed.contexts", speed.contexts), "new_tokens": speed.new_tokens,
+            "batches": as_list("speed.batches", speed.get("batches", 1)),
+            "max_batch_tokens": speed.get("max_batch_tokens"), "compile": bool(speed.get("compile", False)),
+            "train_contexts": as_list("speed.train_contexts", speed.get("train_contexts", [])),
+            "train_tokens": speed.get("train_tokens"), "train_steps": speed.get("train_steps", 3)}
+
+
 def speed_arm(cfg: DictConfig, entry: Entry, common: dict) -> Arm:
-    """Decoding figures of the language-modelling shape, freshly initialised: speed does not depend
-    on the weights, and the trained model's context may be shorter than the contexts measured."""
+    """Decoding and training figures of the language-modelling shape, freshly initialised: speed
+    does not depend on the weights, and the trained model's context may be shorter than the
+    contexts measured."""
     name = f"speed-{entry.name}"
     run_cfg = language_config(cfg, entry, as_list("lm.lr", cfg.lm.lr)[0], 0, common, name)
     check_run(name, run_cfg, recall=False)
-    speed = {"contexts": as_list("speed.contexts", cfg.speed.contexts), "new_tokens": cfg.speed.new_tokens,
-             "batches": as_list("speed.batches", cfg.speed.get("batches", 1))}
+    speed = speed_settings(cfg.speed)
     shape = OmegaConf.to_container(run_cfg, resolve=True)
     settings = {"model": shape["model"], "attn": shape["attn"], "vocab_size": run_cfg.data.vocab_size, "speed": speed}
     return Arm(name, settings, lambda resume=False, c=run_cfg: speed_figures(c, speed),
@@ -356,6 +420,21 @@ def check_run(name: str, run_cfg: DictConfig, recall: bool) -> None:
 # ---------------------------------------------------------------------------- measuring
 
 
+def unless_diverged(run, run_cfg: DictConfig) -> dict:
+    """The run's figures, or {"diverged": why} when its loss stopped being finite: in a sweep a
+    learning rate too high for a kind is a result of the sweep (the report shows it and picks the
+    best of the others), not an error that stops the study."""
+    try:
+        return run(run_cfg)
+    except TrainingError as e:
+        print(f"  diverged: {e}", flush=True)
+        return {"diverged": str(e)}
+
+
+def recall_run(run_cfg: DictConfig) -> dict:
+    return training_figures(train(run_cfg))
+
+
 def training_figures(result: dict) -> dict:
     return {"steps": result["steps"], "val_loss": result["val_loss"], "val_accuracy": result["val_accuracy"],
             "train_seconds": result["train_seconds"], "train_tokens_per_s": result["train_tokens_per_s"],
@@ -372,26 +451,68 @@ def language_run(run_cfg: DictConfig) -> dict:
             "bits_per_byte": scored.bits_per_byte, "eval_tokens": scored.tokens, "eval_bytes": scored.bytes}
 
 
+def decoding_rows(speed: dict) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(batch, context) rows to decode, and those left out for holding more than
+    `speed.max_batch_tokens` tokens (a 32k context 16 times over is 16 prefills of 32k)."""
+    rows = [(batch, context) for batch in speed["batches"] for context in speed["contexts"]]
+    cap = speed.get("max_batch_tokens")
+    return ([r for r in rows if cap is None or r[0] * r[1] <= cap],
+            [r for r in rows if cap is not None and r[0] * r[1] > cap])
+
+
 def speed_figures(run_cfg: DictConfig, speed: dict) -> dict:
-    decode = [fresh_model_decoding(run_cfg, run_cfg.data.vocab_size, context, speed["new_tokens"], batch)
-              for batch in speed["batches"] for context in speed["contexts"]]
-    params = Transformer(model_config_from(run_cfg, run_cfg.data.vocab_size)).num_params()
-    return {"params": params, "decode": decode}
+    vocab_size = run_cfg.data.vocab_size
+    measured, left_out = decoding_rows(speed)
+    decode = [fresh_model_decoding(run_cfg, vocab_size, context, speed["new_tokens"], batch,
+                                   speed.get("compile", False))
+              for batch, context in measured]
+    training = [fresh_model_training(run_cfg, vocab_size, context, speed["train_tokens"], speed["train_steps"])
+                for context in speed.get("train_contexts", [])]
+    params = Transformer(model_config_from(run_cfg, vocab_size)).num_params()
+    return {"params": params, "decode": decode, "decode_left_out": [list(r) for r in left_out], "train": training}
 
 
-def fresh_model_decoding(run_cfg: DictConfig, vocab_size: int, context: int, new_tokens: int, batch: int = 1) -> dict:
-    """Decoding figures of the last `new_tokens` of a `context`-token sequence in `batch` rows on a
-    freshly initialised model of the run's shape, its context stretched to `context`."""
+def fresh_model(run_cfg: DictConfig, vocab_size: int, context: int) -> Transformer:
+    """The run's shape, its context stretched to `context`, freshly initialised with seed 0."""
     long = OmegaConf.merge(run_cfg, {"model": {"max_seq_len": context}})
     torch.manual_seed(0)
-    model = Transformer(model_config_from(long, vocab_size)).eval()
+    return Transformer(model_config_from(long, vocab_size))
+
+
+def fresh_model_decoding(run_cfg: DictConfig, vocab_size: int, context: int, new_tokens: int, batch: int = 1,
+                         compile: bool = False) -> dict:
+    """Decoding figures of the last `new_tokens` of a `context`-token sequence in `batch` rows on a
+    freshly initialised model of the run's shape."""
+    model = fresh_model(run_cfg, vocab_size, context).eval()
     prompt = torch.randint(0, vocab_size, (context - new_tokens,)).tolist()
-    measured = decode_speed(model, prompt, new_tokens, batch)
+    if compile:  # compiled graphs of earlier models would count against torch's recompile limit
+        torch._dynamo.reset()
+    measured = decode_speed(model, prompt, new_tokens, batch, compile=compile)
     return {"batch": batch, "context": context, "tokens_per_s": measured.tokens_per_s, "prefill_s": measured.prefill_s,
             "cache_bytes": measured.cache_bytes}
 
 
+def fresh_model_training(run_cfg: DictConfig, vocab_size: int, context: int, tokens: int, steps: int) -> dict:
+    """Training tokens/s at sequence length `context`: forward, loss, backward and AdamW on
+    batches of max(1, tokens // context) sequences, the median of `steps` timed steps after one
+    untimed (eager, fp32, as scripts/train.py trains on a CPU)."""
+    model = fresh_model(run_cfg, vocab_size, context).train()
+    batch = max(1, tokens // context)
+    data = torch.randint(0, vocab_size, (batch, context + 1))
+    step = train_step_fn(model, lambda m, x: m(x))
+    step(data)
+    seconds = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        step(data)
+        seconds.append(time.perf_counter() - started)
+    step_s = statistics.median(seconds)
+    return {"context": context, "batch": batch, "step_s": step_s, "tokens_per_s": batch * context / step_s}
+
+
 def describe(r: dict) -> str:
+    if "diverged" in r:
+        return f"{r['task']:<5} {r['kind']:<14} lr={r['lr']:<7g} seed={r['seed']:<2} diverged"
     if r["task"] == "mqar":
         return (f"mqar  {r['kind']:<14} d={r['width']:<4} pairs={r['pairs']:<3} lr={r['lr']:<7g} seed={r['seed']:<2} "
                 f"accuracy {r['val_accuracy']:.3f} after {r['steps']} steps")
@@ -399,7 +520,8 @@ def describe(r: dict) -> str:
         return (f"lm    {r['kind']:<14} lr={r['lr']:<7g} seed={r['seed']:<2} val loss {r['eval_loss']:.3f}, "
                 f"{r['bits_per_byte']:.3f} bits/byte, train {r['train_tokens_per_s']:.0f} tok/s")
     speeds = ", ".join(f"{d['tokens_per_s']:.0f} tok/s at {d['context']} x {d.get('batch', 1)}" for d in r["decode"])
-    return f"speed {r['kind']:<14} decode {speeds}"
+    training = ", ".join(f"{t['tokens_per_s']:.0f} tok/s at {t['context']}" for t in r.get("train", []))
+    return f"speed {r['kind']:<14} decode {speeds}" + (f"; train {training}" if training else "")
 
 
 # ---------------------------------------------------------------------------- the study
@@ -420,8 +542,8 @@ def run_study(cfg: DictConfig) -> dict | None:
         run_as_jobs(arms, out / "records", launcher)
     records = run_arms(arms, out / "records", describe)
     settings = OmegaConf.to_container(cfg, resolve=True)
-    for key in ("contexts", "batches"):
-        settings["speed"][key] = as_list(f"speed.{key}", settings["speed"].get(key, 1))
+    for key, default in (("contexts", 1), ("batches", 1), ("train_contexts", [])):
+        settings["speed"][key] = as_list(f"speed.{key}", settings["speed"].get(key, default))
     results = {"machine": machine(), "seconds": round(time.perf_counter() - started, 1),
                "settings": settings, "records": records}
     write_results(out, results, comparison_table(results),

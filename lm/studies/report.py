@@ -92,7 +92,7 @@ def si_bytes(n: float) -> str:
 
 def lr_of(r: dict) -> float:
     """The arm's learning rate (records written before the sweep existed hold it in their settings only)."""
-    return r.get("lr", r["settings"]["optim"]["lr"])
+    return r["lr"] if "lr" in r else r["settings"]["optim"]["lr"]
 
 
 def mean_and_spread(values: list[float]) -> tuple[float, float]:
@@ -129,8 +129,34 @@ def recall_cell(r: dict) -> tuple:
     return r["width"], r["pairs"]
 
 
+def diverged(r: dict) -> bool:
+    return "diverged" in r
+
+
 def accuracy(r: dict) -> float:
-    return r["val_accuracy"]
+    """Held-out accuracy; a run that diverged recalls nothing (it counts as 0 in the means)."""
+    return 0.0 if diverged(r) else r["val_accuracy"]
+
+
+def sweep_entry(rs: list[dict], score: Callable[[dict], float], digits: int, steps: bool) -> str:
+    """One learning rate's mean score over its seeds (and mean steps taken); which seeds diverged."""
+    kept = [r for r in rs if not diverged(r)]
+    if not kept:
+        return "diverged"
+    text = f"{mean_and_spread([score(r) for r in kept])[0]:.{digits}f}"
+    if steps:
+        text += f" ({mean_and_spread([r['steps'] for r in kept])[0]:.0f})"
+    return text + (f", {len(rs) - len(kept)} of {len(rs)} diverged" if len(kept) < len(rs) else "")
+
+
+def per_kind_note(settings: dict, task: str) -> list[str]:
+    """The kinds that ran with settings of their own for `task` (per_kind), as a line under its table."""
+    own = {kind: values[task] for kind, values in (settings.get("per_kind") or {}).items() if values.get(task)}
+    if not own:
+        return []
+    named = "; ".join(f"{kind}: " + ", ".join(f"{task}.{key}={value}" for key, value in values.items())
+                      for kind, values in own.items())
+    return [f"Settings of their own (per_kind; a blank cell was not run): {named}.", ""]
 
 
 def sequence_lengths(m: dict) -> str:
@@ -176,10 +202,13 @@ def recall_tables(records: list[dict], settings: dict) -> list[str]:
                  for c, by_lr in by_cell.items()}
         lines.append(f"| {kind} | " + " | ".join(shown.get(c, "") for c in grid) + " |")
     lines.append("")
+    lines += per_kind_note(settings, "mqar")
     if len(lrs) > 1:
         lines += ["#### Every learning rate of the sweep", "",
-                  "Mean accuracy over the seeds (mean steps taken, after early stopping); the best of each cell "
-                  "in bold.", "", "| kind | cell | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " |",
+                  "Mean accuracy over the seeds (mean steps taken, after early stopping"
+                  + ("; a diverged run counts as 0 in the means above" if any(map(diverged, records)) else "")
+                  + "); the best of each cell in bold.", "",
+                  "| kind | cell | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " |",
                   "| --- | --- |" + " ---: |" * len(lrs)]
         for kind, by_cell in cells.items():
             for (w, p), by_lr in sorted(by_cell.items()):
@@ -189,9 +218,7 @@ def recall_tables(records: list[dict], settings: dict) -> list[str]:
                     if lr not in by_lr:
                         row.append("")
                         continue
-                    acc = mean_and_spread([accuracy(r) for r in by_lr[lr]])[0]
-                    steps = mean_and_spread([r["steps"] for r in by_lr[lr]])[0]
-                    text = f"{acc:.3f} ({steps:.0f})"
+                    text = sweep_entry(by_lr[lr], accuracy, 3, steps=True)
                     row.append(f"**{text}**" if lr == best else text)
                 lines.append(f"| {kind} | d{w} / {p} | " + " | ".join(row) + " |")
         lines.append("")
@@ -199,7 +226,8 @@ def recall_tables(records: list[dict], settings: dict) -> list[str]:
 
 
 def eval_loss(r: dict) -> float:
-    return r["eval_loss"]
+    """Loss over the validation split; a run that diverged has none (it is never the best)."""
+    return float("inf") if diverged(r) else r["eval_loss"]
 
 
 def language_table(records: list[dict], settings: dict) -> list[str]:
@@ -220,43 +248,78 @@ def language_table(records: list[dict], settings: dict) -> list[str]:
     for kind, by_cell in cells.items():
         by_lr = by_cell[()]
         lr = best_lr(by_lr, eval_loss, False)
-        rs = by_lr[lr]
+        rs = [r for r in by_lr[lr] if not diverged(r)]
+        if not rs:
+            lines.append(f"| {kind} | | | diverged at every learning rate | | |")
+            continue
         loss, bits = with_spread([eval_loss(r) for r in rs], 4), with_spread([r["bits_per_byte"] for r in rs], 4)
-        lines.append(f"| {kind} | {rs[0]['params'] / 1e6:.2f}M | {lr:g} | {loss} | {bits} | "
-                     f"{mean_and_spread([r['train_tokens_per_s'] for r in rs])[0]:,.0f} |")
+        failed = len(by_lr[lr]) - len(rs)
+        lines.append(f"| {kind} | {rs[0]['params'] / 1e6:.2f}M | {lr:g} | {loss}"
+                     + (f" ({failed} of {len(by_lr[lr])} diverged)" if failed else "")
+                     + f" | {bits} | {mean_and_spread([r['train_tokens_per_s'] for r in rs])[0]:,.0f} |")
     lines.append("")
-    return lines
+    return lines + per_kind_note(settings, "lm")
 
 
 def speed_table(records: list[dict], settings: dict) -> list[str]:
-    """Decoding figures: the speed arms' (or, in results written before they existed, the first
-    language-modelling record's of each kind)."""
-    measured = {}
+    """Decoding figures (the speed arms', or in results written before they existed, the first
+    language-modelling record's of each kind), then training tokens/s where the arms measured it."""
+    measured, left_out, training, first_step_timed = {}, {}, {}, False
     for r in records:
         if "decode" in r and r["kind"] not in measured:
+            first_step_timed |= "decode_left_out" not in r  # records from before the first step was left out
             measured[r["kind"]] = {(d.get("batch", 1), d["context"]): d for d in r["decode"]}
+            left_out[r["kind"]] = {tuple(row) for row in r.get("decode_left_out", [])}
+            training[r["kind"]] = {t["context"]: t for t in r.get("train", [])}
     if not measured:
         return []
-    columns = sorted({key for by_key in measured.values() for key in by_key})
+    columns = sorted({key for kind in measured for key in (*measured[kind], *left_out[kind])})
     contexts = sorted({c for _, c in columns})
-    model = settings["lm"]["model"]
+    model, speed = settings["lm"]["model"], settings["speed"]
+
+    def decoded(kind: str, key: tuple) -> str:
+        if key in measured[kind]:
+            return f"{measured[kind][key]['tokens_per_s']:,.0f}"
+        return "left out" if key in left_out[kind] else ""
 
     def per_row_cache(by_key: dict, context: int) -> str:
-        batch, d = min((b, d) for (b, c), d in by_key.items() if c == context)
+        rows = [(b, d) for (b, c), d in by_key.items() if c == context]
+        if not rows:
+            return ""
+        batch, d = min(rows, key=lambda row: row[0])
         return si_bytes(d["cache_bytes"] / batch)
 
-    return ["### Decoding speed and memory", "",
-            f"The language-modelling shape ({model['n_layer']} layers, d_model {model['d_model']}), freshly "
-            f"initialised, eager: greedy, the last {settings['speed']['new_tokens']} tokens of each context in "
-            "every row of the batch (tokens/s counts every row's tokens); cache bytes per row once the whole "
-            "context is in.", "",
-            "| kind | " + " | ".join(f"tok/s batch {b} @{c}" for b, c in columns) + " | "
-            + " | ".join(f"cache/row @{c}" for c in contexts) + " |",
-            "| --- |" + " ---: |" * (len(columns) + len(contexts)),
-            *(f"| {kind} | " + " | ".join(f"{by_key[k]['tokens_per_s']:,.0f}" if k in by_key else "" for k in columns)
-              + " | " + " | ".join(per_row_cache(by_key, c) for c in contexts) + " |"
-              for kind, by_key in measured.items()),
-            ""]
+    cap = speed.get("max_batch_tokens")
+    lines = ["### Decoding speed and memory", "",
+             f"The language-modelling shape ({model['n_layer']} layers, d_model {model['d_model']}), freshly "
+             f"initialised, {'compiled (torch.compile)' if speed.get('compile') else 'eager'}: greedy, the last "
+             f"{speed['new_tokens']} tokens of each context in every row of the batch "
+             + ("(tokens/s counts every row's tokens)" if first_step_timed else
+                "(tokens/s over the steps after the first, counting every row's tokens)")
+             + "; cache bytes per row once the whole context is in."
+             + (f" Rows of more than {cap:,} tokens (batch x context) are left out." if cap else ""), "",
+             "| kind | " + " | ".join(f"tok/s batch {b} @{c}" for b, c in columns) + " | "
+             + " | ".join(f"cache/row @{c}" for c in contexts) + " |",
+             "| --- |" + " ---: |" * (len(columns) + len(contexts)),
+             *(f"| {kind} | " + " | ".join(decoded(kind, k) for k in columns)
+               + " | " + " | ".join(per_row_cache(by_key, c) for c in contexts) + " |"
+               for kind, by_key in measured.items()),
+             ""]
+    lines += per_kind_note(settings, "speed")
+    trained = sorted({c for by_context in training.values() for c in by_context})
+    if trained:
+        lines += ["### Training speed", "",
+                  f"The same shape, freshly initialised, eager fp32: forward, loss, backward and AdamW on "
+                  f"{speed['train_tokens']:,} tokens a step (the batch is that over the context), the median of "
+                  f"{speed['train_steps']} steps after one untimed.", "",
+                  "| kind | " + " | ".join(f"tok/s @{c} (batch {max(1, speed['train_tokens'] // c)})"
+                                          for c in trained) + " |",
+                  "| --- |" + " ---: |" * len(trained),
+                  *(f"| {kind} | " + " | ".join(f"{by_context[c]['tokens_per_s']:,.0f}" if c in by_context else ""
+                                               for c in trained) + " |"
+                    for kind, by_context in training.items()),
+                  ""]
+    return lines
 
 
 def comparison_table(results: dict) -> str:
@@ -308,7 +371,9 @@ def lm_loss_plot(records: list[dict]):
     fig, (by_tokens, by_time) = pyplot().subplots(1, 2, figsize=(12, 4.5), sharey=True)
     for i, (kind, by_cell) in enumerate(cells.items()):
         by_lr = by_cell[()]
-        rs = by_lr[best_lr(by_lr, eval_loss, False)]
+        rs = [r for r in by_lr[best_lr(by_lr, eval_loss, False)] if not diverged(r)]
+        if not rs:
+            continue
         steps = min(len(r["history"]) for r in rs)  # history rows: (step, val loss, val accuracy, training seconds)
         s = rs[0]["settings"]
         tokens = [rs[0]["history"][j][0] * s["data"]["batch_size"] * s["model"]["max_seq_len"] / 1e6
