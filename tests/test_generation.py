@@ -353,3 +353,25 @@ def test_every_kind_comes_back_from_a_checkpoint_with_the_same_logits(name, tmp_
     idx = torch.randint(0, 300, (2, 20))
     with torch.no_grad():
         assert torch.equal(loaded(idx), model(idx))
+
+
+def test_a_compiled_prefill_runs_once_and_the_later_chunks_of_a_long_prompt_run_eagerly(monkeypatch):
+    """The cache's fill level is a constant of a compiled graph: compiling each later chunk would
+    cost a compilation per chunk for one use, so only the first chunk goes through it."""
+    import lm.generation.decode as decode
+
+    model = make_model("softmax-gqa")
+    calls = []
+
+    def counting(m):
+        def prefill(idx, cache):
+            calls.append(idx.shape[1])
+            return m(idx, cache=cache)
+        return prefill, m.decode_step
+
+    monkeypatch.setattr(decode, "compiled_functions", counting)
+    prompt = list(range(1, 41))
+    compiled = decode.Generation(model, [prompt], 6, Sampling(), prefill_chunk=16, compile=True)
+    eager = decode.Generation(model, [prompt], 6, Sampling(), prefill_chunk=16)
+    assert [t for step in compiled for t in step] == [t for step in eager for t in step]
+    assert calls == [16]  # chunks of 16, 16 and 8: the first through the compiled prefill only

@@ -289,3 +289,26 @@ def test_the_committed_results_still_render_to_their_committed_tables(study):
     for plot in plots:
         assert (plot(results["records"]) is not None) == (plot is not lm_loss_plot or "lm" in tasks)
     pyplot().close("all")
+
+
+def test_a_stop_wrapped_in_a_librarys_error_is_still_a_stop():
+    """torch.compile raises InductorError from the SIGTERM that arrived while it compiled: the study
+    must still see the stop (one line, the arm continued later), not a failure with a traceback."""
+    from lm.studies.engine import interruption_within
+    from lm.util.errors import Interrupted
+
+    def wrapped(by_cause: bool) -> Exception:
+        try:
+            try:
+                raise Interrupted(15, "stopped by SIGTERM")
+            except Interrupted as stop:
+                if by_cause:
+                    raise RuntimeError("InductorError: compiling failed") from stop
+                raise RuntimeError("while handling it")  # noqa: B904 - the stop as the implicit context
+        except RuntimeError as e:
+            return e
+
+    for by_cause in (True, False):
+        found = interruption_within(wrapped(by_cause))
+        assert isinstance(found, Interrupted) and found.signum == 15
+    assert interruption_within(ValueError("a real failure")) is None

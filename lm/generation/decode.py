@@ -283,7 +283,10 @@ class Generation:
             raise GenerationError(f"compile=true needs every layer's cache to have decode(q, k, v, pos); {no_step} "
                                   "have only attend")
         for start in range(0, width, self.prefill_chunk):
-            logits = self.prefill_fn(batch[:, start:start + self.prefill_chunk], cache=self.cache)
+            # Only the first chunk through the compiled prefill: the cache's fill level is a constant of
+            # the compiled graph, so every later chunk would compile anew (seconds each) for one use.
+            prefill = self.prefill_fn if start == 0 else self.model
+            logits = prefill(batch[:, start:start + self.prefill_chunk], cache=self.cache)
         return logits[:, -1]  # (B, V)
 
     def _decode(self, next_ids: torch.Tensor) -> torch.Tensor:
@@ -322,7 +325,8 @@ def compiled_functions(model: Transformer):
     """(prefill, step) compiled: the one-token step as one graph with no breaks (fullgraph), and on
     CUDA captured as a CUDA graph ("reduce-overhead"); the prefill separately, with static shapes:
     each prompt width compiles once (symbolic chunk counts break inductor's views in the chunkwise
-    kinds), and past torch's recompile limit a width simply runs eagerly. torch.compile keeps its
+    kinds), and past torch's recompile limit a width simply runs eagerly. A prompt longer than one
+    prefill chunk runs its later chunks eagerly (Generation._prefill). torch.compile keeps its
     graphs with the code, so later generations of the same shapes reuse them."""
     on_cuda = next(model.parameters()).is_cuda
     step = torch.compile(model.decode_step, fullgraph=True, mode="reduce-overhead" if on_cuda else None)

@@ -207,6 +207,18 @@ def _run_each(arms: list[Arm], records: Path, describe: Callable[[dict], str], o
     return done
 
 
+def interruption_within(e: BaseException) -> BaseException | None:
+    """The stop a library wrapped in its own error (torch.compile's InductorError wraps a signal
+    that arrived while it compiled), so that a stop is still one line, not a traceback."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, (Interrupted, KeyboardInterrupt)):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def _run_one(arm: Arm, path: Path, prefix: str, resume: bool, earlier: float,
              describe: Callable[[dict], str]) -> dict:
     base = {"arm": arm.name, **arm.labels}
@@ -214,7 +226,13 @@ def _run_one(arm: Arm, path: Path, prefix: str, resume: bool, earlier: float,
     started = time.perf_counter() - earlier
     try:
         with signals_interrupt():
-            figures = run_logged(arm, resume)
+            try:
+                figures = run_logged(arm, resume)
+            except Exception as e:
+                stop = interruption_within(e)
+                if stop is None:
+                    raise
+                raise stop from None
     except (Interrupted, KeyboardInterrupt) as e:
         signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
         write_record(path, {**base, "interrupted": True, "seconds": time.perf_counter() - started,
