@@ -276,11 +276,12 @@ def test_the_sweep_and_the_seeds_make_one_arm_per_cell_rate_and_seed():
 
 def test_a_kind_of_its_own_settings_runs_fewer_cells_and_the_report_names_them():
     overrides = ("preset=quick", "kinds=[mha,additive]", "mqar.widths=[32,64]",
-                 "per_kind={additive: {mqar: {widths: [32], pairs: [2]}, speed: {contexts: [128]}}, "
+                 "per_kind={additive: {seeds: 2, mqar: {widths: [32], pairs: [2]}, speed: {contexts: [128]}}, "
                  "nokind: {seeds: 3}}")
     arms = planned(*overrides)
     names = [arm.name for arm in arms]
-    assert [n for n in names if n.startswith("mqar-additive")] == ["mqar-additive-d32-p2-lr0.003-s0"]
+    assert [n for n in names if n.startswith("mqar-additive")] == ["mqar-additive-d32-p2-lr0.003-s0",
+                                                                   "mqar-additive-d32-p2-lr0.003-s1"]
     assert len([n for n in names if n.startswith("mqar-mha")]) == 4  # 2 widths x 2 pairs: the others' grid stays
     speed = {arm.labels["kind"]: arm.settings["speed"]["contexts"] for arm in arms if arm.labels["task"] == "speed"}
     assert speed == {"mha": [128, 256], "additive": [128]}
@@ -290,9 +291,9 @@ def test_a_kind_of_its_own_settings_runs_fewer_cells_and_the_report_names_them()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         settings = OmegaConf.to_container(compose(config_name="compare", overrides=list(overrides)))
     table = "\n".join(recall_tables(records, settings))
-    assert "| additive | 0.500 |  |  |  |" in table
+    assert "| additive | 0.500 ± 0.000 |  |  |  |" in table
     assert ("Settings of their own (per_kind; a blank cell was not run): additive: mqar.widths=[32], "
-            "mqar.pairs=[2].") in table
+            "mqar.pairs=[2], seeds=2.") in table  # nokind is in no table: not named
 
 
 def test_a_diverged_run_is_a_result_of_the_sweep_and_the_best_of_the_others_is_reported():

@@ -43,6 +43,22 @@ def test_softcapped_path_equals_the_naive_capped_softmax_in_values_and_gradients
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
 
 
+@pytest.mark.parametrize("nh, nkv", [(4, 2), (4, 1), (6, 3)])
+@pytest.mark.parametrize("mask_kind", ["none", "per-row"])
+def test_one_query_per_head_folds_each_group_onto_its_kv_head_and_equals_the_naive_softmax(nh, nkv, mask_kind):
+    """The decoding step's path (one query per head, grouped K/V): each group's heads as rows of one
+    K/V head, against the plain per-head softmax with K/V copied out to every head."""
+    S = 9
+    q, k, v = qkv(1, S, nh, nkv)
+    visible = torch.rand(2, 1, 1, S) > 0.4 if mask_kind == "per-row" else torch.ones(1, S, dtype=torch.bool)
+    visible[..., 0] = True  # every row sees at least one key
+    fast = softmax_attention(q, k, v, mask=visible if mask_kind == "per-row" else None)
+    naive = masked_softmax_attention(q, k, v, visible)
+    torch.testing.assert_close(fast, naive, atol=1e-12, rtol=1e-12)
+    for a, b in zip(grads(fast, q, k, v), grads(naive, q, k, v), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
 def test_the_cap_acts_and_vanishes_as_it_grows():
     q, k, v = qkv(5, 5, scale=4.0)  # scores of several units, so a cap of 1 bends them
     plain = softmax_attention(q, k, v, causal=True)

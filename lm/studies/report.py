@@ -149,12 +149,16 @@ def sweep_entry(rs: list[dict], score: Callable[[dict], float], digits: int, ste
     return text + (f", {len(rs) - len(kept)} of {len(rs)} diverged" if len(kept) < len(rs) else "")
 
 
-def per_kind_note(settings: dict, task: str) -> list[str]:
-    """The kinds that ran with settings of their own for `task` (per_kind), as a line under its table."""
-    own = {kind: values[task] for kind, values in (settings.get("per_kind") or {}).items() if values.get(task)}
+def per_kind_note(settings: dict, task: str, kinds) -> list[str]:
+    """The kinds of the table (`kinds`) that ran with settings of their own for `task` (per_kind), as a
+    line under it."""
+    own = {kind: {**{f"{task}.{key}": value for key, value in (values.get(task) or {}).items()},
+                  **({"seeds": values["seeds"]} if task != "speed" and "seeds" in values else {})}
+           for kind, values in (settings.get("per_kind") or {}).items() if kind in kinds}
+    own = {kind: values for kind, values in own.items() if values}
     if not own:
         return []
-    named = "; ".join(f"{kind}: " + ", ".join(f"{task}.{key}={value}" for key, value in values.items())
+    named = "; ".join(f"{kind}: " + ", ".join(f"{key}={value}" for key, value in values.items())
                       for kind, values in own.items())
     return [f"Settings of their own (per_kind; a blank cell was not run): {named}.", ""]
 
@@ -202,7 +206,7 @@ def recall_tables(records: list[dict], settings: dict) -> list[str]:
                  for c, by_lr in by_cell.items()}
         lines.append(f"| {kind} | " + " | ".join(shown.get(c, "") for c in grid) + " |")
     lines.append("")
-    lines += per_kind_note(settings, "mqar")
+    lines += per_kind_note(settings, "mqar", cells)
     if len(lrs) > 1:
         lines += ["#### Every learning rate of the sweep", "",
                   "Mean accuracy over the seeds (mean steps taken, after early stopping"
@@ -258,7 +262,7 @@ def language_table(records: list[dict], settings: dict) -> list[str]:
                      + (f" ({failed} of {len(by_lr[lr])} diverged)" if failed else "")
                      + f" | {bits} | {mean_and_spread([r['train_tokens_per_s'] for r in rs])[0]:,.0f} |")
     lines.append("")
-    return lines + per_kind_note(settings, "lm")
+    return lines + per_kind_note(settings, "lm", cells)
 
 
 def speed_table(records: list[dict], settings: dict) -> list[str]:
@@ -305,7 +309,7 @@ def speed_table(records: list[dict], settings: dict) -> list[str]:
                + " | " + " | ".join(per_row_cache(by_key, c) for c in contexts) + " |"
                for kind, by_key in measured.items()),
              ""]
-    lines += per_kind_note(settings, "speed")
+    lines += per_kind_note(settings, "speed", measured)
     trained = sorted({c for by_context in training.values() for c in by_context})
     if trained:
         lines += ["### Training speed", "",
