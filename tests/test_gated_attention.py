@@ -45,9 +45,15 @@ def test_softcapped_path_equals_the_naive_capped_softmax_in_values_and_gradients
 
 @pytest.mark.parametrize("nh, nkv", [(4, 2), (4, 1), (6, 3)])
 @pytest.mark.parametrize("mask_kind", ["none", "per-row"])
-def test_one_query_per_head_folds_each_group_onto_its_kv_head_and_equals_the_naive_softmax(nh, nkv, mask_kind):
+@pytest.mark.parametrize("fold", [True, False])
+def test_one_query_per_head_folds_each_group_onto_its_kv_head_and_equals_the_naive_softmax(nh, nkv, mask_kind, fold,
+                                                                                           monkeypatch):
     """The decoding step's path (one query per head, grouped K/V): each group's heads as rows of one
-    K/V head, against the plain per-head softmax with K/V copied out to every head."""
+    K/V head (or SDPA's enable_gqa where that keeps more threads busy), against the plain per-head
+    softmax with K/V copied out to every head."""
+    import lm.attention.scores as scores
+
+    monkeypatch.setattr(scores, "folds_on_cpu", lambda q, nkv: fold)
     S = 9
     q, k, v = qkv(1, S, nh, nkv)
     visible = torch.rand(2, 1, 1, S) > 0.4 if mask_kind == "per-row" else torch.ones(1, S, dtype=torch.bool)

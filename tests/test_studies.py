@@ -273,7 +273,8 @@ def test_decode_speed_counts_the_prompt_and_new_tokens_and_the_cache_they_fill()
     assert 1 < measured.tokens_per_s < 1e6 and 0 < measured.prefill_s < 60
 
 
-@pytest.mark.parametrize("study", ["compare", "compare/recall", "uptrain_study"])
+@pytest.mark.parametrize("study", ["compare", "compare/recall", "compare/recall-linear", "compare/speed",
+                                   "uptrain_study"])
 def test_the_committed_results_still_render_to_their_committed_tables(study):
     from lm.studies.report import ablation_table, comparison_table, lm_loss_plot, mqar_plot, uptraining_plot
 
@@ -286,8 +287,9 @@ def test_the_committed_results_still_render_to_their_committed_tables(study):
     assert table == (folder / "results.md").read_text()
     # every plot the study's records have something for (a recall-only study has no loss curves)
     tasks = {r.get("task") for r in results["records"]}
+    needs = {mqar_plot: "mqar", lm_loss_plot: "lm"}
     for plot in plots:
-        assert (plot(results["records"]) is not None) == (plot is not lm_loss_plot or "lm" in tasks)
+        assert (plot(results["records"]) is not None) == (needs.get(plot) in tasks if plot in needs else True)
     pyplot().close("all")
 
 
