@@ -455,19 +455,19 @@ def decoding_rows(speed: dict) -> tuple[list[tuple[int, int]], list[tuple[int, i
     """(batch, context) rows to decode, and those left out for holding more than
     `speed.max_batch_tokens` tokens (a 32k context 16 times over is 16 prefills of 32k)."""
     rows = [(batch, context) for batch in speed["batches"] for context in speed["contexts"]]
-    cap = speed.get("max_batch_tokens")
+    cap = speed["max_batch_tokens"]
     return ([r for r in rows if cap is None or r[0] * r[1] <= cap],
             [r for r in rows if cap is not None and r[0] * r[1] > cap])
 
 
 def speed_figures(run_cfg: DictConfig, speed: dict) -> dict:
+    """Every figure of a speed arm; `speed` as speed_settings fills it in."""
     vocab_size = run_cfg.data.vocab_size
     measured, left_out = decoding_rows(speed)
-    decode = [fresh_model_decoding(run_cfg, vocab_size, context, speed["new_tokens"], batch,
-                                   speed.get("compile", False))
+    decode = [fresh_model_decoding(run_cfg, vocab_size, context, speed["new_tokens"], batch, speed["compile"])
               for batch, context in measured]
     training = [fresh_model_training(run_cfg, vocab_size, context, speed["train_tokens"], speed["train_steps"])
-                for context in speed.get("train_contexts", [])]
+                for context in speed["train_contexts"]]
     params = Transformer(model_config_from(run_cfg, vocab_size)).num_params()
     return {"params": params, "decode": decode, "decode_left_out": [list(r) for r in left_out], "train": training}
 
