@@ -1,6 +1,7 @@
 """The attention benchmark's outputs: one command gives the table, the CSV and the plot."""
 
 import csv
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -91,15 +92,26 @@ def test_every_benchmark_row_times_its_op_on_the_inputs_it_names(row):
 @pytest.mark.slow
 def test_bench_decode_prints_every_contender_with_the_same_tokens():
     result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench.py"), "decode", "--new-tokens", "4", "--rounds", "1"],
+        [sys.executable, str(ROOT / "scripts" / "bench.py"), "decode", "--new-tokens", "4", "--rounds", "1",
+         "--batches", "3", "--batch-rounds", "1"],
         capture_output=True, text=True, timeout=900, check=True,
     )
-    rows = {line[:30].strip(): line[30:].split() for line in result.stdout.splitlines()[2:]}
-    assert set(rows) == {"transformers eager", "transformers static+compile", "lm eager", "lm compiled", "lm int8",
-                         "lm int8 compiled"}
+    batch_one, batched = result.stdout.split("\n\nbatch 3, prompts of 16 to 48 tokens")
+    # the table's rows, without the notes under it (llama.cpp missing, or its tokens differing)
+    table = [line for line in batch_one.splitlines()[2:] if not line.startswith(("llama.cpp rows:", "llama.cpp F32'"))]
+    rows = {line[:34].strip(): line[34:].split() for line in table}
+    ours = {"lm eager", "lm compiled", "lm int8 dynamic", "lm int8 dynamic compiled", "lm int8 dequant",
+            "lm int8 dequant compiled"}
+    llama_cpp = {"llama.cpp F32", "llama.cpp Q8_0"} if importlib.util.find_spec("llama_cpp") else set()
+    assert set(rows) == {"transformers eager", "transformers static+compile", *ours, *llama_cpp}
     # transformers and lm decode the same weights: the same greedy tokens, eager and compiled
     assert all(rows[name][-1] == "True" for name in ("transformers eager", "transformers static+compile",
                                                      "lm compiled"))
+    rows = {line[:34].strip(): line[34:].split() for line in batched.splitlines()[2:]}
+    assert set(rows) == {"transformers eager", "lm eager", "lm compiled", "lm int8 dynamic compiled",
+                         "lm int8 dequant compiled"}
+    # rows of different lengths, left-padded for transformers, ragged for lm: the same tokens
+    assert rows["transformers eager"][-1] == "True" and rows["lm compiled"][-1] == "True"
 
 
 def test_train_variants_are_softmax_options_checked_before_any_model_is_built(capsys):

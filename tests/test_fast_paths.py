@@ -74,11 +74,31 @@ def test_the_two_int8_kernels_compute_the_same_product():
     torch.testing.assert_close(dequant(x), x @ (q.float() * scales[:, None]).T, atol=1e-5, rtol=1e-5)
 
 
+def test_dynamic_int8_is_the_product_of_the_rounded_activations_and_weights():
+    """The naive twin in float64: each activation row and each weight row rounded to its own int8
+    grid, multiplied as floats. torch._int_mm's int32 sums are exact, so only float32's last bits differ."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 40, bias=False)
+    x = torch.randn(2, 7, 96) * torch.logspace(-2, 1, 7)[:, None]  # rows of very different scales
+    x[1, 3] = 0  # a zero row: its scale is 1, its output 0
+    q, scales = quantize_per_channel(linear.weight)
+    rows = x.reshape(-1, 96).double()  # (14, 96)
+    row_scales = (rows.abs().amax(1, keepdim=True) / 127).where(rows.abs().amax(1, keepdim=True) > 0,
+                                                                torch.ones(14, 1, dtype=torch.float64))
+    naive = torch.round(rows / row_scales) * row_scales @ (q.double() * scales.double()[:, None]).T  # (14, 40)
+    out = Int8Linear(linear, "dynamic")(x)
+    assert out.shape == (2, 7, 40) and out[1, 3].eq(0).all()
+    torch.testing.assert_close(out.reshape(14, 40).double(), naive, atol=1e-5, rtol=1e-5)
+    # and it stays near the float product: each factor is off by at most half a step of its row
+    torch.testing.assert_close(out, linear(x), atol=0.05 * linear(x).abs().max().item(), rtol=0)
+
+
 def test_int8_model_keeps_logits_close_and_holds_int8_matmul_weights():
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=300, n_layer=2, d_model=64, n_head=4, n_kv_head=2, d_ff=128,
                                     max_seq_len=64)).eval()
-    quantized = quantize_int8(model)
+    quantized = quantize_int8(model)  # the default kernel, dynamic: activations int8 as well
+    assert {m.kernel for m in quantized.modules() if isinstance(m, Int8Linear)} == {"dynamic"}
     assert all(not isinstance(m, torch.nn.Linear) for m in quantized.modules())
     assert isinstance(model.head, torch.nn.Linear)  # the original is untouched
     idx = torch.randint(0, 300, (2, 30))
@@ -104,8 +124,9 @@ def test_int8_decoding_agrees_with_fp32_on_a_trained_model(tmp_path, small_corpu
     text = (small_corpus / sorted(p.name for p in small_corpus.iterdir())[-1]).read_text()[:4000]
     idx = torch.tensor([tokenizer.encode(text).ids[:32]])
     with torch.no_grad():
-        agree = (model(idx).argmax(-1) == quantize_int8(model)(idx).argmax(-1)).float().mean().item()
-    assert agree >= 0.9
+        for kernel in ("dynamic", "dequant"):
+            agree = (model(idx).argmax(-1) == quantize_int8(model, kernel)(idx).argmax(-1)).float().mean().item()
+            assert agree >= 0.9, kernel
     prompt = idx[:, :8]
     assert len(generate(quantize_int8(model), prompt, 8)[0]) == 16  # and it decodes through every cache
 

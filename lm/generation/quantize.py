@@ -1,19 +1,24 @@
-"""Weight-only int8 quantization for decoding.
+"""int8 matmuls for decoding.
 
 Every nn.Linear of the model (Q/K/V, output, gate/up, down and the head) keeps its weight as
-int8 with one float scale per output channel (symmetric, absmax / 127), and its inputs and
-outputs stay float: the matmul reads a quarter of the bytes, which is what bounds a batch-1
-decoding step. The token embedding stays float (it is a lookup, not a matmul), so a tied head
-gets an int8 copy of its own.
+int8 with one float scale per output channel (symmetric, absmax / 127): the matmul reads a
+quarter of the bytes, which is what bounds a batch-1 decoding step. The token embedding stays
+float (it is a lookup, not a matmul), so a tied head gets an int8 copy of its own.
 
-Two kernels compute the same product, chosen explicitly (`kernel=`), never by detection:
-- "dequant": w_int8 -> float, one matmul, times the scales: plain PyTorch, any device; under
-  torch.compile the conversion fuses into the step;
-- "int8pack": `torch.ops.aten._weight_int8pack_mm`, PyTorch's CPU/GPU weight-only int8 kernel.
+Three kernels, chosen explicitly (`kernel=`, `int8_kernel=` on the command line), never by detection:
+- "dynamic" (the default): the activations are quantized too, each row (token) with its own
+  absmax / 127 scale computed at run time, and `torch._int_mm` multiplies int8 by int8 into
+  int32 (oneDNN's VNNI / AVX2 integer kernels on x86): the only one that is faster than fp32 on
+  the CPU, 2-5x per matmul at decoding's shapes (docs/performance.md);
+- "dequant": weights only; w_int8 -> float, one matmul, times the scales: plain PyTorch, any
+  device, about fp32's speed on the CPU (the conversion costs what the smaller read saves);
+- "int8pack": weights only, `torch.ops.aten._weight_int8pack_mm`, PyTorch's weight-only int8
+  kernel (several times slower than fp32 on the CPU measured).
 
-Accuracy: each weight is off by at most half its row's step (scale / 2). The logits stay within
-5% of their own standard deviation (tests/test_fast_paths.py); on trained models the greedy next
-token agrees with fp32's at the rate `scripts/bench.py generate` reports.
+Accuracy: each weight is off by at most half its row's step (scale / 2), and with "dynamic" each
+activation by half its row's step as well. The logits stay within 5% of their own standard
+deviation (tests/test_fast_paths.py); on a trained model the greedy next token agrees with fp32's
+at the rate `scripts/bench.py int8` reports.
 
 Shapes: M rows of input, K input features, N output features.
 """
@@ -28,7 +33,7 @@ from torch import nn
 
 from lm.util.errors import GenerationError
 
-KERNELS = ("dequant", "int8pack")
+KERNELS = ("dynamic", "dequant", "int8pack")
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,10 +62,28 @@ def _(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tens
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) float -> int8 (M, K) and scales (M, 1) with x ~= int8 * scales, each row its own
+    absmax / 127 (a row of zeros gets scale 1)."""
+    absmax = x.abs().amax(dim=1, keepdim=True)  # (M, 1)
+    scales = torch.where(absmax > 0, absmax / 127, torch.ones_like(absmax))
+    return torch.round(x / scales).to(torch.int8), scales
+
+
+def dynamic_int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x (..., K) float, weight (N, K) int8, scales (N,) -> (..., N): x quantized per row, then an
+    int8 x int8 -> int32 matmul, exact, rescaled by both scales."""
+    flat = x.reshape(-1, x.shape[-1])  # (M, K)
+    q, row_scales = quantize_rows(flat)
+    acc = torch._int_mm(q, weight.t())  # (M, N) int32
+    out = acc.to(x.dtype) * row_scales * scales  # (M, N)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
 class Int8Linear(nn.Module):
     """y = x W^T with W held as int8 (N, K) and per-output-channel float scales (N,)."""
 
-    def __init__(self, linear: nn.Linear, kernel: str = "dequant"):
+    def __init__(self, linear: nn.Linear, kernel: str = "dynamic"):
         super().__init__()
         if linear.bias is not None:
             raise GenerationError("int8: a Linear with a bias is not supported (lm's layers have none)")
@@ -77,13 +100,15 @@ class Int8Linear(nn.Module):
             flat = x.reshape(-1, self.in_features)  # (M, K): the kernel takes 2-D inputs
             out = torch.ops.aten._weight_int8pack_mm(flat, self.weight, self.scales)  # (M, N)
             return out.view(*x.shape[:-1], self.out_features)
+        if self.kernel == "dynamic":
+            return dynamic_int8_linear(x, self.weight, self.scales)
         return int8_linear(x, self.weight, self.scales)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8, kernel={self.kernel}"
 
 
-def quantize_int8(model: nn.Module, kernel: str = "dequant") -> nn.Module:
+def quantize_int8(model: nn.Module, kernel: str = "dynamic") -> nn.Module:
     """A copy of `model` whose every nn.Linear is an Int8Linear; the original is left untouched."""
     quantized = copy.deepcopy(model)
     for parent in list(quantized.modules()):

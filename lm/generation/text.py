@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 from lm.data.tokenizer import EOT
 from lm.formats.checkpoint import load
 from lm.generation.decode import Generation, Sampling, check_settings, stop_strings
-from lm.generation.quantize import quantize_int8, weight_bytes
+from lm.generation.quantize import KERNELS, Int8Linear, quantize_int8, weight_bytes
 from lm.util.checks import as_list, check_device, require_bool
 from lm.util.errors import GenerationError
 from lm.util.paths import resolve_path
@@ -62,6 +62,11 @@ def check_run_settings(cfg: DictConfig) -> tuple[Sampling, list[str]]:
     check_device(cfg.device)
     if cfg.quantize not in (None, "int8"):
         raise GenerationError(f"quantize={cfg.quantize!r} must be null or int8")
+    if cfg.int8_kernel not in KERNELS:
+        raise GenerationError(f"int8_kernel={cfg.int8_kernel!r} must be one of {list(KERNELS)}")
+    if cfg.quantize and cfg.int8_kernel == "dynamic" and str(cfg.device).startswith("cuda"):
+        # torch._int_mm on CUDA needs more than 16 rows, which a decoding step does not have.
+        raise GenerationError("int8_kernel=dynamic runs on the CPU; on cuda use int8_kernel=dequant")
     require_bool("stats", cfg.stats, GenerationError)
     return sampling, stop
 
@@ -80,7 +85,7 @@ def generate_text(cfg: DictConfig, out: TextIO | None = None, err: TextIO | None
     prompts = read_prompts(cfg)
     model, tokenizer = load(resolve_path(cfg.ckpt), device=cfg.device)
     if cfg.quantize is not None:
-        model = quantize_int8(model)
+        model = quantize_int8(model, cfg.int8_kernel)
     ids = [tokenizer.encode(p).ids for p in prompts]
     run = Generation(model, ids, cfg.max_new_tokens, sampling, stop=stop, tokenizer=tokenizer,
                      eos_id=tokenizer.token_to_id(EOT), use_cache=cfg.use_cache, seed=cfg.seed, truncate=cfg.truncate,
@@ -120,6 +125,12 @@ def _stream_one(run: Generation, prompt: str, n_prompt: int, tokenizer, stop: li
     return prompt + text
 
 
+def _int8_note(model) -> str:
+    """' (int8, kernel dynamic)' for a quantized model, so the statistics say which kernel ran."""
+    kernels = sorted({m.kernel for m in model.modules() if isinstance(m, Int8Linear)})
+    return f" (int8, kernel {', '.join(kernels)})" if kernels else ""
+
+
 def _print_stats(run: Generation, err: TextIO) -> None:
     s = run.stats
     decode_rate = s["new_tokens"] / s["decode_s"] if s.get("decode_s") else 0.0
@@ -130,7 +141,7 @@ def _print_stats(run: Generation, err: TextIO) -> None:
     per_token = s["cache_bytes"] / tokens if tokens else 0.0
     err.write(f"prompt tokens {s['prompt_tokens']}, new tokens {s['new_tokens']}, prefill {s['prefill_s']:.3f} s, "
               f"decode {decode_rate:.1f} tokens/s, cache {s['cache_bytes']:,} bytes ({per_token:,.0f} per token), "
-              f"weights {weight_bytes(run.model):,} bytes\n")
+              f"weights {weight_bytes(run.model):,} bytes{_int8_note(run.model)}\n")
     if run.compiled and "first_step_s" in s:
         err.write(f"compiling: prefill {s['prefill_s']:.1f} s, first step {s['first_step_s']:.1f} s "
                   "(later runs of the same shapes in this process reuse the graphs)\n")

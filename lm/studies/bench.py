@@ -3,7 +3,9 @@
     python scripts/bench.py train       # training tokens/s vs transformers' LlamaForCausalLM, and MFU
     python scripts/bench.py attention   # time and peak memory of each attention kind vs sequence length
     python scripts/bench.py generate    # decode tokens/s, per-token latency and cache bytes per kind vs transformers
-    python scripts/bench.py decode      # eager, compiled and int8 decoding vs transformers, eager and compiled
+    python scripts/bench.py decode      # eager, compiled, int8 and llama.cpp decoding vs transformers, batch 1 and
+                                        # ragged batches (lm.studies.decode_bench)
+    python scripts/bench.py int8 --ckpt ...  # int8 against fp32 on a trained model
 
 The machine may be shared and noisy, so the contenders run in alternating rounds and each
 reports its median step time; compare the ratio, not a single absolute figure.
@@ -425,90 +427,6 @@ def bench_generate(args) -> None:
                 print(f"lm gqa / transformers decode tokens/s at {n} new tokens: {rates[GQA][n] / hf_rates[n]:.2f}x")
 
 
-# ---------------------------------------------------------------------------- decode: eager, compiled, int8
-
-
-def hf_static_compiled(hf: torch.nn.Module) -> torch.nn.Module:
-    """What a transformers user tries first for speed: a static KV cache and a compiled forward."""
-    import copy
-
-    hf = copy.deepcopy(hf)
-    hf.generation_config.cache_implementation = "static"
-    hf.forward = torch.compile(hf.forward, fullgraph=True)
-    return hf
-
-
-def bench_decode(args) -> None:
-    from lm.generation.decode import stream
-    from lm.generation.quantize import quantize_int8, weight_bytes
-
-    torch.manual_seed(0)
-    cfg = ModelConfig(**{**REFERENCE, "max_seq_len": args.prompt + args.new_tokens})
-    model = Transformer(cfg).eval()
-    int8 = quantize_int8(model, args.int8_kernel)
-    hf = hf_llama(cfg).eval()
-    hf.load_state_dict(_as_hf_state(model), strict=False)  # rotary inv_freq buffers are not weights
-    hf.generation_config.eos_token_id = None
-    hf.generation_config.pad_token_id = 0
-    hf_static = hf_static_compiled(hf)
-    prompt = torch.randint(0, cfg.vocab_size, (1, args.prompt))
-    n = args.new_tokens
-
-    def ours(m, compile: bool = False):
-        def run() -> list[int]:
-            return stream_tokens(stream(m, prompt, n, compile=compile))
-        return run
-
-    def theirs(m):
-        def run() -> list[int]:
-            with torch.no_grad():
-                out = m.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-            return out[0].tolist()
-        return run
-
-    contenders = {
-        "transformers eager": theirs(hf),
-        "transformers static+compile": theirs(hf_static),
-        "lm eager": ours(model),
-        "lm compiled": ours(model, compile=True),
-        "lm int8": ours(int8),
-        "lm int8 compiled": ours(int8, compile=True),
-    }
-    first_call, tokens = {}, {}
-    for name, run in contenders.items():  # the first call compiles where there is anything to compile
-        start = time.perf_counter()
-        tokens[name] = run()
-        first_call[name] = time.perf_counter() - start
-    times: dict[str, list[float]] = {name: [] for name in contenders}
-    for _ in range(args.rounds):  # alternate, so background load hits every contender alike
-        for name, run in contenders.items():
-            times[name].append(_timed(run))
-    print(f"greedy decoding, batch 1, {args.prompt}-token prompt, {n} new tokens, fp32, {torch.get_num_threads()} "
-          f"threads; reference shape (vocab 8192, 6 layers, d_model 384, 6 heads / 2 KV heads, SwiGLU 1024); "
-          f"median of {args.rounds} alternating rounds; int8 kernel {args.int8_kernel}")
-    print(f"{'':30}{'tokens/s':>10}{'vs transformers':>17}{'first call s':>14}{'weight MB':>11}{'same tokens':>13}")
-    base = statistics.median(times["transformers eager"])
-    for name in contenders:
-        seconds = statistics.median(times[name])
-        weights = weight_bytes(int8 if "int8" in name else model) / 2**20
-        same = tokens[name] == tokens["lm eager"]
-        print(f"{name:30}{n / seconds:10.1f}{base / seconds:16.2f}x{first_call[name]:14.1f}{weights:11.1f}"
-              f"{str(same):>13}")
-
-
-def stream_tokens(run) -> list[int]:
-    for _ in run:
-        pass
-    return run.tokens[0]
-
-
-def _as_hf_state(model: Transformer) -> dict:
-    """Our weights under transformers' Llama names, so both contenders decode the same function."""
-    from lm.formats.weights import to_hf_state_dict
-
-    return to_hf_state_dict(model.state_dict(), model.config)
-
-
 # ---------------------------------------------------------------------------- int8 accuracy
 
 
@@ -583,16 +501,22 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--kinds", nargs="+", choices=list(attention_rows()), default=list(attention_rows()),
                      help="rows to time (default: every registered kind's benchmark settings)")
     gen.set_defaults(run=bench_generate)
-    dec = sub.add_parser("decode", help="eager, compiled and int8 decoding side by side with transformers")
-    dec.add_argument("--prompt", type=int, default=32, help="prompt tokens")
+    from lm.generation.quantize import KERNELS
+    from lm.studies.decode_bench import bench_decode
+
+    dec = sub.add_parser("decode", help="eager, compiled, int8 and llama.cpp decoding beside transformers")
+    dec.add_argument("--prompt", type=int, default=32, help="prompt tokens (batches: from half to 1.5x this)")
     dec.add_argument("--new-tokens", type=int, default=128)
     dec.add_argument("--rounds", type=int, default=5, help="alternating measured rounds; the median is kept")
-    dec.add_argument("--int8-kernel", choices=["dequant", "int8pack"], default="dequant")
+    dec.add_argument("--int8-kernels", nargs="*", choices=KERNELS, default=["dynamic", "dequant"],
+                     help="int8 rows, eager and compiled, one pair per kernel")
+    dec.add_argument("--batches", type=int, nargs="*", default=[16, 64], help="batch sizes of ragged prompts")
+    dec.add_argument("--batch-rounds", type=int, default=3, help="alternating rounds of each batched table")
     dec.set_defaults(run=bench_decode)
     q8 = sub.add_parser("int8", help="a trained checkpoint against its int8 copy on the built-in corpus")
     q8.add_argument("--ckpt", required=True, help="a training checkpoint or export folder")
     q8.add_argument("--tokens", type=int, default=50_000, help="validation tokens scored")
-    q8.add_argument("--int8-kernel", choices=["dequant", "int8pack"], default="dequant")
+    q8.add_argument("--int8-kernel", choices=KERNELS, default="dynamic")
     q8.set_defaults(run=bench_int8)
     return parser
 

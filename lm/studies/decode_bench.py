@@ -1,0 +1,177 @@
+"""`scripts/bench.py decode`: every way `lm` decodes, beside transformers and llama.cpp, in one run.
+
+Batch 1, one prompt, the reference shape: transformers' eager `generate` and its static cache with
+torch.compile; ours eager, compiled, and int8 with each kernel asked for (eager and compiled); and,
+when llama-cpp-python is installed, llama.cpp running the same weights exported to GGUF (F32 and
+Q8_0) with the same prompt, threads and new tokens. Then batches of ragged prompts (each row a
+different length) beside transformers' batched `generate`.
+
+The contenders of a table run in alternating rounds and each keeps its median time, so background
+load hits all of them alike: compare the ratios, not one absolute figure.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from lm import ModelConfig, Transformer, generate
+from lm.formats.weights import to_hf_state_dict
+from lm.generation.quantize import quantize_int8, weight_bytes
+from lm.studies.bench import REFERENCE, _timed, hf_llama
+
+
+def hf_static_compiled(hf: torch.nn.Module) -> torch.nn.Module:
+    """What a transformers user tries first for speed: a static KV cache and a compiled forward."""
+    hf = copy.deepcopy(hf)
+    hf.generation_config.cache_implementation = "static"
+    hf.forward = torch.compile(hf.forward, fullgraph=True)
+    return hf
+
+
+def as_hf_state(model: Transformer) -> dict:
+    """Our weights under transformers' Llama names, so both contenders decode the same function."""
+    return to_hf_state_dict(model.state_dict(), model.config)
+
+
+Run = Callable[[], list[list[int]]]  # one decoding run: every row's prompt and new tokens
+
+
+def ours(model: Transformer, prompts: list[list[int]], n: int, compile: bool = False) -> Run:
+    return lambda: generate(model, prompts, n, compile=compile)
+
+
+def theirs(hf: torch.nn.Module, prompts: list[list[int]], n: int) -> Run:
+    """transformers' greedy `generate` over the prompts, left-padded with an attention mask as its
+    docs ask for batches; returns each row without its padding."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # (B, width)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])  # (B, width)
+
+    def run() -> list[list[int]]:
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        return [row[width - len(p):] for p, row in zip(prompts, out.tolist(), strict=True)]
+
+    return run
+
+
+def llama_cpp_runs(model: Transformer, prompt: list[int], n: int, folder: Path) -> dict[str, tuple[Run, float]]:
+    """{'llama.cpp F32': (run, weight MB), 'llama.cpp Q8_0': ...} on `model`'s weights, or {} when
+    llama-cpp-python is not installed. The GGUF files need a tokenizer; a small byte-level BPE
+    stands in (the prompt is token ids, so its merges never matter) and the unused ids are padding."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return {}
+    from lm.data.tokenizer import train_tokenizer
+    from lm.formats.gguf import export_gguf
+
+    tokenizer = train_tokenizer(iter([Path(__file__).read_text()]), model.config.vocab_size)
+    runs = {}
+    for dtype, label in (("f32", "F32"), ("q8_0", "Q8_0")):
+        path = export_gguf(model, tokenizer, folder / f"reference-{dtype}.gguf", dtype)
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=len(prompt) + n, n_batch=len(prompt),
+                              n_threads=torch.get_num_threads(), n_threads_batch=torch.get_num_threads(),
+                              verbose=False, seed=0)
+
+        def run(llm=llm) -> list[list[int]]:
+            llm.reset()  # from an empty cache every time: no reuse of the previous run's prompt
+            new = []
+            for token in llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
+                new.append(token)
+                if len(new) == n:
+                    break
+            return [prompt + new]
+
+        runs[f"llama.cpp {label}"] = (run, path.stat().st_size / 2**20)
+    return runs
+
+
+def alternate(contenders: dict[str, Run], rounds: int) -> tuple[dict, dict, dict]:
+    """(tokens, first call seconds, median seconds) of each contender: one call each first (it
+    compiles, where there is anything to compile), then `rounds` rounds in turn."""
+    tokens, first = {}, {}
+    for name, run in contenders.items():
+        start = time.perf_counter()
+        tokens[name] = run()
+        first[name] = time.perf_counter() - start
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(rounds):
+        for name, run in contenders.items():
+            times[name].append(_timed(run))
+    return tokens, first, {name: statistics.median(t) for name, t in times.items()}
+
+
+def ragged_prompts(batch: int, length: int, vocab_size: int) -> list[list[int]]:
+    """`batch` random prompts whose lengths spread evenly from length/2 to 3*length/2."""
+    lengths = torch.linspace(length // 2, 3 * length // 2, batch).round().int().tolist()
+    return [torch.randint(1, vocab_size, (n,)).tolist() for n in lengths]
+
+
+def bench_decode(args) -> None:
+    torch.manual_seed(0)
+    n = args.new_tokens
+    widest = 3 * args.prompt // 2 if args.batches else args.prompt  # the longest prompt of any table
+    cfg = ModelConfig(**{**REFERENCE, "max_seq_len": widest + n})
+    model = Transformer(cfg).eval()
+    hf = hf_llama(cfg).eval()
+    hf.load_state_dict(as_hf_state(model), strict=False)  # rotary inv_freq buffers are not weights
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    int8 = {kernel: quantize_int8(model, kernel) for kernel in args.int8_kernels}
+    prompt = [torch.randint(1, cfg.vocab_size, (args.prompt,)).tolist()]
+    threads = torch.get_num_threads()
+
+    contenders = {"transformers eager": theirs(hf, prompt, n),
+                  "transformers static+compile": theirs(hf_static_compiled(hf), prompt, n),
+                  "lm eager": ours(model, prompt, n), "lm compiled": ours(model, prompt, n, compile=True)}
+    weights_mb = dict.fromkeys(contenders, weight_bytes(model) / 2**20)
+    for kernel, quantized in int8.items():
+        for suffix, compile in (("", False), (" compiled", True)):
+            contenders[f"lm int8 {kernel}{suffix}"] = ours(quantized, prompt, n, compile=compile)
+            weights_mb[f"lm int8 {kernel}{suffix}"] = weight_bytes(quantized) / 2**20
+    with tempfile.TemporaryDirectory() as folder:
+        llama_cpp = llama_cpp_runs(model, prompt[0], n, Path(folder))
+        for name, (run, mb) in llama_cpp.items():
+            contenders[name], weights_mb[name] = run, mb
+        tokens, first, seconds = alternate(contenders, args.rounds)
+    print(f"greedy decoding, batch 1, {args.prompt}-token prompt, {n} new tokens, fp32, {threads} threads; "
+          f"reference shape (vocab 8192, 6 layers, d_model 384, 6 heads / 2 KV heads, SwiGLU 1024); "
+          f"median of {args.rounds} alternating rounds")
+    print(f"{'':34}{'tokens/s':>10}{'vs transformers':>17}{'vs lm eager':>13}{'first call s':>14}{'weight MB':>11}"
+          f"{'same tokens':>13}")
+    for name in contenders:
+        print(f"{name:34}{n / seconds[name]:10.1f}{seconds['transformers eager'] / seconds[name]:16.2f}x"
+              f"{seconds['lm eager'] / seconds[name]:12.2f}x{first[name]:14.1f}{weights_mb[name]:11.1f}"
+              f"{str(tokens[name] == tokens['lm eager']):>13}")
+    if not llama_cpp:
+        print("llama.cpp rows: llama-cpp-python is not installed (pip install -e '.[llama]')")
+    elif tokens["llama.cpp F32"] != tokens["lm eager"]:
+        print("llama.cpp F32's greedy tokens differ from ours (its KV cache is f16: a near-tie can flip)")
+    for batch in args.batches:
+        bench_batched(model, hf, int8, batch, args)
+
+
+def bench_batched(model: Transformer, hf: torch.nn.Module, int8: dict, batch: int, args) -> None:
+    """Tokens/s of every row together, prompts of different lengths in one batch."""
+    n = args.new_tokens
+    prompts = ragged_prompts(batch, args.prompt, model.config.vocab_size)
+    contenders = {"transformers eager": theirs(hf, prompts, n), "lm eager": ours(model, prompts, n),
+                  "lm compiled": ours(model, prompts, n, compile=True)}
+    for kernel, quantized in int8.items():
+        contenders[f"lm int8 {kernel} compiled"] = ours(quantized, prompts, n, compile=True)
+    tokens, first, seconds = alternate(contenders, args.batch_rounds)
+    lengths = sorted(map(len, prompts))
+    print(f"\nbatch {batch}, prompts of {lengths[0]} to {lengths[-1]} tokens, {n} new tokens each; "
+          f"median of {args.batch_rounds} alternating rounds")
+    print(f"{'':34}{'tokens/s':>10}{'vs transformers':>17}{'first call s':>14}{'same tokens':>13}")
+    for name in contenders:
+        print(f"{name:34}{batch * n / seconds[name]:10.1f}{seconds['transformers eager'] / seconds[name]:16.2f}x"
+              f"{first[name]:14.1f}{str(tokens[name] == tokens['lm eager']):>13}")
