@@ -93,10 +93,12 @@ def test_every_benchmark_row_times_its_op_on_the_inputs_it_names(row):
 def test_bench_decode_prints_every_contender_with_the_same_tokens():
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench.py"), "decode", "--new-tokens", "4", "--rounds", "1",
-         "--batches", "3", "--batch-rounds", "1"],
+         "--batches", "3", "--batch-rounds", "1", "--contexts", "64", "256", "--context-batches", "1", "2",
+         "--context-steps", "2", "--eager-long", "--context-kinds", "softmax-mha", "linear", "sliding"],
         capture_output=True, text=True, timeout=900, check=True,
     )
-    batch_one, batched = result.stdout.split("\n\nbatch 3, prompts of 16 to 48 tokens")
+    batch_one, rest = result.stdout.split("\n\nbatch 3, prompts of 16 to 48 tokens")
+    batched, long_context, ratios = rest.split("\n\n")
     # the table's rows, without the notes under it (llama.cpp missing, or its tokens differing)
     table = [line for line in batch_one.splitlines()[2:] if not line.startswith(("llama.cpp rows:", "llama.cpp F32'"))]
     rows = {line[:34].strip(): line[34:].split() for line in table}
@@ -112,6 +114,13 @@ def test_bench_decode_prints_every_contender_with_the_same_tokens():
                          "lm int8 dequant compiled"}
     # rows of different lengths, left-padded for transformers, ragged for lm: the same tokens
     assert rows["transformers eager"][-1] == "True" and rows["lm compiled"][-1] == "True"
+    # every kind asked for at every context x batch, and its ratio to MHA's
+    lines = long_context.splitlines()
+    assert all(cell in lines[1] for cell in ("64 x 1", "64 x 2", "256 x 1", "256 x 2", "cache MB @256"))
+    rates = {line.split()[0]: [float(v) for v in line.split()[2:6]] for line in lines[2:]}
+    assert set(rates) == {"softmax-mha", "linear", "sliding"} and all(r > 0 for row in rates.values() for r in row)
+    ratio_rows = {line.split()[0]: line.split()[1:] for line in ratios.splitlines()[1:]}
+    assert ratio_rows["softmax-mha"] == ["1.00x"] * 4 and set(ratio_rows) == set(rates)
 
 
 def test_train_variants_are_softmax_options_checked_before_any_model_is_built(capsys):

@@ -100,8 +100,24 @@ def test_data_mqar_is_not_a_text_corpus():
 
     with pytest.raises(DataError, match=r"^data=mqar is a generated recall task, not a text corpus: only training"):
         build_corpus(OmegaConf.create({"source": "mqar"}))
-    with pytest.raises(DataError, match=r"^data.source='csv' is not one of 'pystdlib', 'text', 'hf' \(or 'mqar'"):
+    with pytest.raises(DataError, match=r"^data.source='csv' is not one of 'pystdlib', 'pystdlib_tests', 'text', "
+                                         r"'hf' \(or 'mqar'"):
         build_corpus(OmegaConf.create({"source": "csv"}))
+
+
+def test_the_stdlib_test_suites_are_text_the_built_in_corpus_never_contains():
+    from omegaconf import OmegaConf
+
+    from lm.data.corpora import TEST_SUITE_DIRS, build_corpus
+
+    def ids(name: str) -> set[str]:
+        corpus = build_corpus(OmegaConf.load(Path(__file__).parents[1] / "conf" / "data" / f"{name}.yaml"))
+        return {doc_id for doc_id, _ in corpus.documents()}
+
+    train, held_out = ids("pystdlib"), ids("pystdlib_tests")
+    assert train and held_out and not train & held_out
+    assert all(TEST_SUITE_DIRS & set(Path(i).parts[:-1]) for i in held_out)
+    assert not any(TEST_SUITE_DIRS & set(Path(i).parts[:-1]) for i in train)
 
 
 def test_corpus_smaller_than_a_sequence_is_refused(tmp_path):

@@ -51,16 +51,24 @@ def files_corpus(name: str, files: list[Path], root: Path | None = None) -> Corp
     return Corpus(name, fingerprint, documents)
 
 
-def pystdlib_corpus() -> Corpus:
-    """The `.py` files of this interpreter's standard library, without its test suites."""
+TEST_SUITE_DIRS = {"test", "tests", "idle_test"}
+
+
+def pystdlib_corpus(test_suites: bool = False) -> Corpus:
+    """The `.py` files of this interpreter's standard library without its test suites, or
+    (`test_suites=True`, data=pystdlib_tests) only those: text no model trained on `pystdlib` saw."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = [
-        p for p in root.rglob("*.py")
-        if not SKIPPED_STDLIB_DIRS.intersection(p.relative_to(root).parts[:-1])
-    ]
+    files = []
+    for p in root.rglob("*.py"):
+        folders = set(p.relative_to(root).parts[:-1])
+        if folders & (SKIPPED_STDLIB_DIRS - TEST_SUITE_DIRS):  # installed packages, caches: never
+            continue
+        if bool(folders & TEST_SUITE_DIRS) == test_suites:
+            files.append(p)
+    name = "pystdlib_tests" if test_suites else "pystdlib"
     if not files:
-        raise DataError(f"data=pystdlib found no .py files under {root}")
-    return files_corpus("pystdlib", files, root)
+        raise DataError(f"data={name} found no .py files under {root}")
+    return files_corpus(name, files, root)
 
 
 def text_corpus(paths: list[str]) -> Corpus:
@@ -135,10 +143,10 @@ def hf_corpus(name: str, config_name: str | None, split: str, text_field: str,
 def build_corpus(data_cfg) -> Corpus:
     """The corpus a `data` config group describes."""
     source = data_cfg.get("source")
-    if source == "pystdlib":
+    if source in ("pystdlib", "pystdlib_tests"):
         if data_cfg.get("paths"):
-            raise DataError("data.paths is set but data=pystdlib; train on your files with data=text data.paths=[...]")
-        return pystdlib_corpus()
+            raise DataError(f"data.paths is set but data={source}; train on your files with data=text data.paths=[...]")
+        return pystdlib_corpus(test_suites=source == "pystdlib_tests")
     if source == "text":
         return text_corpus(list(data_cfg.get("paths") or []))
     if source == "hf":
@@ -148,7 +156,8 @@ def build_corpus(data_cfg) -> Corpus:
     if source == "mqar":  # training builds its recall examples before reaching here (lm.data.modules)
         raise DataError("data=mqar is a generated recall task, not a text corpus: only training reads it "
                         "(train.py data=mqar reports val/accuracy)")
-    raise DataError(f"data.source={source!r} is not one of 'pystdlib', 'text', 'hf' (or 'mqar' for training)")
+    raise DataError(f"data.source={source!r} is not one of 'pystdlib', 'pystdlib_tests', 'text', 'hf' "
+                    "(or 'mqar' for training)")
 
 
 # ------------------------------------------------------------------ split and tokenizer

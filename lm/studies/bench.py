@@ -502,7 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="rows to time (default: every registered kind's benchmark settings)")
     gen.set_defaults(run=bench_generate)
     from lm.generation.quantize import KERNELS
-    from lm.studies.decode_bench import bench_decode
+    from lm.studies.decode_bench import LONG_CONTEXT_KINDS, bench_decode
 
     dec = sub.add_parser("decode", help="eager, compiled, int8 and llama.cpp decoding beside transformers")
     dec.add_argument("--prompt", type=int, default=32, help="prompt tokens (batches: from half to 1.5x this)")
@@ -512,6 +512,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="int8 rows, eager and compiled, one pair per kernel")
     dec.add_argument("--batches", type=int, nargs="*", default=[16, 64], help="batch sizes of ragged prompts")
     dec.add_argument("--batch-rounds", type=int, default=3, help="alternating rounds of each batched table")
+    dec.add_argument("--contexts", type=int, nargs="*", default=[8192, 32768],
+                     help="long-context table: decoding at these cache fill levels (none: no table)")
+    dec.add_argument("--context-batches", type=int, nargs="+", default=[1, 8])
+    dec.add_argument("--context-kinds", nargs="+", choices=list(attention_rows()), default=LONG_CONTEXT_KINDS)
+    dec.add_argument("--context-steps", type=int, default=16, help="timed steps per cell (the median is kept)")
+    dec.add_argument("--eager-long", dest="compile_long", action="store_false",
+                     help="the long-context table with the eager step (default: compiled, as compile=true decodes)")
     dec.set_defaults(run=bench_decode)
     q8 = sub.add_parser("int8", help="a trained checkpoint against its int8 copy on the built-in corpus")
     q8.add_argument("--ckpt", required=True, help="a training checkpoint or export folder")

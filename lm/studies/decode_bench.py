@@ -157,6 +157,8 @@ def bench_decode(args) -> None:
         print("llama.cpp F32's greedy tokens differ from ours (its KV cache is f16: a near-tie can flip)")
     for batch in args.batches:
         bench_batched(model, hf, int8, batch, args)
+    if args.contexts:
+        bench_long_context(args)
 
 
 def bench_batched(model: Transformer, hf: torch.nn.Module, int8: dict, batch: int, args) -> None:
@@ -175,3 +177,60 @@ def bench_batched(model: Transformer, hf: torch.nn.Module, int8: dict, batch: in
     for name in contenders:
         print(f"{name:34}{batch * n / seconds[name]:10.1f}{seconds['transformers eager'] / seconds[name]:16.2f}x"
               f"{first[name]:14.1f}{str(tokens[name] == tokens['lm eager']):>13}")
+
+
+# ---------------------------------------------------------------------------- long contexts
+
+LONG_CONTEXT_KINDS = ["softmax-mha", "softmax-gqa", "softmax-mqa", "mla", "lowrank", "linear", "efficient",
+                      "gated_delta", "sliding"]
+
+
+def step_rate(model: Transformer, context: int, batch: int, compile: bool, steps: int) -> float:
+    """Tokens/s (every row's) of the fixed-shape decoding step generation uses, with `context` slots
+    already in each row's cache. The cache is advanced to `context` without a prefill: the step reads
+    every slot it would after a real prompt (the same shapes and masks) and its time does not depend
+    on what the slots hold, so the minutes a 32k prefill takes per row are not spent."""
+    from lm.attention.cache import GenerationCache
+
+    cache = GenerationCache(model, pad=torch.zeros(batch, dtype=torch.long), max_len=context + steps + 2)
+    cache.advance(context)
+    step = torch.compile(model.decode_step, fullgraph=True) if compile else model.decode_step
+    token = torch.zeros(batch, 1, dtype=torch.long)  # (B, 1)
+    times = []
+    with torch.no_grad():
+        for i in range(steps + 2):  # the first two untimed: compilation, first-touch allocations
+            pos = torch.tensor(cache.seen)
+            seconds = _timed(lambda pos=pos: step(token, cache, pos))
+            cache.advance(1)
+            if i >= 2:
+                times.append(seconds)
+    return batch / statistics.median(times)
+
+
+def bench_long_context(args) -> None:
+    """Every kind's decoding tokens/s at long contexts and batches, against MHA's."""
+    from lm.studies.bench import GENERATE_KV_HEADS, attention_rows, declared_cache_bytes, reference_model
+
+    cells = [(context, batch) for context in args.contexts for batch in args.context_batches]
+    labels = "".join(f"{f'{context_label(c)} x {b}':>11}" for c, b in cells)
+    print(f"\ndecoding at long contexts: reference shape, {'compiled' if args.compile_long else 'eager'} fixed-shape "
+          f"step, the cache advanced to the context without a prefill; median of {args.context_steps} steps")
+    cache_label = f"cache MB @{context_label(max(args.contexts))}"
+    print(f"{'tokens/s (context x batch)':28}{'kv heads':>9}{labels}{cache_label:>16}")
+    rows_of, rates = attention_rows(), {}
+    for name in args.context_kinds:
+        spec, example = rows_of[name]
+        n_kv_head = example.kv_heads(REFERENCE["n_head"], GENERATE_KV_HEADS)
+        model = reference_model(spec, n_kv_head, max_seq_len=max(args.contexts) + args.context_steps + 2)
+        rates[name] = [step_rate(model, c, b, args.compile_long, args.context_steps) for c, b in cells]
+        cache_mb = declared_cache_bytes(model, max(args.contexts)) / 2**20
+        print(f"{name:28}{n_kv_head:9}{''.join(f'{r:11.1f}' for r in rates[name])}{cache_mb:16.1f}", flush=True)
+    if "softmax-mha" in rates:
+        print(f"\n{'x MHA (context x batch)':37}{labels}")
+        for name, row in rates.items():
+            ratios = "".join(f"{r / m:10.2f}x" for r, m in zip(row, rates["softmax-mha"], strict=True))
+            print(f"{name:37}{ratios}")
+
+
+def context_label(tokens: int) -> str:
+    return f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
