@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from lm.attention import LayerShape, SlidingSpec, SoftmaxSpec, available_kinds
 from lm.attention.lowrank import LowRankSpec
@@ -132,3 +133,30 @@ def test_train_variants_are_softmax_options_checked_before_any_model_is_built(ca
         with pytest.raises(SystemExit) as exit_:
             build_parser().parse_args(["train", "--variants", bad])
         assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_int4_contender_is_the_product_with_its_4_bit_weights():
+    """bench.py kernels times PyTorch's int4 CPU kernel; what it times must be the matmul it claims:
+    x times the weight rounded to 16 levels per group of 32, in float64."""
+    from lm.studies.kernel_bench import INT4_GROUP, int4_kernel
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(128, 48, bias=False)
+    x = torch.randn(3, 128)
+    groups = linear.weight.detach().double().reshape(48, -1, INT4_GROUP)  # (N, K/32, 32)
+    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    scale = ((high - low) / 15).clamp(min=1e-6)
+    rounded = (torch.round((groups - low) / scale).clamp(0, 15) * scale + low).reshape(48, 128)
+    torch.testing.assert_close(int4_kernel(linear)(x).double(), x.double() @ rounded.T, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_bench_kernels_times_every_kernel_at_every_shape():
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "kernels", "--rounds", "1",
+                             "--repeats", "1"], capture_output=True, text=True, timeout=900, check=True)
+    lines = result.stdout.splitlines()
+    rows = {line[:34].strip(): line[34:].split() for line in lines[2:-1]}
+    assert {"fp32", "lm int8 dynamic", "lm int8 dequant", "lm int8 int8pack", "lm int8 dynamic compiled",
+            "aten int4 (group 32)"} <= set(rows)
+    assert all(len(cells) == 7 and all(float(c.rstrip("x")) > 0 for c in cells) for cells in rows.values())
+    assert rows["fp32"][-1] == "1.00x"

@@ -1,4 +1,4 @@
-"""Generation: prefill and the decoding loop (decode), sampling, weight-only int8 (quantize), and
+"""Generation: prefill and the decoding loop (decode), sampling, int8 matmuls (quantize), and
 the text command that scripts/generate.py runs (text)."""
 
 from lm.generation.decode import generate, stream

@@ -5,6 +5,7 @@
     python scripts/bench.py generate    # decode tokens/s, per-token latency and cache bytes per kind vs transformers
     python scripts/bench.py decode      # eager, compiled, int8 and llama.cpp decoding vs transformers, batch 1 and
                                         # ragged batches (lm.studies.decode_bench)
+    python scripts/bench.py kernels     # one decoding matmul through every int8/int4 kernel (lm.studies.kernel_bench)
     python scripts/bench.py int8 --ckpt ...  # int8 against fp32 on a trained model
 
 The machine may be shared and noisy, so the contenders run in alternating rounds and each
@@ -520,6 +521,13 @@ def build_parser() -> argparse.ArgumentParser:
     dec.add_argument("--eager-long", dest="compile_long", action="store_false",
                      help="the long-context table with the eager step (default: compiled, as compile=true decodes)")
     dec.set_defaults(run=bench_decode)
+    from lm.studies.kernel_bench import bench_kernels
+
+    kernels = sub.add_parser("kernels", help="one decoding matmul through every int8/int4 kernel to choose from")
+    kernels.add_argument("--rows", type=int, default=1, help="rows of input (tokens decoded at once)")
+    kernels.add_argument("--rounds", type=int, default=5)
+    kernels.add_argument("--repeats", type=int, default=20, help="calls per timing")
+    kernels.set_defaults(run=bench_kernels)
     q8 = sub.add_parser("int8", help="a trained checkpoint against its int8 copy on the built-in corpus")
     q8.add_argument("--ckpt", required=True, help="a training checkpoint or export folder")
     q8.add_argument("--tokens", type=int, default=50_000, help="validation tokens scored")

@@ -1,0 +1,88 @@
+"""`scripts/bench.py kernels`: one decoding matmul through every int8/int4 kernel there is to choose from.
+
+The reference shape's matmuls at decoding's row counts (1 token, or a batch of them), each through
+fp32 BLAS, `lm`'s three int8 kernels (lm.generation.quantize), PyTorch's int4 CPU kernel and, when
+torchao is installed, its int8 configurations, eager and compiled. This is the measurement
+`int8_kernel`'s default was chosen by; the kernels run in alternating rounds, medians kept.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import warnings
+from collections.abc import Callable
+
+import torch
+
+from lm.generation.quantize import KERNELS, Int8Linear
+from lm.studies.bench import REFERENCE, _timed
+
+# (in, out) of the reference shape's matmuls: fused Q/K/V (2 K/V heads), attention out, gate and up, down, head
+SHAPES = [(384, 384 + 2 * 128), (384, 384), (384, 2 * 1024), (1024, 384), (384, REFERENCE["vocab_size"])]
+PER_STEP = [6, 6, 6, 6, 1]  # how often each runs in one decoding step of the 6-layer model
+INT4_GROUP = 32
+
+
+def int4_kernel(linear: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+    """PyTorch's CPU weight-only int4 matmul (`_weight_int4pack_mm_for_cpu`): asymmetric 4-bit
+    weights in groups of 32 along the input, a scale and a zero point per group."""
+    w = linear.weight.detach()
+    n, k = w.shape
+    groups = w.reshape(n, k // INT4_GROUP, INT4_GROUP)  # (N, K/32, 32)
+    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)  # (N, K/32, 1) each
+    scale = ((high - low) / 15).clamp(min=1e-6)
+    q = torch.round((groups - low) / scale).clamp(0, 15).to(torch.int32).reshape(n, k)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    # the kernel's zero is the value of code 8: low + 8 * scale; (K/32, N, 2) scales and zeros
+    scales_zeros = torch.cat([scale, low + 8 * scale], -1).transpose(0, 1).contiguous()
+    return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, INT4_GROUP, scales_zeros)
+
+
+def torchao_kernels(linear: torch.nn.Linear) -> dict[str, Callable]:
+    """torchao's int8 configurations of this Linear, eager and compiled, or {} without torchao."""
+    try:
+        from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig, quantize_
+    except ImportError:
+        return {}
+    # torchao's tensor subclasses warn, once each, that torch's compile cache cannot hash them
+    warnings.filterwarnings("ignore", message=".*_stable_hash_for_caching")
+    kernels = {}
+    for name, config in (("torchao int8 dynamic", Int8DynamicActivationInt8WeightConfig()),
+                         ("torchao int8 weight-only", Int8WeightOnlyConfig())):
+        module = copy.deepcopy(linear)
+        quantize_(module, config)
+        kernels[name] = module
+        kernels[name + " compiled"] = torch.compile(module)
+    return kernels
+
+
+def bench_kernels(args) -> None:
+    torch.manual_seed(0)
+    print(f"one matmul of the reference shape, {args.rows} row(s) of input, {torch.get_num_threads()} threads; "
+          f"microseconds, median of {args.rounds} alternating rounds of {args.repeats} calls")
+    table = {}
+    for k, n in SHAPES:
+        torch._dynamo.reset()  # each shape's compiled kernels start afresh, far from the recompile limit
+        linear = torch.nn.Linear(k, n, bias=False)
+        x = torch.randn(args.rows, k)
+        kernels = {"fp32": linear, **{f"lm int8 {name}": Int8Linear(linear, name) for name in KERNELS}}
+        kernels["lm int8 dynamic compiled"] = torch.compile(kernels["lm int8 dynamic"])
+        kernels["aten int4 (group 32)"] = int4_kernel(linear)
+        kernels.update(torchao_kernels(linear))
+        times: dict[str, list[float]] = {name: [] for name in kernels}
+        with torch.no_grad():
+            for fn in kernels.values():
+                fn(x)  # compiles, where there is anything to compile
+            for _ in range(args.rounds):
+                for name, fn in kernels.items():
+                    times[name].append(_timed(lambda fn=fn, x=x: [fn(x) for _ in range(args.repeats)]) / args.repeats)
+        table[f"{k}x{n}"] = {name: statistics.median(t) * 1e6 for name, t in times.items()}
+    names = list(next(iter(table.values())))
+    print(f"{'kernel':34}" + "".join(f"{shape:>11}" for shape in table) + f"{'per step':>11}{'vs fp32':>10}")
+    step = {name: sum(n * row[name] for n, row in zip(PER_STEP, table.values(), strict=True)) for name in names}
+    for name in names:
+        print(f"{name:34}" + "".join(f"{row[name]:11.1f}" for row in table.values())
+              + f"{step[name]:11.0f}{step['fp32'] / step[name]:9.2f}x")
+    print("per step: the matmuls of one decoding step of the 6-layer model (each layer's four, then the head)")
+
