@@ -40,6 +40,21 @@ def test_every_kind_compiled_gives_the_eager_tokens(name):
     assert generate(model, prompts, 20, compile=True) == generate(model, prompts, 20)
 
 
+@pytest.mark.slow
+def test_compiled_decoding_of_models_with_other_head_counts_in_one_process():
+    """A process that compiles decoding for a GQA model at several batch sizes and then for an MHA
+    one: torch.compile has made the head count symbolic by then, and SDPA's enable_gqa refused the
+    symbolic bool it got (a TypeError); the tokens must be eager's for both."""
+    torch._dynamo.reset()
+    shape = dict(vocab_size=64, n_layer=1, d_model=32, n_head=4, d_ff=64)
+    gqa = Transformer(ModelConfig(**shape, n_kv_head=2, max_seq_len=40)).eval()
+    for batch in (1, 4, 8):
+        assert generate(gqa, [[1, 2, 3]] * batch, 4, compile=True) == generate(gqa, [[1, 2, 3]] * batch, 4)
+    mha = Transformer(ModelConfig(**shape, n_kv_head=4, max_seq_len=80)).eval()
+    for batch in (1, 2):
+        assert generate(mha, [[1, 2, 3]] * batch, 4, compile=True) == generate(mha, [[1, 2, 3]] * batch, 4)
+
+
 @pytest.mark.parametrize("name", list(KINDS))
 def test_the_training_forward_of_every_kind_is_one_graph(name):
     """No graph breaks: compile=true training compiles the whole forward of every kind."""

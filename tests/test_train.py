@@ -150,3 +150,67 @@ def test_a_run_says_each_line_once_and_ends_with_its_summary(train_config, tmp_p
                                             (3599.6, "1 h 00 min"), (11220, "3 h 07 min")])
 def test_wall_times_read_as_people_say_them(seconds, shown):
     assert format_seconds(seconds) == shown
+
+
+@pytest.mark.parametrize("accelerator, cuda, bf16_cpu, expected", [
+    ("auto", False, False, "32-true"),    # a CPU without bf16 instructions: bf16 matmuls ~100x slower
+    ("auto", False, True, "bf16-mixed"),  # AVX512-BF16 or AMX: ~3.5x fp32's matmul rate
+    ("auto", True, False, "bf16-mixed"),
+    ("cpu", False, True, "bf16-mixed"),
+    ("gpu", False, False, "bf16-mixed"),
+])
+def test_precision_auto_follows_what_the_hardware_multiplies_fast(monkeypatch, accelerator, cuda, bf16_cpu, expected):
+    from omegaconf import OmegaConf
+
+    from lm.training import run
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(run, "cpu_multiplies_bf16", lambda: bf16_cpu)
+    trainer = OmegaConf.create({"precision": "auto", "accelerator": accelerator})
+    assert run.pick_precision(trainer) == expected
+    assert run.pick_precision(OmegaConf.merge(trainer, {"precision": "32-true"})) == "32-true"  # asked for: kept
+
+
+def test_bf16_mixed_trains_with_the_fused_optimizer_and_clips_its_gradients(train_config):
+    """Lightning's mixed-precision plugin refuses gradient clipping with a fused AdamW (it guards
+    float16's scaler); bf16-mixed has no scaler, and the run clips and trains."""
+    from types import SimpleNamespace
+
+    from lm.training.module import LitLM
+
+    result = train(train_config("trainer.precision=bf16-mixed", "optim.fused=true", "trainer.gradient_clip_val=1.0"))
+    assert result["val_loss"] < 6.5  # it trained: ln(512) = 6.24 at initialisation, and it finished
+
+    lit = LitLM(lm.Transformer(lm.ModelConfig(vocab_size=64, n_layer=1, d_model=32, n_head=2, d_ff=64,
+                                               max_seq_len=16)), lm.training.module.OptimConfig(), total_steps=1)
+    for p in lit.parameters():
+        p.grad = torch.full_like(p, 10.0)
+    lit._trainer = SimpleNamespace(precision="bf16-mixed")
+    lit.configure_gradient_clipping(None, gradient_clip_val=0.5)
+    assert torch.nn.utils.get_total_norm([p.grad for p in lit.parameters()]).item() == pytest.approx(0.5, rel=1e-4)
+
+
+def test_freed_memory_is_kept_for_the_next_allocation():
+    """After keep_freed_memory, a 64 MB tensor comes from malloc's heap, not from pages mapped for
+    it alone (which the kernel zeroes and faults in anew on every training step)."""
+    import ctypes
+    import platform
+
+    from lm.util.memory import keep_freed_memory
+
+    if platform.libc_ver()[0] != "glibc":
+        assert not keep_freed_memory()
+        return
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                         "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = MallInfo2
+    assert keep_freed_memory()
+    mapped_before = libc.mallinfo2().hblkhd  # bytes in blocks malloc mapped one by one
+    big = torch.empty(64 * 2**20, dtype=torch.uint8)
+    big.fill_(1)
+    assert libc.mallinfo2().hblkhd == mapped_before
+    assert libc.mallinfo2().uordblks >= 64 * 2**20  # it is in the heap instead

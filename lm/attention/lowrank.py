@@ -30,6 +30,7 @@ from torch import nn
 from lm.attention.base import AttentionSpec, Example, LayerShape, register
 from lm.attention.cache import CacheSpec, GenerationCache, tensor_bytes
 from lm.attention.projections import GroupedQKV
+from lm.attention.scores import grouped
 from lm.util.checks import require_int
 from lm.util.errors import ConfigError
 
@@ -139,7 +140,7 @@ def lowrank_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, E: torc
     # The block each compressed slot summarises, counting prior blocks as -1 (seen by everyone).
     slot_block = torch.cat((torch.full((n_prior,), -1, device=q.device),
                             torch.arange(kc.shape[2] - n_prior, device=q.device) // r))
-    gqa = k.shape[1] != nh
+    gqa = grouped(k, q)
     outputs = []
     for start in range(0, T, QUERY_GROUP):
         first_pos, last_pos = q_offset + start, q_offset + min(T, start + QUERY_GROUP) - 1  # Python ints: no sync
@@ -217,7 +218,7 @@ class LowRankCache:
         sees_raw = torch.arange(L, device=k.device)[None, :] <= offset[:, None]  # (B, L): this block up to pos
         mask = torch.cat((sees_slot, sees_raw), dim=1)[:, None, None]  # (B, 1, 1, P + L)
         keys, values = torch.cat((self.kc, self.k), dim=2), torch.cat((self.vc, self.v), dim=2)  # (B, nkv, P + L, hs)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=nkv != q.shape[1])
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=grouped(keys, q))
 
     def nbytes(self) -> int:
         return tensor_bytes(self.kc, self.vc, self.k, self.v)

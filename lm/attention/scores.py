@@ -64,7 +64,15 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
         out = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask, scale=scale)  # (B, nkv, g, hs)
         return out.view(B, nh, 1, hs)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
-                                          enable_gqa=nkv != nh)
+                                          enable_gqa=grouped(k, q))
+
+
+def grouped(k: torch.Tensor, q: torch.Tensor) -> bool:
+    """Whether k (B, nkv, S, hs) has fewer heads than q (B, nh, T, hs): SDPA's enable_gqa. A Python
+    bool even where torch.compile has made the head count symbolic (after compiling models of
+    different head counts in one process), since SDPA refuses a symbolic one; the branch makes the
+    compiler decide it, with a guard."""
+    return True if k.shape[1] != q.shape[1] else False  # not bool(...): that would stay symbolic
 
 
 def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softcap: float,

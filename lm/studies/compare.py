@@ -400,8 +400,13 @@ def resumed(run_cfg: DictConfig, resume: bool) -> DictConfig:
     return OmegaConf.merge(run_cfg, {"resume": True}) if resume else run_cfg
 
 
+# Every arm trains in float32: `precision: auto` follows the machine (bf16-mixed on a GPU or on a CPU with
+# bf16 instructions), and one study's numbers must not depend on which machine ran which arm.
+ARM_PRECISION = "32-true"
+
+
 def _trainer(steps: int, val_every: int, val_batches: int | None) -> dict:
-    return {"max_steps": steps, "val_every_n_steps": val_every, "progress_bar": False,
+    return {"max_steps": steps, "val_every_n_steps": val_every, "progress_bar": False, "precision": ARM_PRECISION,
             **({"limit_val_batches": val_batches} if val_batches else {})}
 
 

@@ -269,6 +269,15 @@ class LitLM(L.LightningModule):
         self.last_val_step = self.global_step
         self.val_history.append((self.global_step, float(val_loss), float(accuracy), self.train_seconds))
 
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """Lightning's mixed-precision plugin refuses to clip for a fused optimizer, because float16's
+        gradient scaler would unscale inside it; bf16-mixed has no scaler, so its gradients are
+        clipped as they are, by norm, as the other precisions clip them."""
+        if gradient_clip_val and self.trainer.precision == "bf16-mixed" and gradient_clip_algorithm in (None, "norm"):
+            torch.nn.utils.clip_grad_norm_(self.parameters(), gradient_clip_val)
+            return
+        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
     def configure_optimizers(self):
         # Decay matmul weights only; norms and embeddings are not decayed (a tied head is the
         # embedding, so it is not decayed either).
