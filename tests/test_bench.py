@@ -160,3 +160,20 @@ def test_bench_kernels_times_every_kernel_at_every_shape():
             "aten int4 (group 32)"} <= set(rows)
     assert all(len(cells) == 7 and all(float(c.rstrip("x")) > 0 for c in cells) for cells in rows.values())
     assert rows["fp32"][-1] == "1.00x"
+
+
+@pytest.mark.slow
+def test_bench_int8_scores_a_trained_checkpoint_on_the_built_in_corpus(tmp_path, small_corpus):
+    from conftest import train_small_run
+
+    ckpt = train_small_run(tmp_path, small_corpus, "trainer.max_steps=20")
+    for kernel in ("dynamic", "dequant"):
+        result = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "int8", "--ckpt", str(ckpt),
+                                 "--tokens", "3000", "--int8-kernel", kernel],
+                                capture_output=True, text=True, timeout=900, check=True)
+        lines = result.stdout.splitlines()
+        assert f"validation tokens of the built-in corpus, int8 kernel {kernel}" in lines[0]
+        agreement = float(lines[1].split(": ")[1].rstrip("%"))
+        assert 80 <= agreement <= 100
+        fp32_loss, int8_loss = (float(part.split()[-1]) for part in lines[3].split(", "))
+        assert abs(fp32_loss - int8_loss) < 0.1

@@ -443,7 +443,7 @@ def bench_int8(args) -> None:
 
     model, tokenizer = load(args.ckpt)
     int8 = quantize_int8(model, args.int8_kernel)
-    data_cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "data" / "pystdlib.yaml")
+    data_cfg = OmegaConf.load(Path(__file__).resolve().parents[2] / "conf" / "data" / "pystdlib.yaml")
     ids, _, _, _ = token_stream(split_documents(build_corpus(data_cfg), "val", float(data_cfg.val_fraction)),
                                 tokenizer)
     T = model.config.max_seq_len

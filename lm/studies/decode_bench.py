@@ -219,6 +219,9 @@ def bench_long_context(args) -> None:
     print(f"{'tokens/s (context x batch)':28}{'kv heads':>9}{labels}{cache_label:>16}")
     rows_of, rates = attention_rows(), {}
     for name in args.context_kinds:
+        # Each kind's step is a new model's graph; torch's recompile limit would count them all, and a
+        # fullgraph step stops at it instead of running eagerly.
+        torch._dynamo.reset()
         spec, example = rows_of[name]
         n_kv_head = example.kv_heads(REFERENCE["n_head"], GENERATE_KV_HEADS)
         model = reference_model(spec, n_kv_head, max_seq_len=max(args.contexts) + args.context_steps + 2)

@@ -2,8 +2,11 @@
 
 The reference shape's matmuls at decoding's row counts (1 token, or a batch of them), each through
 fp32 BLAS, `lm`'s three int8 kernels (lm.generation.quantize), PyTorch's int4 CPU kernel and, when
-torchao is installed, its int8 configurations, eager and compiled. This is the measurement
-`int8_kernel`'s default was chosen by; the kernels run in alternating rounds, medians kept.
+torchao is installed, its int8 configurations, eager and compiled; the kernels run in alternating
+rounds, medians kept. Each call reads the same weight, hot in the CPU's cache: this measures a
+kernel's arithmetic and per-call overhead (which kernels are slow at decoding's shapes), not the
+memory traffic that bounds a decoding step, where fp32's weights stream from memory and int8's
+quarter of them may stay in cache: `bench.py decode` measures that, and chose `int8_kernel`'s default.
 """
 
 from __future__ import annotations
@@ -60,7 +63,8 @@ def torchao_kernels(linear: torch.nn.Linear) -> dict[str, Callable]:
 def bench_kernels(args) -> None:
     torch.manual_seed(0)
     print(f"one matmul of the reference shape, {args.rows} row(s) of input, {torch.get_num_threads()} threads; "
-          f"microseconds, median of {args.rounds} alternating rounds of {args.repeats} calls")
+          f"microseconds, median of {args.rounds} alternating rounds of {args.repeats} calls; the weight hot in "
+          "cache (bench.py decode has the weights stream as decoding does)")
     table = {}
     for k, n in SHAPES:
         torch._dynamo.reset()  # each shape's compiled kernels start afresh, far from the recompile limit
