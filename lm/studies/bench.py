@@ -25,12 +25,17 @@ import torch
 import torch.nn.functional as F
 
 from lm import ModelConfig, Transformer
-from lm.attention import AttentionSpec, Example, LayerShape, LinearSpec, SoftmaxSpec, example_rows, spec_from_dict
+from lm.attention import AttentionSpec, LayerShape, LinearSpec, SoftmaxSpec, spec_from_dict
+from lm.studies.bench_models import (
+    GENERATE_KV_HEADS,
+    REFERENCE,
+    attention_rows,
+    declared_cache_bytes,
+    hf_llama,
+    reference_model,
+    timed,
+)
 from lm.util.errors import ConfigError
-
-# The reference shape named in the README and the issues.
-REFERENCE = dict(vocab_size=8192, n_layer=6, d_model=384, n_head=6, n_kv_head=2, d_ff=1024,
-                 max_seq_len=256, tie_embeddings=True)
 
 
 def matmul_peak_flops(size: int = 2048, repeats: int = 10) -> float:
@@ -43,17 +48,6 @@ def matmul_peak_flops(size: int = 2048, repeats: int = 10) -> float:
         a @ b
         best = min(best, time.perf_counter() - start)
     return 2 * size**3 / best
-
-
-def hf_llama(cfg: ModelConfig) -> torch.nn.Module:
-    """transformers' LlamaForCausalLM of the same shape (the mapping lm's export uses), with SDPA."""
-    from transformers import LlamaForCausalLM
-
-    from lm.formats.hf import hf_config
-
-    hf_cfg = hf_config(cfg)
-    hf_cfg._attn_implementation = "sdpa"
-    return LlamaForCausalLM(hf_cfg)
 
 
 def train_step_fn(model: torch.nn.Module, logits_of):
@@ -115,7 +109,7 @@ def bench_train(args) -> None:
     batch = torch.randint(0, cfg.vocab_size, (args.batch, cfg.max_seq_len + 1))
     first_step = {}
     for name, step in contenders.items():
-        first_step[name] = _timed(lambda step=step: step(batch))  # compiles, for the compiled contender
+        first_step[name] = timed(lambda step=step: step(batch))  # compiles, for the compiled contender
         for _ in range(args.warmup):
             step(batch)
     times: dict[str, list[float]] = {name: [] for name in contenders}
@@ -148,11 +142,6 @@ def bench_train(args) -> None:
 # ---------------------------------------------------------------------------- attention
 
 FULL_ATTENTION, GQA = "softmax-mha", "softmax-gqa"  # the rows the others are compared with
-
-
-def attention_rows() -> dict[str, tuple[AttentionSpec, Example]]:
-    """Every registered kind at the benchmark settings it declares (AttentionSpec.benchmarks)."""
-    return example_rows("benchmarks")
 
 
 def _proc_status_bytes(field: str) -> int:
@@ -339,24 +328,9 @@ def plot_attention(rows: list[dict], heads: int, path: Path) -> Path:
 
 # ---------------------------------------------------------------------------- generate
 
-GENERATE_KV_HEADS = 2  # the generate table's own choice of K/V heads at the reference shape (6 heads): GQA
-
-
-def reference_model(spec: AttentionSpec, n_kv_head: int, max_seq_len: int) -> Transformer:
-    torch.manual_seed(0)
-    shape = {**REFERENCE, "n_kv_head": n_kv_head, "max_seq_len": max_seq_len}
-    return Transformer(ModelConfig(**shape, attention=spec)).eval()
-
-
 def decode_seconds(run_generate, repeats: int) -> float:
     run_generate()  # warm-up
-    return min(_timed(run_generate) for _ in range(repeats))
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+    return min(timed(run_generate) for _ in range(repeats))
 
 
 def step_latency(model: Transformer, position: int, steps: int = 16) -> float:
@@ -371,15 +345,9 @@ def step_latency(model: Transformer, position: int, steps: int = 16) -> float:
             model(prompt[:, start:start + 1024], cache=cache)
         token = torch.zeros(1, 1, dtype=torch.long)
         for _ in range(steps):  # the fixed-shape step generation decodes with
-            times.append(_timed(lambda: model.decode_step(token, cache, torch.tensor(cache.seen))))
+            times.append(timed(lambda: model.decode_step(token, cache, torch.tensor(cache.seen))))
             cache.advance(1)
     return statistics.median(times)
-
-
-def declared_cache_bytes(model: Transformer, tokens: int, batch: int = 1) -> int:
-    """What the model's caches hold after `tokens` positions, from what each layer declares
-    (generation_state) in fp32; the shared cache test holds this equal to the built caches' nbytes."""
-    return 4 * sum(block.attn.generation_state().numel(tokens, batch) for block in model.blocks)
 
 
 def bench_generate(args) -> None:

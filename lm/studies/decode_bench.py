@@ -24,7 +24,15 @@ import torch
 from lm import ModelConfig, Transformer, generate
 from lm.formats.weights import to_hf_state_dict
 from lm.generation.quantize import quantize_int8, weight_bytes
-from lm.studies.bench import REFERENCE, _timed, hf_llama
+from lm.studies.bench_models import (
+    GENERATE_KV_HEADS,
+    REFERENCE,
+    attention_rows,
+    declared_cache_bytes,
+    hf_llama,
+    reference_model,
+    timed,
+)
 
 
 def hf_static_compiled(hf: torch.nn.Module) -> torch.nn.Module:
@@ -105,7 +113,7 @@ def alternate(contenders: dict[str, Run], rounds: int) -> tuple[dict, dict, dict
     times: dict[str, list[float]] = {name: [] for name in contenders}
     for _ in range(rounds):
         for name, run in contenders.items():
-            times[name].append(_timed(run))
+            times[name].append(timed(run))
     return tokens, first, {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -200,7 +208,7 @@ def step_rate(model: Transformer, context: int, batch: int, compile: bool, steps
     with torch.no_grad():
         for i in range(steps + 2):  # the first two untimed: compilation, first-touch allocations
             pos = torch.tensor(cache.seen)
-            seconds = _timed(lambda pos=pos: step(token, cache, pos))
+            seconds = timed(lambda pos=pos: step(token, cache, pos))
             cache.advance(1)
             if i >= 2:
                 times.append(seconds)
@@ -209,8 +217,6 @@ def step_rate(model: Transformer, context: int, batch: int, compile: bool, steps
 
 def bench_long_context(args) -> None:
     """Every kind's decoding tokens/s at long contexts and batches, against MHA's."""
-    from lm.studies.bench import GENERATE_KV_HEADS, attention_rows, declared_cache_bytes, reference_model
-
     cells = [(context, batch) for context in args.contexts for batch in args.context_batches]
     labels = "".join(f"{f'{context_label(c)} x {b}':>11}" for c, b in cells)
     print(f"\ndecoding at long contexts: reference shape, {'compiled' if args.compile_long else 'eager'} fixed-shape "

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from lm.generation.quantize import KERNELS, Int8Linear
-from lm.studies.bench import REFERENCE, _timed
+from lm.studies.bench_models import REFERENCE, timed
 
 # (in, out) of the reference shape's matmuls: fused Q/K/V (2 K/V heads), attention out, gate and up, down, head
 SHAPES = [(384, 384 + 2 * 128), (384, 384), (384, 2 * 1024), (1024, 384), (384, REFERENCE["vocab_size"])]
@@ -80,7 +80,7 @@ def bench_kernels(args) -> None:
                 fn(x)  # compiles, where there is anything to compile
             for _ in range(args.rounds):
                 for name, fn in kernels.items():
-                    times[name].append(_timed(lambda fn=fn, x=x: [fn(x) for _ in range(args.repeats)]) / args.repeats)
+                    times[name].append(timed(lambda fn=fn, x=x: [fn(x) for _ in range(args.repeats)]) / args.repeats)
         table[f"{k}x{n}"] = {name: statistics.median(t) * 1e6 for name, t in times.items()}
     names = list(next(iter(table.values())))
     print(f"{'kernel':34}" + "".join(f"{shape:>11}" for shape in table) + f"{'per step':>11}{'vs fp32':>10}")

@@ -1,0 +1,52 @@
+"""What the benchmarks share: the reference shape and transformers' twin of it, each kind's
+benchmark settings, the model a kind's row times, its declared cache, and a timer."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from lm import ModelConfig, Transformer
+from lm.attention import AttentionSpec, Example, example_rows
+
+# The reference shape named in the README and the issues.
+REFERENCE = dict(vocab_size=8192, n_layer=6, d_model=384, n_head=6, n_kv_head=2, d_ff=1024,
+                 max_seq_len=256, tie_embeddings=True)
+
+
+def hf_llama(cfg: ModelConfig) -> torch.nn.Module:
+    """transformers' LlamaForCausalLM of the same shape (the mapping lm's export uses), with SDPA."""
+    from transformers import LlamaForCausalLM
+
+    from lm.formats.hf import hf_config
+
+    hf_cfg = hf_config(cfg)
+    hf_cfg._attn_implementation = "sdpa"
+    return LlamaForCausalLM(hf_cfg)
+
+
+def attention_rows() -> dict[str, tuple[AttentionSpec, Example]]:
+    """Every registered kind at the benchmark settings it declares (AttentionSpec.benchmarks)."""
+    return example_rows("benchmarks")
+
+
+GENERATE_KV_HEADS = 2  # the generate table's own choice of K/V heads at the reference shape (6 heads): GQA
+
+
+def reference_model(spec: AttentionSpec, n_kv_head: int, max_seq_len: int) -> Transformer:
+    torch.manual_seed(0)
+    shape = {**REFERENCE, "n_kv_head": n_kv_head, "max_seq_len": max_seq_len}
+    return Transformer(ModelConfig(**shape, attention=spec)).eval()
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def declared_cache_bytes(model: Transformer, tokens: int, batch: int = 1) -> int:
+    """What the model's caches hold after `tokens` positions, from what each layer declares
+    (generation_state) in fp32; the shared cache test holds this equal to the built caches' nbytes."""
+    return 4 * sum(block.attn.generation_state().numel(tokens, batch) for block in model.blocks)
