@@ -4,7 +4,8 @@ Batch 1, one prompt, the reference shape: transformers' eager `generate` and its
 torch.compile; ours eager, compiled, and int8 with each kernel asked for (eager and compiled); and,
 when llama-cpp-python is installed, llama.cpp running the same weights exported to GGUF (F32 and
 Q8_0) with the same prompt, threads and new tokens. Then batches of ragged prompts (each row a
-different length) beside transformers' batched `generate`.
+different length) beside transformers' batched `generate`, and every kind's decoding step at long
+contexts (8k and 32k, batch 1 and 8), where the designs differ.
 
 The contenders of a table run in alternating rounds and each keeps its median time, so background
 load hits all of them alike: compare the ratios, not one absolute figure.
