@@ -14,9 +14,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_ddp(cfg, tmp_path, *overrides):
+    # float32 as the one-process run (trainer=cpu): auto would pick bf16-mixed on a CPU with bf16 instructions
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "train.py"), "trainer=ddp", "trainer.devices=2",
-         "trainer.accelerator=cpu", "data=text", f"data.paths=[{cfg.data.paths[0]}]", "data.vocab_size=512",
+         "trainer.accelerator=cpu", "trainer.precision=32-true", "data=text", f"data.paths=[{cfg.data.paths[0]}]",
+         "data.vocab_size=512",
          "data.batch_size=4", f"data.cache_dir={cfg.data.cache_dir}", f"checkpoint_dir={cfg.checkpoint_dir}",
          *TINY_MODEL, "trainer.max_steps=6", "trainer.val_every_n_steps=3", "trainer.limit_val_batches=2",
          "optim.warmup_steps=2", "logger=none", "trainer.progress_bar=false", "sample.max_new_tokens=0", "run_name=ddp",
