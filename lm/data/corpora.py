@@ -18,7 +18,8 @@ from pathlib import Path
 from lm.util.errors import DataError, one_line
 from lm.util.paths import expand_pattern
 
-SKIPPED_STDLIB_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__"}
+TEST_SUITE_DIRS = {"test", "tests", "idle_test"}  # data=pystdlib_tests reads only these
+NOT_STDLIB_DIRS = {"site-packages", "__pycache__"}  # installed packages, caches: never read
 
 
 @dataclass
@@ -51,9 +52,6 @@ def files_corpus(name: str, files: list[Path], root: Path | None = None) -> Corp
     return Corpus(name, fingerprint, documents)
 
 
-TEST_SUITE_DIRS = {"test", "tests", "idle_test"}
-
-
 def pystdlib_corpus(test_suites: bool = False) -> Corpus:
     """The `.py` files of this interpreter's standard library without its test suites, or
     (`test_suites=True`, data=pystdlib_tests) only those: text no model trained on `pystdlib` saw."""
@@ -61,7 +59,7 @@ def pystdlib_corpus(test_suites: bool = False) -> Corpus:
     files = []
     for p in root.rglob("*.py"):
         folders = set(p.relative_to(root).parts[:-1])
-        if folders & (SKIPPED_STDLIB_DIRS - TEST_SUITE_DIRS):  # installed packages, caches: never
+        if folders & NOT_STDLIB_DIRS:
             continue
         if bool(folders & TEST_SUITE_DIRS) == test_suites:
             files.append(p)

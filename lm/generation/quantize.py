@@ -8,8 +8,8 @@ float (it is a lookup, not a matmul), so a tied head gets an int8 copy of its ow
 Three kernels, chosen explicitly (`kernel=`, `int8_kernel=` on the command line), never by detection:
 - "dynamic" (the default): the activations are quantized too, each row (token) with its own
   absmax / 127 scale computed at run time, and `torch._int_mm` multiplies int8 by int8 into
-  int32 (oneDNN's VNNI / AVX2 integer kernels on x86): the only one that is faster than fp32 on
-  the CPU, 2-5x per matmul at decoding's shapes (docs/performance.md);
+  int32 (oneDNN's VNNI / AVX2 integer kernels on x86): the only one that decodes faster than fp32
+  on the CPU (9.2x our fp32 step compiled, on an AVX-512 EPYC: docs/performance.md);
 - "dequant": weights only; w_int8 -> float, one matmul, times the scales: plain PyTorch, any
   device, about fp32's speed on the CPU (the conversion costs what the smaller read saves);
 - "int8pack": weights only, `torch.ops.aten._weight_int8pack_mm`, PyTorch's weight-only int8
@@ -62,21 +62,13 @@ def _(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tens
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (M, K) float -> int8 (M, K) and scales (M, 1) with x ~= int8 * scales, each row its own
-    absmax / 127 (a row of zeros gets scale 1)."""
-    absmax = x.abs().amax(dim=1, keepdim=True)  # (M, 1)
-    scales = torch.where(absmax > 0, absmax / 127, torch.ones_like(absmax))
-    return torch.round(x / scales).to(torch.int8), scales
-
-
 def dynamic_int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x (..., K) float, weight (N, K) int8, scales (N,) -> (..., N): x quantized per row, then an
     int8 x int8 -> int32 matmul, exact, rescaled by both scales."""
     flat = x.reshape(-1, x.shape[-1])  # (M, K)
-    q, row_scales = quantize_rows(flat)
+    q, row_scales = quantize_per_channel(flat)  # each token a row: (M, K) int8, (M,)
     acc = torch._int_mm(q, weight.t())  # (M, N) int32
-    out = acc.to(x.dtype) * row_scales * scales  # (M, N)
+    out = acc.to(x.dtype) * row_scales.to(x.dtype)[:, None] * scales  # (M, N)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 

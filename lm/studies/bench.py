@@ -33,6 +33,7 @@ from lm.studies.bench_models import (
     declared_cache_bytes,
     hf_llama,
     reference_model,
+    step_times,
     timed,
 )
 from lm.util.errors import ConfigError
@@ -339,15 +340,10 @@ def step_latency(model: Transformer, position: int, steps: int = 16) -> float:
 
     cache = GenerationCache(model, pad=torch.zeros(1, dtype=torch.long), max_len=position + steps + 1)
     prompt = torch.randint(0, model.config.vocab_size, (1, position))
-    times = []
     with torch.no_grad():
         for start in range(0, position, 1024):
             model(prompt[:, start:start + 1024], cache=cache)
-        token = torch.zeros(1, 1, dtype=torch.long)
-        for _ in range(steps):  # the fixed-shape step generation decodes with
-            times.append(timed(lambda: model.decode_step(token, cache, torch.tensor(cache.seen))))
-            cache.advance(1)
-    return statistics.median(times)
+    return statistics.median(step_times(model.decode_step, cache, 1, steps))  # the fixed-shape step of generation
 
 
 def bench_generate(args) -> None:

@@ -1,9 +1,11 @@
 """What the benchmarks share: the reference shape and transformers' twin of it, each kind's
-benchmark settings, the model a kind's row times, its declared cache, and a timer."""
+benchmark settings, the model a kind's row times, its declared cache, and the timers."""
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -44,6 +46,35 @@ def timed(fn) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def alternate(contenders: dict[str, Callable], rounds: int) -> tuple[dict, dict, dict]:
+    """(what each contender returned, its first call's seconds, its median seconds): one call each
+    first (it compiles, where there is anything to compile), then `rounds` rounds in turn, so the
+    noise of a shared machine hits every contender alike."""
+    returned, first = {}, {}
+    for name, run in contenders.items():
+        start = time.perf_counter()
+        returned[name] = run()
+        first[name] = time.perf_counter() - start
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(rounds):
+        for name, run in contenders.items():
+            times[name].append(timed(run))
+    return returned, first, {name: statistics.median(t) for name, t in times.items()}
+
+
+def step_times(step, cache, batch: int, steps: int) -> list[float]:
+    """Seconds of each of `steps` calls of a fixed-shape decoding step (`model.decode_step` or its
+    compiled form) on one token per row, the cache advancing one slot after each."""
+    token = torch.zeros(batch, 1, dtype=torch.long)  # (B, 1)
+    times = []
+    with torch.no_grad():
+        for _ in range(steps):
+            pos = torch.tensor(cache.seen)
+            times.append(timed(lambda pos=pos: step(token, cache, pos)))
+            cache.advance(1)
+    return times
 
 
 def declared_cache_bytes(model: Transformer, tokens: int, batch: int = 1) -> int:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import statistics
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,11 +27,12 @@ from lm.generation.quantize import quantize_int8, weight_bytes
 from lm.studies.bench_models import (
     GENERATE_KV_HEADS,
     REFERENCE,
+    alternate,
     attention_rows,
     declared_cache_bytes,
     hf_llama,
     reference_model,
-    timed,
+    step_times,
 )
 
 
@@ -101,21 +101,6 @@ def llama_cpp_runs(model: Transformer, prompt: list[int], n: int, folder: Path) 
 
         runs[f"llama.cpp {label}"] = (run, path.stat().st_size / 2**20)
     return runs
-
-
-def alternate(contenders: dict[str, Run], rounds: int) -> tuple[dict, dict, dict]:
-    """(tokens, first call seconds, median seconds) of each contender: one call each first (it
-    compiles, where there is anything to compile), then `rounds` rounds in turn."""
-    tokens, first = {}, {}
-    for name, run in contenders.items():
-        start = time.perf_counter()
-        tokens[name] = run()
-        first[name] = time.perf_counter() - start
-    times: dict[str, list[float]] = {name: [] for name in contenders}
-    for _ in range(rounds):
-        for name, run in contenders.items():
-            times[name].append(timed(run))
-    return tokens, first, {name: statistics.median(t) for name, t in times.items()}
 
 
 def ragged_prompts(batch: int, length: int, vocab_size: int) -> list[list[int]]:
@@ -204,15 +189,7 @@ def step_rate(model: Transformer, context: int, batch: int, compile: bool, steps
     cache = GenerationCache(model, pad=torch.zeros(batch, dtype=torch.long), max_len=context + steps + 2)
     cache.advance(context)
     step = torch.compile(model.decode_step, fullgraph=True) if compile else model.decode_step
-    token = torch.zeros(batch, 1, dtype=torch.long)  # (B, 1)
-    times = []
-    with torch.no_grad():
-        for i in range(steps + 2):  # the first two untimed: compilation, first-touch allocations
-            pos = torch.tensor(cache.seen)
-            seconds = timed(lambda pos=pos: step(token, cache, pos))
-            cache.advance(1)
-            if i >= 2:
-                times.append(seconds)
+    times = step_times(step, cache, batch, steps + 2)[2:]  # the first two untimed: compilation, first touches
     return batch / statistics.median(times)
 
 

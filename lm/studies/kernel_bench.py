@@ -12,14 +12,13 @@ quarter of them may stay in cache: `bench.py decode` measures that, and chose `i
 from __future__ import annotations
 
 import copy
-import statistics
 import warnings
 from collections.abc import Callable
 
 import torch
 
 from lm.generation.quantize import KERNELS, Int8Linear
-from lm.studies.bench_models import REFERENCE, timed
+from lm.studies.bench_models import REFERENCE, alternate
 
 # (in, out) of the reference shape's matmuls: fused Q/K/V (2 K/V heads), attention out, gate and up, down, head
 SHAPES = [(384, 384 + 2 * 128), (384, 384), (384, 2 * 1024), (1024, 384), (384, REFERENCE["vocab_size"])]
@@ -74,14 +73,10 @@ def bench_kernels(args) -> None:
         kernels["lm int8 dynamic compiled"] = torch.compile(kernels["lm int8 dynamic"])
         kernels["aten int4 (group 32)"] = int4_kernel(linear)
         kernels.update(torchao_kernels(linear))
-        times: dict[str, list[float]] = {name: [] for name in kernels}
+        calls = {name: lambda fn=fn, x=x: [fn(x) for _ in range(args.repeats)] for name, fn in kernels.items()}
         with torch.no_grad():
-            for fn in kernels.values():
-                fn(x)  # compiles, where there is anything to compile
-            for _ in range(args.rounds):
-                for name, fn in kernels.items():
-                    times[name].append(timed(lambda fn=fn, x=x: [fn(x) for _ in range(args.repeats)]) / args.repeats)
-        table[f"{k}x{n}"] = {name: statistics.median(t) * 1e6 for name, t in times.items()}
+            _, _, seconds = alternate(calls, args.rounds)
+        table[f"{k}x{n}"] = {name: s / args.repeats * 1e6 for name, s in seconds.items()}
     names = list(next(iter(table.values())))
     print(f"{'kernel':34}" + "".join(f"{shape:>11}" for shape in table) + f"{'per step':>11}{'vs fp32':>10}")
     step = {name: sum(n * row[name] for n, row in zip(PER_STEP, table.values(), strict=True)) for name in names}
