@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from numbers import Integral
@@ -331,7 +332,32 @@ def compiled_functions(model: Transformer):
     on_cuda = next(model.parameters()).is_cuda
     step = torch.compile(model.decode_step, fullgraph=True, mode="reduce-overhead" if on_cuda else None)
     prefill = torch.compile(model, dynamic=False)
-    return prefill, step
+    return prefill, EagerPastRecompileLimit(step, model.decode_step)
+
+
+class EagerPastRecompileLimit:
+    """The compiled step until torch refuses to compile it once more, the eager step from then on.
+
+    torch compiles one function at most `torch._dynamo.config.recompile_limit` (8) times per process;
+    every model of another shape is one more. Past the limit a non-fullgraph function quietly runs
+    eagerly, but a fullgraph one raises, so a process that decodes with a ninth kind of model would
+    stop. The refusal comes before the step runs (nothing has been written to the cache yet), so
+    running the eager step instead is safe; it gives the same tokens, only slower, and says so once."""
+
+    def __init__(self, compiled, eager):
+        self.compiled, self.eager, self.fell_back = compiled, eager, False
+
+    def __call__(self, *args, **kwargs):
+        if not self.fell_back:
+            try:
+                return self.compiled(*args, **kwargs)
+            except torch._dynamo.exc.FailOnRecompileLimitHit:
+                self.fell_back = True
+                warnings.warn("torch's recompile limit (torch._dynamo.config.recompile_limit = "
+                              f"{torch._dynamo.config.recompile_limit}) is reached in this process: this "
+                              "generation decodes eagerly; torch._dynamo.reset() starts the count again",
+                              stacklevel=2)
+        return self.eager(*args, **kwargs)
 
 
 def stream(model: Transformer, idx, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
