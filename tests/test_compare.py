@@ -230,6 +230,7 @@ def test_an_unknown_kind_is_one_line_before_any_work(tmp_path):
     (["mqar.query_power=0"], "^mqar.query_power=0 must be in \\(0, 1\\]$"),
     (["speed.batches=[]"], "speed.batches=\\[\\] is empty"),
     (["speed.batches=[1,0]"], "^speed.batches entry=0 must be an integer >= 1$"),
+    (["report_only=maybe"], "^report_only='maybe' must be true or false$"),
 ])
 def test_bad_settings_are_refused_before_training(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -391,6 +392,25 @@ def test_arms_run_in_parallel_as_jobs_of_the_joblib_launcher_and_a_lost_one_alon
     assert "running 1 of 2 arms as jobs of hydra/launcher=joblib" in again.stdout
     rerun = json.loads((out / "results.json").read_text())["records"]
     assert rerun[0] == records[0] and rerun[1]["ran_on"]["pid"] not in workers
+
+
+def test_report_only_renders_the_finished_entries_and_runs_nothing(tmp_path, capsys):
+    out = tmp_path / "compare"
+    args = ["preset=quick", "tasks=[mqar]", "mqar.pairs=[2,4]", "mqar.steps=4", "mqar.val_every=4", f"out={out}"]
+    records = run_in_process(*args, "kinds=[mqa]")["records"]
+    capsys.readouterr()
+    # linear has not run, and one of mqa's two cells has lost its record: only the other cell shows
+    (out / "records" / f"{records[1]['arm']}.json").unlink()
+    results = run_in_process(*args, "kinds=[mqa,linear]", "report_only=true")
+    assert results["records"] == records[:1]
+    assert results["unfinished"] == {"planned": 4, "arms": [records[1]["arm"], "mqar-linear-d32-p2-lr0.003-s0",
+                                                            "mqar-linear-d32-p4-lr0.003-s0"]}
+    assert sorted(p.name for p in (out / "records").iterdir()) == [f"{records[0]['arm']}.json"]  # nothing ran
+    assert not (out / "runs" / "mqar-linear-d32-p2-lr0.003-s0").exists()
+    table = (out / "results.md").read_text()
+    assert "**Not finished:** 1 of 4 arms have run (rendered with report_only=true)" in table
+    assert f"| mqa | {records[0]['val_accuracy']:.3f} |" in table and "| linear |" not in table
+    assert "report_only: 1 of 4 arms have finished; 3 table entries wait for the other 3" in capsys.readouterr().out
 
 
 def test_the_slurm_example_config_selects_the_submitit_launcher():

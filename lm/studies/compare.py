@@ -37,7 +37,7 @@ from lm.model.config import ConfigError
 from lm.model.transformer import Transformer
 from lm.studies.bench import train_step_fn
 from lm.studies.decode_speed import decode_speed
-from lm.studies.engine import Arm, machine, run_arms
+from lm.studies.engine import Arm, finished_records, machine, run_arms
 from lm.studies.evaluate import score, split_documents, token_stream
 from lm.studies.jobs import chosen_launcher, only_arm, run_as_jobs
 from lm.studies.report import comparison_table, lm_loss_plot, mqar_plot, write_results
@@ -180,6 +180,7 @@ def check_study_settings(cfg: DictConfig) -> None:
                           "the recall runs are set under mqar.*")
     study_tasks(cfg)
     study_seeds(cfg)
+    require_bool("report_only", cfg.get("report_only", False))
     require_fraction("data.val_fraction", cfg.data.get("val_fraction"))
     m, lm, speed = cfg.mqar, cfg.lm, cfg.speed
     for key in ("widths", "pairs"):
@@ -532,25 +533,50 @@ def describe(r: dict) -> str:
 # ---------------------------------------------------------------------------- the study
 
 
+def table_entry(labels: dict) -> tuple:
+    """The entry of the tables an arm counts towards: a recall cell (every rate and seed of one
+    width x pairs), a kind's language modelling (every rate and seed), a kind's speed."""
+    return labels["task"], labels["kind"], labels.get("width"), labels.get("pairs")
+
+
+def reported_records(arms: list[Arm], records: Path) -> tuple[list[dict], list[str]]:
+    """`report_only=true`: the finished records of the entries whose every arm has finished, and the
+    names of the arms not finished. An entry with an arm missing is left out whole: a best rate
+    chosen among the rates that happen to have run, or a mean over one seed of two, would be a
+    number the finished study might not show."""
+    done, unfinished = finished_records(arms, records)
+    incomplete = {table_entry(arm.labels) for arm in unfinished}
+    shown = [r for r in done if table_entry(r) not in incomplete]
+    print(f"report_only: {len(done)} of {len(arms)} arms have finished; {len(incomplete)} table entries wait for "
+          f"the other {len(unfinished)} and are left out (results.json names them)", flush=True)
+    return shown, [arm.name for arm in unfinished]
+
+
 def run_study(cfg: DictConfig) -> dict | None:
     """What scripts/compare.py runs: every arm (reusing finished ones; as jobs of the chosen Hydra
     launcher, lm.studies.jobs), then the outputs. `arm=<i>` runs that arm alone, as a job does,
-    and writes no report (None)."""
+    and writes no report (None); `report_only=true` runs no arm and reports the finished ones."""
     started = time.perf_counter()
     arms = plan(cfg)
     out = resolve_path(cfg.out)
     if cfg.get("arm") is not None:
         run_arms(arms, out / "records", describe, only=only_arm(arms, cfg.arm))
         return None
-    launcher = chosen_launcher()
-    if launcher is not None:
-        run_as_jobs(arms, out / "records", launcher)
-    records = run_arms(arms, out / "records", describe)
+    unfinished = None
+    if cfg.get("report_only"):
+        records, unfinished = reported_records(arms, out / "records")
+    else:
+        launcher = chosen_launcher()
+        if launcher is not None:
+            run_as_jobs(arms, out / "records", launcher)
+        records = run_arms(arms, out / "records", describe)
     settings = OmegaConf.to_container(cfg, resolve=True)
     for key, default in (("contexts", 1), ("batches", 1), ("train_contexts", [])):
         settings["speed"][key] = as_list(f"speed.{key}", settings["speed"].get(key, default))
     results = {"machine": machine(), "seconds": round(time.perf_counter() - started, 1),
                "settings": settings, "records": records}
+    if unfinished is not None:
+        results["unfinished"] = {"planned": len(arms), "arms": unfinished}
     write_results(out, results, comparison_table(results),
                   {"mqar_accuracy.png": mqar_plot, "lm_loss.png": lm_loss_plot})
     return results

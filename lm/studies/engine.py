@@ -180,6 +180,20 @@ def run_arms(arms: list[Arm], records: Path, describe: Callable[[dict], str], on
         return _run_each(arms, records, describe, only)
 
 
+def finished_records(arms: list[Arm], records: Path) -> tuple[list[dict], list[Arm]]:
+    """The records of the arms that finished under their current settings, in order, and the arms
+    that have not (absent, interrupted, failed or of other settings), running none: what a study
+    can report while its other arms still run, on other machines or later."""
+    done, unfinished = [], []
+    for arm in arms:
+        stored = stored_record(records / f"{arm.name}.json", arm.settings)
+        if stored.state == "done":
+            done.append(stored.record)
+        else:
+            unfinished.append(arm)
+    return done, unfinished
+
+
 def _run_each(arms: list[Arm], records: Path, describe: Callable[[dict], str], only: int | None) -> list[dict]:
     done = []
     for i, arm in enumerate(arms, 1):

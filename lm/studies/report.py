@@ -326,9 +326,20 @@ def speed_table(records: list[dict], settings: dict) -> list[str]:
     return lines
 
 
+def unfinished_line(results: dict) -> list[str]:
+    """Under `report_only=true`, how much of the study the tables hold."""
+    unfinished = results.get("unfinished")
+    if unfinished is None:
+        return []
+    return [f"**Not finished:** {unfinished['planned'] - len(unfinished['arms'])} of {unfinished['planned']} arms "
+            f"have run (rendered with report_only=true); a cell, or a kind's language modelling or speed, shows once "
+            f"every one of its arms has, so the {len(unfinished['arms'])} others (named in results.json) leave "
+            "theirs out.", ""]
+
+
 def comparison_table(results: dict) -> str:
     records, settings = results["records"], results["settings"]
-    return "\n".join([machine_line(results), "", *recall_tables(records, settings),
+    return "\n".join([machine_line(results), "", *unfinished_line(results), *recall_tables(records, settings),
                       *language_table(records, settings), *speed_table(records, settings)])
 
 
