@@ -273,7 +273,7 @@ def test_decode_speed_counts_the_prompt_and_new_tokens_and_the_cache_they_fill()
     assert 1 < measured.tokens_per_s < 1e6 and 0 < measured.prefill_s < 60
 
 
-@pytest.mark.parametrize("study", ["compare", "compare/recall", "compare/recall-linear", "compare/speed",
+@pytest.mark.parametrize("study", ["compare", "compare/previous-recipe", "compare/recall",
                                    "uptrain_study"])
 def test_the_committed_results_still_render_to_their_committed_tables(study):
     from lm.studies.report import ablation_table, comparison_table, lm_loss_plot, mqar_plot, uptraining_plot
