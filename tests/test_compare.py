@@ -293,6 +293,9 @@ def test_a_kind_of_its_own_settings_runs_fewer_cells_and_the_report_names_them()
         settings = OmegaConf.to_container(compose(config_name="compare", overrides=list(overrides)))
     table = "\n".join(recall_tables(records, settings))
     assert "| additive | 0.500 ± 0.000 |  |  |  |" in table
+    from lm.studies.report import mqar_plot
+    figure = mqar_plot(records)  # additive has no line in the width-64 panel, but the legend names it
+    assert [t.get_text() for t in figure.axes[-1].get_legend().get_texts()] == ["mha", "additive"]
     assert ("Settings of their own (per_kind; a blank cell was not run): additive: mqar.widths=[32], "
             "mqar.pairs=[2], seeds=2.") in table  # nokind is in no table: not named
 

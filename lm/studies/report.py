@@ -373,7 +373,14 @@ def mqar_plot(records: list[dict]):
         ax.set_xlabel("key-value pairs" if x_key == "pairs" else "model width (d_model)")
         ax.set_ylim(-0.02, 1.02)
     axes[0][0].set_ylabel("MQAR accuracy (held-out answers)")
-    axes[0][-1].legend()
+    # One legend for every panel: a kind run at some widths only (per_kind, or a study reported
+    # before it finished) has no line in the last panel, but must still be named.
+    handles = {}
+    for ax in axes[0]:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(label, handle)
+    named = sorted(handles, key=list(cells).index)
+    axes[0][-1].legend([handles[kind] for kind in named], named, fontsize="small")
     return fig
 
 
