@@ -55,18 +55,18 @@ def test_compiled_decoding_of_models_with_other_head_counts_in_one_process():
         assert generate(mha, [[1, 2, 3]] * batch, 4, compile=True) == generate(mha, [[1, 2, 3]] * batch, 4)
 
 
-def test_compiled_decoding_past_the_recompile_limit_runs_eagerly(monkeypatch):
+def test_compiled_decoding_past_the_recompile_limit_runs_eagerly():
     """A fullgraph function past torch's recompile limit raises instead of running eagerly: with the
     limit at 1, a second model of another shape must still decode, with eager's tokens and a warning."""
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     shape = dict(vocab_size=64, n_layer=1, d_model=32, n_head=4, d_ff=64, max_seq_len=40)
-    first = Transformer(ModelConfig(**shape, n_kv_head=2)).eval()
-    assert generate(first, [[1, 2, 3]], 4, compile=True) == generate(first, [[1, 2, 3]], 4)
-    second = Transformer(ModelConfig(**shape, n_kv_head=4)).eval()
-    with pytest.warns(UserWarning, match="recompile limit"):
-        run = stream(second, [[1, 2, 3]], 4, compile=True)
-        list(run)
+    with torch._dynamo.config.patch(recompile_limit=1):  # torch's own way: put back on leaving
+        first = Transformer(ModelConfig(**shape, n_kv_head=2)).eval()
+        assert generate(first, [[1, 2, 3]], 4, compile=True) == generate(first, [[1, 2, 3]], 4)
+        second = Transformer(ModelConfig(**shape, n_kv_head=4)).eval()
+        with pytest.warns(UserWarning, match="recompile limit"):
+            run = stream(second, [[1, 2, 3]], 4, compile=True)
+            list(run)
     assert run.tokens == generate(second, [[1, 2, 3]], 4)
     assert run.step_fn.fell_back
     torch._dynamo.reset()
