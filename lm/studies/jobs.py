@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lm.studies.engine import Arm, stored_record
+from lm.studies.engine import Arm, finished_records
 from lm.util.errors import ConfigError, TrainingError
 
 
@@ -36,8 +36,9 @@ def chosen_launcher() -> str | None:
 
 def unfinished(arms: list[Arm], records: Path) -> list[int]:
     """Indexes of the arms without a finished record of their current settings."""
-    states = [stored_record(records / f"{arm.name}.json", arm.settings).state for arm in arms]
-    return [i for i, state in enumerate(states) if state != "done"]
+    _, left = finished_records(arms, records)
+    names = {arm.name for arm in left}  # unique: the engine refuses repeated names
+    return [i for i, arm in enumerate(arms) if arm.name in names]
 
 
 def only_arm(arms: list[Arm], arm) -> int:
