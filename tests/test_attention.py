@@ -13,8 +13,14 @@ from lm.attention.efficient import (
     naive_efficient_attention,
     recurrent_efficient_attention,
 )
-from lm.attention.feature_maps import FEATURE_MAPS, feature_map
-from lm.attention.linear import chunked_linear_attention, quadratic_linear_attention, recurrent_linear_attention
+from lm.attention.feature_maps import FEATURE_MAPS, feature_map, taylor_kernel
+from lm.attention.linear import (
+    LinearSpec,
+    chunked_linear_attention,
+    kernel_linear_attention,
+    quadratic_linear_attention,
+    recurrent_linear_attention,
+)
 from lm.attention.lowrank import lowrank_attention, naive_lowrank_attention
 from lm.attention.rope import RotaryEmbedding
 from lm.attention.sinks import causal_with_learned_sink
@@ -179,6 +185,36 @@ def test_lowrank_attention_equals_the_per_query_gather(heads, T, block, rank):
     fast = lowrank_attention(q, k, v, E, F, block)
     naive = naive_lowrank_attention(q, k, v, E, F, block)
     assert_same_values_and_grads(fast, naive, (q, k, v, E, F))
+
+
+@pytest.mark.parametrize("hs", [1, 4, 16])
+def test_taylor_kernel_is_the_dot_product_of_taylor_features(hs):
+    q, k, _ = qkv(1, 1, 12, hs=hs, seed=hs)
+    phi = feature_map("taylor")
+    torch.testing.assert_close(taylor_kernel(q @ k.transpose(-1, -2) / hs**0.5), phi(q) @ phi(k).transpose(-1, -2))
+
+
+@pytest.mark.parametrize("heads", HEADS, ids=HEAD_IDS)
+@pytest.mark.parametrize("T", [1, 7, 40])
+def test_kernel_linear_attention_equals_the_featurised_naive_twin(heads, T):
+    """Taylor's kernel form, which never forms a feature, against the masked product of features."""
+    q, k, v = qkv(*heads, T, hs=4, seed=T)
+    phi = feature_map("taylor")
+    fast = kernel_linear_attention(taylor_kernel, q, k, v, 1e-6)
+    naive, _ = quadratic_linear_attention(phi(q), phi(k), v, 1e-6)
+    assert_same_values_and_grads(fast, naive, (q, k, v))
+
+
+def test_taylor_layer_takes_the_kernel_form_for_short_sequences_and_the_chunkwise_form_beyond():
+    """Both training paths of one Taylor layer against its naive twin, at a length on each side of
+    the switch (at head size 8 and chunks of 4 the kernel form is cheaper up to 34 positions)."""
+    spec = LinearSpec(feature_map="taylor", chunk_size=4)
+    layer = spec.build(LayerShape(d_model=32, n_head=4, n_kv_head=2, head_dim=8)).double()
+    for T, kernel_form in ((20, True), (120, False)):
+        assert spec.kernel_form(T, 8) is kernel_form
+        q, k, v = qkv(4, 2, T, hs=8, seed=T)
+        assert_same_values_and_grads(layer.attend(q, k, v), layer.naive_attend(q, k, v), (q, k, v), atol=1e-9)
+    assert not LinearSpec(feature_map="elu").kernel_form(8, 8)  # elu has no closed-form kernel
 
 
 def test_linear_attention_accumulates_half_precision_inputs_in_float32():

@@ -1,21 +1,33 @@
 """Feature maps phi for linear attention: phi(q) . phi(k) stands in for exp(q . k / sqrt(hs)).
 
-Each map takes (..., hs) and returns non-negative features (..., feature_dim(hs)).
+Each map takes (..., hs) and returns non-negative features (..., feature_dim(hs)). A map may also
+register its kernel: phi(q) . phi(k) as a function of s = q . k / sqrt(hs) alone, which lets short
+sequences skip the features (lm.attention.linear.kernel_linear_attention).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-FEATURE_MAPS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[int], int]]] = {}
+Kernel = Callable[[torch.Tensor], torch.Tensor]
 
 
-def register_feature_map(name: str, dim: Callable[[int], int] = lambda hs: hs):
+class FeatureMap(NamedTuple):
+    fn: Callable[[torch.Tensor], torch.Tensor]  # (..., hs) -> (..., dim(hs))
+    dim: Callable[[int], int]
+    kernel: Kernel | None  # s = q . k / sqrt(hs) -> phi(q) . phi(k), elementwise; None: no closed form
+
+
+FEATURE_MAPS: dict[str, FeatureMap] = {}
+
+
+def register_feature_map(name: str, dim: Callable[[int], int] = lambda hs: hs, kernel: Kernel | None = None):
     def add(fn):
-        FEATURE_MAPS[name] = (fn, dim)
+        FEATURE_MAPS[name] = FeatureMap(fn, dim, kernel)
         return fn
 
     return add
@@ -35,7 +47,12 @@ def relu(x: torch.Tensor) -> torch.Tensor:
     return F.relu(x)
 
 
-@register_feature_map("taylor", dim=lambda hs: 1 + hs + hs * hs)
+def taylor_kernel(s: torch.Tensor) -> torch.Tensor:
+    """taylor(q) . taylor(k) from s = q . k / sqrt(hs): the series of exp(s) to second order."""
+    return 1 + s + 0.5 * s * s
+
+
+@register_feature_map("taylor", dim=lambda hs: 1 + hs + hs * hs, kernel=taylor_kernel)
 def taylor(x: torch.Tensor) -> torch.Tensor:
     """Second-order Taylor features of exp (Based, Arora et al. 2024):
     phi(q) . phi(k) = 1 + s + s^2 / 2 with s = q . k / sqrt(hs), which is always positive.
@@ -47,8 +64,12 @@ def taylor(x: torch.Tensor) -> torch.Tensor:
 
 
 def feature_map(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    return FEATURE_MAPS[name][0]
+    return FEATURE_MAPS[name].fn
 
 
 def feature_dim(name: str, head_dim: int) -> int:
-    return FEATURE_MAPS[name][1](head_dim)
+    return FEATURE_MAPS[name].dim(head_dim)
+
+
+def feature_kernel(name: str) -> Kernel | None:
+    return FEATURE_MAPS[name].kernel
