@@ -5,7 +5,7 @@ import torch
 from kinds import N_HEAD, model_rows
 
 from lm import ModelConfig, Transformer
-from lm.attention import LayerShape, SlidingSpec, example_rows, reference
+from lm.attention import LayerShape, SlidingSpec, example_rows, linear, reference
 from lm.attention.additive import additive_attention, naive_additive_attention
 from lm.attention.efficient import (
     chunked_efficient_attention,
@@ -17,6 +17,7 @@ from lm.attention.feature_maps import FEATURE_MAPS, feature_map, taylor_kernel
 from lm.attention.linear import (
     LinearSpec,
     chunked_linear_attention,
+    chunkwise_flops,
     kernel_linear_attention,
     quadratic_linear_attention,
     recurrent_linear_attention,
@@ -205,16 +206,36 @@ def test_kernel_linear_attention_equals_the_featurised_naive_twin(heads, T):
     assert_same_values_and_grads(fast, naive, (q, k, v))
 
 
-def test_taylor_layer_takes_the_kernel_form_for_short_sequences_and_the_chunkwise_form_beyond():
+def test_taylor_layer_takes_the_kernel_form_for_short_sequences_and_the_chunkwise_form_beyond(monkeypatch):
     """Both training paths of one Taylor layer against its naive twin, at a length on each side of
-    the switch (at head size 8 and chunks of 4 the kernel form is cheaper up to 34 positions)."""
+    the switch (at head size 8 and chunks of 4 the kernel form is cheaper up to 34 positions), with
+    the path each length took recorded."""
+    calls = []
+    real = linear.kernel_linear_attention
+    monkeypatch.setattr(linear, "kernel_linear_attention", lambda *args: calls.append(args[1].shape[2]) or real(*args))
     spec = LinearSpec(feature_map="taylor", chunk_size=4)
     layer = spec.build(LayerShape(d_model=32, n_head=4, n_kv_head=2, head_dim=8)).double()
-    for T, kernel_form in ((20, True), (120, False)):
+    for T, kernel_form in ((20, True), (34, True), (35, False), (120, False)):
         assert spec.kernel_form(T, 8) is kernel_form
         q, k, v = qkv(4, 2, T, hs=8, seed=T)
         assert_same_values_and_grads(layer.attend(q, k, v), layer.naive_attend(q, k, v), (q, k, v), atol=1e-9)
+    assert calls == [20, 34]
     assert not LinearSpec(feature_map="elu").kernel_form(8, 8)  # elu has no closed-form kernel
+
+
+def test_kernel_form_accumulates_half_precision_inputs_in_float32():
+    q, k, v = qkv(4, 2, 50, hs=8)
+    out = kernel_linear_attention(taylor_kernel, q.bfloat16(), k.bfloat16(), v.bfloat16(), 1e-6)
+    assert out.dtype == torch.float32
+    phi = feature_map("taylor")
+    exact, _ = quadratic_linear_attention(*(phi(t.bfloat16().double()) for t in (q, k)), v.bfloat16().double(), 1e-6)
+    torch.testing.assert_close(out.double(), exact, atol=1e-5, rtol=1e-5)
+
+
+def test_taylor_flops_follow_the_path_taken():
+    spec = LinearSpec(feature_map="taylor", chunk_size=4)
+    assert spec.flops(34, 4, 2, 8) == 2 * 4 * (34 * 35 // 2) * (8 + 8 + 1)  # kernel form: the causal pairs
+    assert spec.flops(35, 4, 2, 8) == chunkwise_flops(35, 4, 2, 8, 73, 4)  # 1 + 8 + 64 features
 
 
 def test_linear_attention_accumulates_half_precision_inputs_in_float32():

@@ -113,8 +113,8 @@ def kernel_linear_attention(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v:
     nkv = k.shape[1]
     g = nh // nkv
     dtype = accumulation_dtype(q.dtype)
-    q, k = q.to(dtype), k.to(dtype)
-    scores = q.reshape(B, nkv, g * T, hs) @ k.transpose(-1, -2) * hs**-0.5  # (B, nkv, gT, T)
+    q, k = q.to(dtype) * hs**-0.5, k.to(dtype)  # the scale on q: one pass over T x hs, not T x T
+    scores = q.reshape(B, nkv, g * T, hs) @ k.transpose(-1, -2)  # (B, nkv, gT, T)
     weights = kernel(scores).view(B, nkv, g, T, T).tril()  # (B, nkv, g, T, T): query t sees keys <= t
     v1 = F.pad(v.to(dtype), (0, 1), value=1.0)  # (B, nkv, T, hs+1)
     out1 = weights.view(B, nkv, g * T, T) @ v1  # (B, nkv, gT, hs+1): numerators | normalisers
@@ -170,7 +170,8 @@ class LinearSpec(AttentionSpec):
     def flops(self, T: int, n_head: int, n_kv_head: int, head_dim: int) -> float:
         features = feature_dim(self.feature_map, head_dim)
         if self.kernel_form(T, head_dim):
-            return 2 * n_head * T * T * (head_dim + head_dim + 1)  # every (query, key) pair, masked ones too
+            pairs = T * (T + 1) // 2  # the (query, key) pairs causality leaves
+            return 2 * n_head * pairs * (head_dim + head_dim + 1)  # scores, then the weighted sum of [v | 1]
         return chunkwise_flops(T, n_head, n_kv_head, head_dim, features, self.chunk_size)
 
     def kernel_form(self, T: int, head_dim: int) -> bool:
