@@ -25,6 +25,7 @@ from lm.attention import (
     spec_class,
     spec_from_dict,
 )
+from lm.attention import base as attention_base
 from lm.attention.cache import GenerationCache
 
 SHAPE = LayerShape(d_model=128, n_head=4, n_kv_head=2, head_dim=32, layer_idx=0)  # room for every kind's defaults
@@ -61,12 +62,17 @@ OUTSIDE = Path(__file__).parent / "fixtures" / "outside_kind"
 
 @pytest.fixture(scope="module")
 def outside_kind(tmp_path_factory):
-    """The kind of tests/fixtures/outside_kind copied to a temporary folder and registered from there."""
+    """The kind of tests/fixtures/outside_kind copied to a temporary folder and registered from there,
+    for this module's tests only: a test elsewhere that lists every kind (the benchmarks' rows against
+    a subprocess's) would otherwise see one more kind whenever it ran after these."""
     folder = tmp_path_factory.mktemp("outside")
     shutil.copytree(OUTSIDE, folder, dirs_exist_ok=True)
+    registered = dict(attention_base._SPECS)
     if "prefix_mean" not in available_kinds():
         assert load_kind_files(str(folder / "prefix_mean.py")) == ["prefix_mean"]
-    return folder
+    yield folder
+    attention_base._SPECS.clear()
+    attention_base._SPECS.update(registered)
 
 
 def test_a_kind_written_on_the_contract_alone_trains_decodes_and_saves(outside_kind, tmp_path):
