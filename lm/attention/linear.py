@@ -168,11 +168,10 @@ class LinearSpec(AttentionSpec):
         return LinearAttention(self, shape)
 
     def flops(self, T: int, n_head: int, n_kv_head: int, head_dim: int) -> float:
-        features = feature_dim(self.feature_map, head_dim)
         if self.kernel_form(T, head_dim):
             pairs = T * (T + 1) // 2  # the (query, key) pairs causality leaves
             return 2 * n_head * pairs * (head_dim + head_dim + 1)  # scores, then the weighted sum of [v | 1]
-        return chunkwise_flops(T, n_head, n_kv_head, head_dim, features, self.chunk_size)
+        return chunkwise_flops(T, n_head, n_kv_head, head_dim, feature_dim(self.feature_map, head_dim), self.chunk_size)
 
     def kernel_form(self, T: int, head_dim: int) -> bool:
         """Whether training on T positions takes the kernel form (kernel_linear_attention)."""
