@@ -36,8 +36,9 @@ def planned(*overrides: str):
         return plan(compose(config_name="compare", overrides=list(overrides)))
 
 
-def check_figures(r: dict, stopped_early: bool = False) -> None:
-    """The figures of one record against the settings it holds and against each other."""
+def check_figures(r: dict, runs: Path | None = None, stopped_early: bool = False) -> None:
+    """The figures of one record against the settings it holds and against each other, and a
+    language-modelling record's parameters against the model its run left under `runs`."""
     s = r["settings"]
     if r["task"] == "speed":
         cap = s["speed"]["max_batch_tokens"] or math.inf
@@ -65,7 +66,8 @@ def check_figures(r: dict, stopped_early: bool = False) -> None:
     assert 0 < r["train_seconds"] < r["seconds"]
     if r["task"] == "lm":
         assert r["bits_per_byte"] == pytest.approx(r["eval_loss"] * r["eval_tokens"] / math.log(2) / r["eval_bytes"])
-        model, _ = lm.load(Path(s["checkpoint_dir"]) / r["arm"] / "last.ckpt")
+        assert "checkpoint_dir" not in s  # where the study writes is not a setting its figures depend on
+        model, _ = lm.load(runs / r["arm"] / "last.ckpt")
         assert r["params"] == model.num_params()
 
 
@@ -94,7 +96,7 @@ def test_a_tiny_study_in_process_measures_reuses_and_reruns_what_a_setting_touch
                                                                     ("lm-mqa-lr0.002-s0", "lm", "mqa"),
                                                                     ("speed-mqa", "speed", "mqa")]
     for r in records:
-        check_figures(r)
+        check_figures(r, tmp_path / "compare" / "runs")
     mqa, speed = records[1], records[2]
     # the quick preset decodes batches of 1 and 2: twice the rows, twice the cache
     assert [d["cache_bytes"] for d in speed["decode"]] == [b * full_cache_bytes(speed, c) for b in (1, 2)
@@ -148,7 +150,7 @@ def test_quick_preset_runs_every_kind_end_to_end_and_resumes(tmp_path, small_cor
     progress = [line for line in first.stdout.splitlines() if line.startswith("[")]
     assert len(progress) == len(records) and not any("done before" in line for line in progress)
     for r in records:
-        check_figures(r, stopped_early=True)
+        check_figures(r, out / "runs", stopped_early=True)
         assert json.loads((out / "records" / f"{r['arm']}.json").read_text()) == r
     by_kind = {r["kind"]: r for r in records if r["task"] == "lm"}
     cache = {r["kind"]: [d["cache_bytes"] for d in r["decode"]] for r in records if r["task"] == "speed"}
@@ -414,6 +416,22 @@ def test_report_only_renders_the_finished_entries_and_runs_nothing(tmp_path, cap
     assert "**Not finished:** 1 of 4 arms have run (rendered with report_only=true)" in table
     assert f"| mqa | {records[0]['val_accuracy']:.3f} |" in table and "| linear |" not in table
     assert "report_only: 1 of 4 arms have finished; 3 table entries wait for the other 3" in capsys.readouterr().out
+
+
+def test_a_committed_report_continues_on_another_machine_through_records_from(tmp_path, capsys):
+    args = ["preset=quick", "tasks=[mqar]", "mqar.steps=4", "mqar.val_every=4"]
+    committed = run_in_process(*args, "kinds=[mqa]", f"out={tmp_path / 'there'}")
+    shutil.rmtree(tmp_path / "there" / "records")  # only results.json travels, as docs/compare does
+    capsys.readouterr()
+    source = tmp_path / "there" / "results.json"
+    results = run_in_process(*args, "kinds=[mqa,linear]", f"out={tmp_path / 'here'}", f"records_from={source}")
+    out = capsys.readouterr().out
+    assert f"records_from={source}: 2 finished arms taken" in out
+    progress = [line for line in out.splitlines() if line.startswith("[")]
+    assert [line.endswith("(done before)") for line in progress] == [True, True, False, False]
+    assert results["records"][:2] == committed["records"]  # mqa's two cells were not trained again
+    assert [r["kind"] for r in results["records"][2:]] == ["linear", "linear"]
+    assert not any((tmp_path / "here" / "runs" / r["arm"]).exists() for r in committed["records"])
 
 
 def test_the_slurm_example_config_selects_the_submitit_launcher():

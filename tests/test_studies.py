@@ -15,10 +15,10 @@ from lm.data.mqar import IGNORE
 from lm.model.config import ModelConfig
 from lm.model.transformer import Transformer
 from lm.studies.decode_speed import decode_speed
-from lm.studies.engine import Arm, run_arms
+from lm.studies.engine import Arm, import_records, run_arms, sealed
 from lm.studies.report import pyplot, write_results
 from lm.training.module import evaluate_loss
-from lm.util.errors import Interrupted, RunInterrupted
+from lm.util.errors import DataError, Interrupted, RunInterrupted
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
@@ -113,6 +113,47 @@ def test_a_damaged_record_is_run_again_with_a_note(tmp_path, capsys, damage):
     lines = [line for line in progress(capsys) if line.startswith("[")]  # without the arm's own output
     assert lines[0] == "[1/1] a: its record a.json is damaged (not the file the study wrote); running it again"
     assert len(lines) == 2 and json.loads(path.read_text())["loss"] == 2.0
+
+
+def results_of(records: list[dict], path: Path) -> Path:
+    """A study's results.json holding `records`, as a report writes it."""
+    path.write_text(json.dumps({"machine": {}, "settings": {}, "records": records}, indent=1))
+    return path
+
+
+def test_records_from_a_results_file_are_taken_when_their_settings_hold_and_the_arms_not_run_again(tmp_path):
+    settings = {"a": {"lr": 0.1}, "b": {"lr": 0.2}, "c": {"lr": 0.3}, "d": {"lr": 0.4}}
+    elsewhere = run_arms(arms_of({n: Counting(1.0) for n in settings}, settings), tmp_path / "there", describe)
+    edited = {**elsewhere[3], "loss": 0.5}  # its digest no longer matches: never taken
+    source = results_of([*elsewhere[:3], edited, sealed({**elsewhere[0], "arm": "z"})], tmp_path / "results.json")
+    here = tmp_path / "here"
+    local = run_arms(arms_of({"a": Counting(7.0)}, settings), here, describe)[0]  # finished here: kept
+    changed = {**settings, "c": {"lr": 0.31}}
+    line = import_records(arms_of({n: Counting(0.0) for n in changed}, changed), here, source)
+    assert line == (f"records_from={source}: 1 finished arms taken; left out: 1 finished here already, "
+                    "1 of other settings, 1 not in this study, 1 edited or damaged")
+    assert json.loads((here / "a.json").read_text()) == local
+    assert json.loads((here / "b.json").read_text()) == elsewhere[1]
+    assert not (here / "c.json").exists() and not (here / "d.json").exists() and not (here / "z.json").exists()
+    work = {n: Counting(2.0) for n in changed}
+    records = run_arms(arms_of(work, changed), here, describe)
+    assert [w.calls for w in work.values()] == [0, 0, 1, 1]  # only the arms without a taken record ran
+    assert records[1] == elsewhere[1]
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (None, "no such file"),
+    ("{\"records\": [", "is not a readable results.json"),
+    ("[1, 2]", "holds no list of records"),
+    ("{\"records\": {}}", "holds no list of records"),
+])
+def test_a_records_from_file_that_is_not_a_results_file_is_refused_in_one_line(tmp_path, content, message):
+    source = tmp_path / "results.json"
+    if content is not None:
+        source.write_text(content)
+    with pytest.raises(DataError, match=message) as caught:
+        import_records(arms_of({"a": Counting(1.0)}, {"a": {}}), tmp_path / "records", source)
+    assert "\n" not in str(caught.value) and not (tmp_path / "records").exists()
 
 
 class Stopping:

@@ -37,7 +37,7 @@ from lm.model.config import ConfigError
 from lm.model.transformer import Transformer
 from lm.studies.bench import train_step_fn
 from lm.studies.decode_speed import decode_speed
-from lm.studies.engine import Arm, finished_records, machine, run_arms
+from lm.studies.engine import Arm, finished_records, import_records, machine, run_arms
 from lm.studies.evaluate import score, split_documents, token_stream
 from lm.studies.jobs import chosen_launcher, only_arm, run_as_jobs
 from lm.studies.report import comparison_table, lm_loss_plot, mqar_plot, write_results
@@ -321,6 +321,15 @@ def lr_tag(lr: float) -> str:
     return f"lr{lr:g}"
 
 
+def recorded_settings(run_cfg: DictConfig) -> dict:
+    """A training arm's settings as its record holds them: the whole run config but the folder its
+    checkpoints go to, an absolute path under `out` that the figures do not depend on. With it,
+    a study moved to another folder or machine (records_from=...) would run every arm again."""
+    settings = OmegaConf.to_container(run_cfg, resolve=True)
+    del settings["checkpoint_dir"]
+    return settings
+
+
 def recall_arms(cfg: DictConfig, entry: Entry, seeds: list[int], common: dict, runs: Path) -> list[Arm]:
     m = cfg.mqar
     # Fresh examples at every step unless a count is given: no run sees an example twice before
@@ -342,7 +351,7 @@ def recall_arms(cfg: DictConfig, entry: Entry, seeds: list[int], common: dict, r
                   "trainer": {**_trainer(m.steps, m.val_every, None), "stop_at_accuracy": m.get("stop_at_accuracy")}}
         run_cfg = training_config(entry, ["data=mqar"], values)
         check_run(name, run_cfg, recall=True)
-        arms.append(Arm(name, OmegaConf.to_container(run_cfg, resolve=True),
+        arms.append(Arm(name, recorded_settings(run_cfg),
                         lambda resume=False, c=run_cfg: unless_diverged(recall_run, resumed(c, resume)),
                         labels={"task": "mqar", "kind": entry.name, "width": width, "pairs": pairs, "lr": lr,
                                 "seed": seed},
@@ -366,7 +375,7 @@ def language_arms(cfg: DictConfig, entry: Entry, seeds: list[int], common: dict,
         run_cfg = language_config(cfg, entry, lr, seed, common, name)
         check_run(name, run_cfg, recall=False)
         # The figures depend on the corpus's text too.
-        arms.append(Arm(name, {**OmegaConf.to_container(run_cfg, resolve=True), "corpus_fingerprint": fingerprint},
+        arms.append(Arm(name, {**recorded_settings(run_cfg), "corpus_fingerprint": fingerprint},
                         lambda resume=False, c=run_cfg: unless_diverged(language_run, resumed(c, resume)),
                         labels={"task": "lm", "kind": entry.name, "lr": lr, "seed": seed},
                         log=runs / name / "train.log", checkpoint=runs / name / "last.ckpt"))
@@ -562,6 +571,8 @@ def run_study(cfg: DictConfig) -> dict | None:
     if cfg.get("arm") is not None:
         run_arms(arms, out / "records", describe, only=only_arm(arms, cfg.arm))
         return None
+    if cfg.get("records_from") is not None:  # before any job starts: the jobs then find the records done
+        print(import_records(arms, out / "records", resolve_path(cfg.records_from)), flush=True)
     unfinished = None
     if cfg.get("report_only"):
         records, unfinished = reported_records(arms, out / "records")

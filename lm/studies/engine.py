@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from lm.data.corpora import digest
-from lm.util.errors import Interrupted, RunInterrupted, one_line
+from lm.util.errors import DataError, Interrupted, RunInterrupted, one_line
 from lm.util.files import make_folder, write_atomically
 
 
@@ -192,6 +192,41 @@ def finished_records(arms: list[Arm], records: Path) -> tuple[list[dict], list[A
         else:
             unfinished.append(arm)
     return done, unfinished
+
+
+def import_records(arms: list[Arm], records: Path, source: Path) -> str:
+    """Fill `records` from the records a study's results.json holds (a committed report, or one
+    from another machine), so the arms they finished are not run again here. A record is taken
+    when it names a planned arm, is sealed (not edited since it was written), finished, and holds
+    the arm's current settings; a finished record already in `records` is kept. Returns one line
+    saying what was taken and what was not."""
+    try:
+        results = json.loads(source.read_text())
+    except FileNotFoundError:
+        raise DataError(f"records_from={source}: no such file (give a study's results.json)") from None
+    except (OSError, ValueError, RecursionError) as e:
+        raise DataError(f"records_from={source} is not a readable results.json: {one_line(e)}") from None
+    if not isinstance(results, dict) or not isinstance(results.get("records"), list):
+        raise DataError(f"records_from={source} holds no list of records: not a study's results.json")
+    planned = {arm.name: arm for arm in arms}
+    counts = dict.fromkeys(("taken", "finished here already", "of other settings", "not in this study",
+                            "edited or damaged"), 0)
+    for record in results["records"]:
+        arm = planned.get(record.get("arm")) if isinstance(record, dict) else None
+        if not is_sealed(record):
+            counts["edited or damaged"] += 1
+        elif arm is None:
+            counts["not in this study"] += 1
+        elif record["settings"] != as_json_data(arm.settings) or "error" in record or record.get("interrupted"):
+            counts["of other settings"] += 1
+        elif stored_record(records / f"{arm.name}.json", arm.settings).state == "done":
+            counts["finished here already"] += 1
+        else:
+            make_folder(records)
+            write_record(records / f"{arm.name}.json", record)
+            counts["taken"] += 1
+    left = ", ".join(f"{n} {why}" for why, n in counts.items() if n and why != "taken")
+    return f"records_from={source}: {counts['taken']} finished arms taken" + (f"; left out: {left}" if left else "")
 
 
 def _run_each(arms: list[Arm], records: Path, describe: Callable[[dict], str], only: int | None) -> list[dict]:
