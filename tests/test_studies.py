@@ -125,13 +125,15 @@ def test_records_from_a_results_file_are_taken_when_their_settings_hold_and_the_
     settings = {"a": {"lr": 0.1}, "b": {"lr": 0.2}, "c": {"lr": 0.3}, "d": {"lr": 0.4}}
     elsewhere = run_arms(arms_of({n: Counting(1.0) for n in settings}, settings), tmp_path / "there", describe)
     edited = {**elsewhere[3], "loss": 0.5}  # its digest no longer matches: never taken
-    source = results_of([*elsewhere[:3], edited, sealed({**elsewhere[0], "arm": "z"})], tmp_path / "results.json")
+    failed = sealed({"arm": "b", "error": "RuntimeError: loss is nan", "settings": settings["b"]})
+    odd = [sealed({**elsewhere[0], "arm": "z"}), sealed({**elsewhere[0], "arm": ["a"]}), 7]  # the last two: hostile
+    source = results_of([*elsewhere[:3], edited, failed, *odd], tmp_path / "results.json")
     here = tmp_path / "here"
     local = run_arms(arms_of({"a": Counting(7.0)}, settings), here, describe)[0]  # finished here: kept
     changed = {**settings, "c": {"lr": 0.31}}
     line = import_records(arms_of({n: Counting(0.0) for n in changed}, changed), here, source)
     assert line == (f"records_from={source}: 1 finished arms taken; left out: 1 finished here already, "
-                    "1 of other settings, 1 not in this study, 1 edited or damaged")
+                    "1 of other settings, 1 unfinished, 2 not in this study, 2 edited or damaged")
     assert json.loads((here / "a.json").read_text()) == local
     assert json.loads((here / "b.json").read_text()) == elsewhere[1]
     assert not (here / "c.json").exists() and not (here / "d.json").exists() and not (here / "z.json").exists()

@@ -209,16 +209,19 @@ def import_records(arms: list[Arm], records: Path, source: Path) -> str:
     if not isinstance(results, dict) or not isinstance(results.get("records"), list):
         raise DataError(f"records_from={source} holds no list of records: not a study's results.json")
     planned = {arm.name: arm for arm in arms}
-    counts = dict.fromkeys(("taken", "finished here already", "of other settings", "not in this study",
+    counts = dict.fromkeys(("taken", "finished here already", "of other settings", "unfinished", "not in this study",
                             "edited or damaged"), 0)
     for record in results["records"]:
-        arm = planned.get(record.get("arm")) if isinstance(record, dict) else None
-        if not is_sealed(record):
+        if not is_sealed(record) or not isinstance(record.get("settings"), dict):
             counts["edited or damaged"] += 1
-        elif arm is None:
+            continue
+        arm = planned.get(record.get("arm")) if isinstance(record.get("arm"), str) else None
+        if arm is None:
             counts["not in this study"] += 1
-        elif record["settings"] != as_json_data(arm.settings) or "error" in record or record.get("interrupted"):
+        elif record["settings"] != as_json_data(arm.settings):
             counts["of other settings"] += 1
+        elif "error" in record or record.get("interrupted"):
+            counts["unfinished"] += 1
         elif stored_record(records / f"{arm.name}.json", arm.settings).state == "done":
             counts["finished here already"] += 1
         else:
