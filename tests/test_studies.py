@@ -357,3 +357,11 @@ def test_a_stop_wrapped_in_a_librarys_error_is_still_a_stop():
         found = interruption_within(wrapped(by_cause))
         assert isinstance(found, Interrupted) and found.signum == 15
     assert interruption_within(ValueError("a real failure")) is None
+
+
+def test_the_loss_curves_say_which_part_of_the_split_they_measure():
+    from lm.studies.report import validation_label
+
+    settings = {"trainer": {"limit_val_batches": 10}, "data": {"batch_size": 16}, "model": {"max_seq_len": 256}}
+    assert validation_label(settings) == "validation loss (the split's first 41k tokens)"  # 10 x 16 x 256 = 40,960
+    assert validation_label({**settings, "trainer": {"limit_val_batches": None}}) == "validation loss"

@@ -384,6 +384,17 @@ def mqar_plot(records: list[dict]):
     return fig
 
 
+def validation_label(settings: dict) -> str:
+    """What the curves' loss is measured on: training validates on the first `limit_val_batches`
+    batches of the split, which on a corpus ordered by document need not read like the whole split
+    the tables score (docs/studies.md)."""
+    limit = settings["trainer"].get("limit_val_batches")
+    if isinstance(limit, int) and not isinstance(limit, bool):
+        tokens = limit * settings["data"]["batch_size"] * settings["model"]["max_seq_len"]
+        return f"validation loss (the split's first {tokens / 1e3:.0f}k tokens)"
+    return "validation loss"
+
+
 def lm_loss_plot(records: list[dict]):
     """Validation loss against training tokens and against training wall-clock, one line per kind
     (the best learning rate, the mean over seeds); None without language modelling records."""
@@ -391,6 +402,7 @@ def lm_loss_plot(records: list[dict]):
     if not cells:
         return None
     fig, (by_tokens, by_time) = pyplot().subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    plotted = []
     for i, (kind, by_cell) in enumerate(cells.items()):
         by_lr = by_cell[()]
         rs = [r for r in by_lr[best_lr(by_lr, eval_loss, False)] if not diverged(r)]
@@ -402,11 +414,12 @@ def lm_loss_plot(records: list[dict]):
                   for j in range(steps)]
         losses = [mean_and_spread([r["history"][j][1] for r in rs])[0] for j in range(steps)]
         seconds = [mean_and_spread([r["history"][j][3] for r in rs])[0] for j in range(steps)]
+        plotted.append(rs[0])
         by_tokens.plot(tokens, losses, markersize=3, label=kind, **line_style(i))
         by_time.plot(seconds, losses, markersize=3, label=kind, **line_style(i))
     by_tokens.set_xlabel("training tokens (millions)")
     by_time.set_xlabel("training wall-clock (s, validation excluded)")
-    by_tokens.set_ylabel("validation loss")
+    by_tokens.set_ylabel(validation_label(plotted[0]["settings"]) if plotted else "validation loss")
     by_time.legend()
     return fig
 
