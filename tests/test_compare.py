@@ -421,6 +421,10 @@ def test_report_only_renders_the_finished_entries_and_runs_nothing(tmp_path, cap
 def test_a_committed_report_continues_on_another_machine_through_records_from(tmp_path, capsys):
     args = ["preset=quick", "tasks=[mqar]", "mqar.steps=4", "mqar.val_every=4"]
     committed = run_in_process(*args, "kinds=[mqa]", f"out={tmp_path / 'there'}")
+    # rendered before the study finished: seed 1 has not run, so both cells wait and show nothing,
+    # but the report still holds their finished arms
+    partial = run_in_process(*args, "kinds=[mqa]", "seeds=2", "report_only=true", f"out={tmp_path / 'there'}")
+    assert partial["records"] == [] and partial["waiting"] == committed["records"]
     shutil.rmtree(tmp_path / "there" / "records")  # only results.json travels, as docs/compare does
     capsys.readouterr()
     source = tmp_path / "there" / "results.json"

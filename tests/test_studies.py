@@ -15,7 +15,7 @@ from lm.data.mqar import IGNORE
 from lm.model.config import ModelConfig
 from lm.model.transformer import Transformer
 from lm.studies.decode_speed import decode_speed
-from lm.studies.engine import Arm, import_records, run_arms, sealed
+from lm.studies.engine import Arm, import_records, machine, ran_on_machine, run_arms, sealed
 from lm.studies.report import pyplot, write_results
 from lm.training.module import evaluate_loss
 from lm.util.errors import DataError, Interrupted, RunInterrupted
@@ -125,7 +125,7 @@ def test_records_from_a_results_file_are_taken_when_their_settings_hold_and_the_
     settings = {"a": {"lr": 0.1}, "b": {"lr": 0.2}, "c": {"lr": 0.3}, "d": {"lr": 0.4}}
     elsewhere = run_arms(arms_of({n: Counting(1.0) for n in settings}, settings), tmp_path / "there", describe)
     edited = {**elsewhere[3], "loss": 0.5}  # its digest no longer matches: never taken
-    failed = sealed({"arm": "b", "error": "RuntimeError: loss is nan", "settings": settings["b"]})
+    failed = sealed({"arm": "d", "error": "RuntimeError: loss is nan", "settings": settings["d"]})
     odd = [sealed({**elsewhere[0], "arm": "z"}), sealed({**elsewhere[0], "arm": ["a"]}), 7]  # the last two: hostile
     source = results_of([*elsewhere[:3], edited, failed, *odd], tmp_path / "results.json")
     here = tmp_path / "here"
@@ -141,6 +141,43 @@ def test_records_from_a_results_file_are_taken_when_their_settings_hold_and_the_
     records = run_arms(arms_of(work, changed), here, describe)
     assert [w.calls for w in work.values()] == [0, 0, 1, 1]  # only the arms without a taken record ran
     assert records[1] == elsewhere[1]
+
+
+def test_records_from_takes_timings_from_this_machine_only_and_the_records_a_partial_report_holds_apart(tmp_path):
+    settings = {"speed": {"contexts": [64]}, "recall": {"lr": 0.1}, "lm": {"lr": 0.2}}
+    there = run_arms(arms_of({n: Counting(1.0) for n in settings}, settings), tmp_path / "there", describe)
+    assert all(ran_on_machine(r, machine()) for r in there)  # each record names the machine it ran on
+    timed_elsewhere = sealed({**there[0], "ran_on": {**there[0]["ran_on"], "cpu": "a faster CPU"}})
+    older = sealed({**there[0], "ran_on": {"host": "vm", "pid": 1}})  # from before records named their machine
+    path = tmp_path / "results.json"  # a report_only report: the lm entry waits for another arm
+    path.write_text(json.dumps({"records": [timed_elsewhere, older, there[1], there[1]], "waiting": [there[2]]}))
+    here = tmp_path / "here"
+
+    def import_():
+        arms = arms_of({n: Counting(0.0) for n in settings}, settings)
+        return import_records(arms, here, path, times_this_machine=lambda arm: arm.name == "speed")
+
+    assert import_() == (f"records_from={path}: 2 finished arms taken; left out: 2 timed on another machine, "
+                         "1 given twice")
+    assert not (here / "speed.json").exists()
+    assert [json.loads((here / f"{n}.json").read_text()) for n in ("recall", "lm")] == there[1:]
+    path.write_text(json.dumps({"records": [there[0]]}))  # the same timings, measured on this machine
+    assert import_() == f"records_from={path}: 1 finished arms taken"
+    assert json.loads((here / "speed.json").read_text()) == there[0]
+
+
+def test_the_report_names_the_machines_its_arms_ran_on():
+    from lm.studies.report import machine_line
+
+    here = {"cpu": "AMD EPYC", "threads": 2, "gpu": None, "torch": "2.13.0"}
+    other = {**here, "threads": 1}
+    records = [{"seconds": 60, "ran_on": {"host": "a", **other}}, {"seconds": 60, "ran_on": {"host": "b", **other}},
+               {"seconds": 60, "ran_on": {"host": "c"}}]
+    assert machine_line({"machine": here, "records": records}) == (
+        "Machine: AMD EPYC (2 threads), torch 2.13.0; its arms took 3.0 min of training and measuring in all (summed "
+        "over the records, also those a repeated command reused). Its arms ran on: AMD EPYC (1 threads), torch "
+        "2.13.0: 2 arms; 1 arms recorded before records named their machine.")
+    assert machine_line({"machine": here, "records": records[2:]}).endswith("a repeated command reused).")
 
 
 @pytest.mark.parametrize(("content", "message"), [

@@ -548,17 +548,18 @@ def table_entry(labels: dict) -> tuple:
     return labels["task"], labels["kind"], labels.get("width"), labels.get("pairs")
 
 
-def reported_records(arms: list[Arm], records: Path) -> tuple[list[dict], list[str]]:
-    """`report_only=true`: the finished records of the entries whose every arm has finished, and the
-    names of the arms not finished. An entry with an arm missing is left out whole: a best rate
-    chosen among the rates that happen to have run, or a mean over one seed of two, would be a
-    number the finished study might not show."""
+def reported_records(arms: list[Arm], records: Path) -> tuple[list[dict], list[dict], list[str]]:
+    """`report_only=true`: the finished records of the entries whose every arm has finished, those of
+    the entries still waiting for an arm, and the names of the arms not finished. An entry with an
+    arm missing is left out of the tables whole: a best rate chosen among the rates that happen to
+    have run, or a mean over one seed of two, would be a number the finished study might not show."""
     done, unfinished = finished_records(arms, records)
     incomplete = {table_entry(arm.labels) for arm in unfinished}
     shown = [r for r in done if table_entry(r) not in incomplete]
+    waiting = [r for r in done if table_entry(r) in incomplete]
     print(f"report_only: {len(done)} of {len(arms)} arms have finished; {len(incomplete)} table entries wait for "
           f"the other {len(unfinished)} and are left out (results.json names them)", flush=True)
-    return shown, [arm.name for arm in unfinished]
+    return shown, waiting, [arm.name for arm in unfinished]
 
 
 def run_study(cfg: DictConfig) -> dict | None:
@@ -572,10 +573,11 @@ def run_study(cfg: DictConfig) -> dict | None:
         run_arms(arms, out / "records", describe, only=only_arm(arms, cfg.arm))
         return None
     if cfg.get("records_from") is not None:  # before any job starts: the jobs then find the records done
-        print(import_records(arms, out / "records", resolve_path(cfg.records_from)), flush=True)
-    unfinished = None
+        print(import_records(arms, out / "records", resolve_path(cfg.records_from),
+                             times_this_machine=lambda arm: arm.labels["task"] == "speed"), flush=True)
+    unfinished = waiting = None
     if cfg.get("report_only"):
-        records, unfinished = reported_records(arms, out / "records")
+        records, waiting, unfinished = reported_records(arms, out / "records")
     else:
         launcher = chosen_launcher()
         if launcher is not None:
@@ -587,7 +589,9 @@ def run_study(cfg: DictConfig) -> dict | None:
     results = {"machine": machine(), "seconds": round(time.perf_counter() - started, 1),
                "settings": settings, "records": records}
     if unfinished is not None:
+        # the finished arms of waiting entries are kept too, so records_from can continue from this file
         results["unfinished"] = {"planned": len(arms), "arms": unfinished}
+        results["waiting"] = waiting
     write_results(out, results, comparison_table(results),
                   {"mqar_accuracy.png": mqar_plot, "lm_loss.png": lm_loss_plot})
     return results

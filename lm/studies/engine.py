@@ -194,12 +194,15 @@ def finished_records(arms: list[Arm], records: Path) -> tuple[list[dict], list[A
     return done, unfinished
 
 
-def import_records(arms: list[Arm], records: Path, source: Path) -> str:
+def import_records(arms: list[Arm], records: Path, source: Path,
+                   times_this_machine: Callable[[Arm], bool] = lambda arm: False) -> str:
     """Fill `records` from the records a study's results.json holds (a committed report, or one
     from another machine), so the arms they finished are not run again here. A record is taken
     when it names a planned arm, is sealed (not edited since it was written), finished, and holds
-    the arm's current settings; a finished record already in `records` is kept. Returns one line
-    saying what was taken and what was not."""
+    the arm's current settings; a finished record already in `records` is kept. An arm whose
+    figures are timings of the machine it ran on (`times_this_machine`) is taken only from this
+    machine: one table's speeds must come from one machine. Returns one line saying what was
+    taken and what was not."""
     try:
         results = json.loads(source.read_text())
     except FileNotFoundError:
@@ -208,25 +211,36 @@ def import_records(arms: list[Arm], records: Path, source: Path) -> str:
         raise DataError(f"records_from={source} is not a readable results.json: {one_line(e)}") from None
     if not isinstance(results, dict) or not isinstance(results.get("records"), list):
         raise DataError(f"records_from={source} holds no list of records: not a study's results.json")
+    # a report rendered before its study finished holds the finished arms of incomplete table
+    # entries apart, under "waiting"
+    waiting = results.get("waiting", [])
+    given = results["records"] + (waiting if isinstance(waiting, list) else [])
     planned = {arm.name: arm for arm in arms}
-    counts = dict.fromkeys(("taken", "finished here already", "of other settings", "unfinished", "not in this study",
-                            "edited or damaged"), 0)
-    for record in results["records"]:
+    here = machine()
+    counts = dict.fromkeys(("taken", "finished here already", "of other settings", "unfinished",
+                            "timed on another machine", "not in this study", "given twice", "edited or damaged"), 0)
+    taken = set()
+    for record in given:
         if not is_sealed(record) or not isinstance(record.get("settings"), dict):
             counts["edited or damaged"] += 1
             continue
         arm = planned.get(record.get("arm")) if isinstance(record.get("arm"), str) else None
         if arm is None:
             counts["not in this study"] += 1
+        elif arm.name in taken:
+            counts["given twice"] += 1
         elif record["settings"] != as_json_data(arm.settings):
             counts["of other settings"] += 1
         elif "error" in record or record.get("interrupted"):
             counts["unfinished"] += 1
+        elif times_this_machine(arm) and not ran_on_machine(record, here):
+            counts["timed on another machine"] += 1
         elif stored_record(records / f"{arm.name}.json", arm.settings).state == "done":
             counts["finished here already"] += 1
         else:
             make_folder(records)
             write_record(records / f"{arm.name}.json", record)
+            taken.add(arm.name)
             counts["taken"] += 1
     left = ", ".join(f"{n} {why}" for why, n in counts.items() if n and why != "taken")
     return f"records_from={source}: {counts['taken']} finished arms taken" + (f"; left out: {left}" if left else "")
@@ -302,7 +316,8 @@ def _run_one(arm: Arm, path: Path, prefix: str, resume: bool, earlier: float,
               + (f" (its log: {arm.log})" if arm.log else ""), flush=True)
         raise
     record = sealed(as_json_data({**base, **figures, "seconds": time.perf_counter() - started,
-                                  "ran_on": {"host": platform.node(), "pid": os.getpid()}, "settings": settings}))
+                                  "ran_on": {"host": platform.node(), "pid": os.getpid(), **machine()},
+                                  "settings": settings}))
     write_record(path, record)
     print(f"{prefix} {describe(record)}  ({record['seconds']:.0f} s)", flush=True)
     return record
@@ -320,3 +335,10 @@ def machine() -> dict:
         pass
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     return {"cpu": cpu, "threads": torch.get_num_threads(), "gpu": gpu, "torch": torch.__version__}
+
+
+def ran_on_machine(record: dict, here: dict) -> bool:
+    """Whether the record was measured on a machine like `here` (the processor, the GPU, torch and
+    the threads it used); a record from before records named their machine never is."""
+    ran_on = record.get("ran_on")
+    return isinstance(ran_on, dict) and all(ran_on.get(key, object()) == value for key, value in here.items())

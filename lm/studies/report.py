@@ -171,13 +171,26 @@ def sequence_lengths(m: dict) -> str:
     return f"{' / '.join(map(str, m['seq_len']))} for {' / '.join(map(str, pairs))} pairs"
 
 
+def machine_name(machine: dict) -> str:
+    gpu = f", {machine['gpu']}" if machine.get("gpu") else ""
+    return f"{machine['cpu']} ({machine['threads']} threads){gpu}, torch {machine['torch']}"
+
+
 def machine_line(results: dict) -> str:
-    records, machine = results["records"], results["machine"]
-    gpu = f", {machine['gpu']}" if machine["gpu"] else ""
+    """Where the report was rendered and, since arms may run elsewhere (jobs, records_from), where
+    each of them ran, as far as their records say."""
+    records = results["records"]
     minutes = sum(r["seconds"] for r in records) / 60
-    return (f"Machine: {machine['cpu']} ({machine['threads']} threads){gpu}, torch {machine['torch']}; its arms took "
-            f"{minutes:.1f} min of training and measuring in all (summed over the records, also those a repeated "
-            "command reused).")
+    ran_on = [r.get("ran_on", {}) for r in records]
+    named = [machine_name(m) for m in ran_on if "cpu" in m]
+    arms_machines = ""
+    if named:
+        counts = {name: named.count(name) for name in dict.fromkeys(named)}
+        unnamed = len(records) - len(named)
+        arms_machines = (" Its arms ran on: " + "; ".join(f"{name}: {n} arms" for name, n in counts.items())
+                         + (f"; {unnamed} arms recorded before records named their machine" if unnamed else "") + ".")
+    return (f"Machine: {machine_name(results['machine'])}; its arms took {minutes:.1f} min of training and measuring "
+            "in all (summed over the records, also those a repeated command reused)." + arms_machines)
 
 
 def recall_tables(records: list[dict], settings: dict) -> list[str]:
