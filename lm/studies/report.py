@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -185,7 +186,7 @@ def machine_line(results: dict) -> str:
     named = [machine_name(m) for m in ran_on if "cpu" in m]
     arms_machines = ""
     if named:
-        counts = {name: named.count(name) for name in dict.fromkeys(named)}
+        counts = Counter(named)  # in the order the machines first appear
         unnamed = len(records) - len(named)
         arms_machines = (" Its arms ran on: " + "; ".join(f"{name}: {n} arms" for name, n in counts.items())
                          + (f"; {unnamed} arms recorded before records named their machine" if unnamed else "") + ".")
@@ -415,7 +416,6 @@ def lm_loss_plot(records: list[dict]):
     if not cells:
         return None
     fig, (by_tokens, by_time) = pyplot().subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    plotted = []
     for i, (kind, by_cell) in enumerate(cells.items()):
         by_lr = by_cell[()]
         rs = [r for r in by_lr[best_lr(by_lr, eval_loss, False)] if not diverged(r)]
@@ -427,12 +427,12 @@ def lm_loss_plot(records: list[dict]):
                   for j in range(steps)]
         losses = [mean_and_spread([r["history"][j][1] for r in rs])[0] for j in range(steps)]
         seconds = [mean_and_spread([r["history"][j][3] for r in rs])[0] for j in range(steps)]
-        plotted.append(rs[0])
         by_tokens.plot(tokens, losses, markersize=3, label=kind, **line_style(i))
         by_time.plot(seconds, losses, markersize=3, label=kind, **line_style(i))
     by_tokens.set_xlabel("training tokens (millions)")
     by_time.set_xlabel("training wall-clock (s, validation excluded)")
-    by_tokens.set_ylabel(validation_label(plotted[0]["settings"]) if plotted else "validation loss")
+    # every language-modelling arm of a study validates on the same batches
+    by_tokens.set_ylabel(validation_label(next(r for r in records if r["task"] == "lm")["settings"]))
     by_time.legend()
     return fig
 
