@@ -457,3 +457,21 @@ def test_the_zoology_preset_plans_figure_2s_grid():
     assert all(a.settings["model"]["max_seq_len"] == a.settings["data"]["seq_len"] for a in arms)
     with pytest.raises(ConfigError, match=r"mqar.seq_len=\[64, 128\] must be one length, or one per entry"):
         planned("preset=zoology", "kinds=[mha]", "tasks=[mqar]", "mqar.seq_len=[64,128]")
+
+
+def test_the_zoology_preset_trains_its_longest_cell_end_to_end(tmp_path, capsys):
+    """Figure 2's largest cell (16 pairs at length 256, vocabulary 8192) through the whole arm on a
+    CPU, its examples, batch and steps cut to seconds: the preset's paths run, not only its plan."""
+    out = tmp_path / "zoology"
+    records = run_in_process("preset=zoology", "kinds=[mha]", "extra_kinds=[]", "tasks=[mqar]", "seeds=1",
+                             "mqar.widths=[64]", "mqar.pairs=[16]", "mqar.seq_len=[256]", "mqar.lr=[0.01]",
+                             "mqar.steps=3", "mqar.val_every=3", "mqar.warmup_steps=1", "mqar.batch_size=4",
+                             "mqar.examples=1024", "mqar.val_examples=8", f"out={out}")["records"]
+    assert [r["arm"] for r in records] == ["mqar-mha-d64-p16-lr0.01-s0"]
+    record = records[0]
+    check_figures(record)
+    data = record["settings"]["data"]
+    assert (data["vocab_size"], data["seq_len"], data["pairs"], data["examples"]) == (8192, 256, 16, 1024)
+    assert record["settings"]["model"]["max_seq_len"] == 256 and 0 <= record["val_accuracy"] <= 1
+    assert "| mha |" in (out / "results.md").read_text()
+    assert [line[:5] for line in capsys.readouterr().out.splitlines() if line.startswith("[")] == ["[1/1]"]

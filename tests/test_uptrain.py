@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -72,6 +73,7 @@ def test_study_writes_json_table_and_plot(teacher, tmp_path, capsys):
         # the first validation is the converted weights, the last the result
         assert r["history"][0][:2] == [0, r["val_loss_before"]] and r["history"][-1][:2] == [3, r["val_loss_after"]]
         assert "study" not in r["settings"] and r["settings"]["decode_tokens"] == 4
+        assert "checkpoint_dir" not in r["settings"]  # where the study writes is not a setting of its figures
     for r in saved:  # 4 new tokens within the arm's time; a step takes over a microsecond
         assert 4 / r["seconds"] < r["decode_tokens_per_s"] < 1e6
     # right after conversion, mean-pooled heads keep more of the teacher than random ones
@@ -81,6 +83,15 @@ def test_study_writes_json_table_and_plot(teacher, tmp_path, capsys):
             f"{r['val_loss_after'] / teacher_record['val_loss_after'] - 1:+.1%} |") in \
         (tmp_path / "study" / "results.md").read_text()
     assert (tmp_path / "study" / "val_loss.png").read_bytes()[:4] == b"\x89PNG"
+
+    # The study's folder moved elsewhere: its records still hold, nothing runs again.
+    shutil.copytree(tmp_path / "study", tmp_path / "moved")
+    moved = uptrain_config(teacher, tmp_path, "study.kv_heads=[1]", "study.inits=[mean,random]",
+                           "study.fractions=[0.5]", f"study.out={tmp_path / 'moved'}", *overrides[1:],
+                           name="uptrain_study")
+    assert run_study(moved) == saved
+    progress = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert all(line.endswith("(done before)") for line in progress) and len(progress) == 4
 
     # A longer grid reuses what it already holds. Mean-pooling groups of one head changes nothing, so the
     # training's validation of the converted weights scores exactly what the study's evaluator scored the teacher.

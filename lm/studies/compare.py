@@ -37,7 +37,7 @@ from lm.model.config import ConfigError
 from lm.model.transformer import Transformer
 from lm.studies.bench import train_step_fn
 from lm.studies.decode_speed import decode_speed
-from lm.studies.engine import Arm, finished_records, import_records, machine, run_arms
+from lm.studies.engine import Arm, finished_records, import_records, machine, recorded_settings, run_arms
 from lm.studies.evaluate import score, split_documents, token_stream
 from lm.studies.jobs import chosen_launcher, only_arm, run_as_jobs
 from lm.studies.report import comparison_table, lm_loss_plot, mqar_plot, write_results
@@ -319,15 +319,6 @@ def recall_lengths(m: DictConfig) -> dict[int, int]:
 
 def lr_tag(lr: float) -> str:
     return f"lr{lr:g}"
-
-
-def recorded_settings(run_cfg: DictConfig) -> dict:
-    """A training arm's settings as its record holds them: the whole run config but the folder its
-    checkpoints go to, an absolute path under `out` that the figures do not depend on. With it,
-    a study moved to another folder or machine (records_from=...) would run every arm again."""
-    settings = OmegaConf.to_container(run_cfg, resolve=True)
-    del settings["checkpoint_dir"]
-    return settings
 
 
 def recall_arms(cfg: DictConfig, entry: Entry, seeds: list[int], common: dict, runs: Path) -> list[Arm]:

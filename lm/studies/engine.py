@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from omegaconf import DictConfig, OmegaConf
 
 from lm.data.corpora import digest
 from lm.util.errors import DataError, Interrupted, RunInterrupted, one_line
@@ -45,6 +46,15 @@ class Arm:
     labels: dict = field(default_factory=dict)  # what the tables group by, known before running
     log: Path | None = None  # where the arm's own output goes; None: the terminal
     checkpoint: Path | None = None  # where an interrupted run of the arm leaves its state, if it leaves one
+
+
+def recorded_settings(run_cfg: DictConfig) -> dict:
+    """A training arm's settings as its record holds them: the whole run config but the folder its
+    checkpoints go to, a path under the study's `out` that the figures do not depend on. With it,
+    a study moved to another folder or machine (records_from=...) would run every arm again."""
+    settings = OmegaConf.to_container(run_cfg, resolve=True)
+    settings.pop("checkpoint_dir", None)
+    return settings
 
 
 def as_json_data(value):

@@ -25,7 +25,7 @@ from lm.formats.checkpoint import load, read_checkpoint
 from lm.formats.convert import INITS
 from lm.model.transformer import Transformer
 from lm.studies.decode_speed import decode_speed
-from lm.studies.engine import Arm, machine, run_arms
+from lm.studies.engine import Arm, machine, recorded_settings, run_arms
 from lm.studies.report import ablation_table, uptraining_plot, write_results
 from lm.training.module import evaluate_loss
 from lm.training.run import train
@@ -117,7 +117,7 @@ def plan(cfg: DictConfig) -> list[Arm]:
                 arm_cfg = OmegaConf.merge(cfg, {"attn": {"n_kv_head": kv_heads}, "run_name": f"study-{name}",
                                                 "checkpoint_dir": str(runs),
                                                 "uptrain": {"init": init, "fraction": fraction, "steps": None}})
-                settings = OmegaConf.to_container(arm_cfg, resolve=True)
+                settings = recorded_settings(arm_cfg)
                 del settings["study"]  # the grid: a longer list must not rerun the arms already in it
                 arms.append(Arm(name, {**settings, **measured_with},
                                 lambda c=arm_cfg: trained_figures(uptrain(c), measuring),
@@ -137,7 +137,7 @@ def plan(cfg: DictConfig) -> list[Arm]:
             with open_dict(run):
                 run.checkpoint_dir = str(runs)
                 run.uptrain = {"init": "scratch", "steps": steps}
-            arms.append(Arm(name, {**OmegaConf.to_container(run, resolve=True), **measured_with},
+            arms.append(Arm(name, {**recorded_settings(run), **measured_with},
                             lambda r=run: trained_figures(train(r, tokenizer_json=tokenizer_json, validate_first=True),
                                                           measuring),
                             labels={"kv_heads": kv_heads, "target": variant_name(kv_heads), "init": "scratch",
@@ -185,7 +185,7 @@ def method_arm(cfg: DictConfig, method, fraction: float, runs: Path, measured_wi
     check_uptrain_settings(arm_cfg)
     target = conversion_target(arm_cfg)
     init = "svd" if target.latent is not None else arm_cfg.uptrain.init
-    settings = OmegaConf.to_container(arm_cfg, resolve=True)
+    settings = recorded_settings(arm_cfg)
     del settings["study"]
     kv_heads = target.n_kv_head if target.latent is None else \
         f"latent {target.latent.kv_rank}+{target.latent.rope_dim}"
