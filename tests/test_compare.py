@@ -417,6 +417,14 @@ def test_report_only_renders_the_finished_entries_and_runs_nothing(tmp_path, cap
     assert f"| mqa | {records[0]['val_accuracy']:.3f} |" in table and "| linear |" not in table
     assert "report_only: 1 of 4 arms have finished; 3 table entries wait for the other 3" in capsys.readouterr().out
 
+    # Once every arm has finished, the report is the finished study's, with nothing said to be waiting.
+    finished = run_in_process(*args, "kinds=[mqa]")
+    capsys.readouterr()
+    assert run_in_process(*args, "kinds=[mqa]", "report_only=true")["records"] == finished["records"]
+    assert "report_only: all 2 arms have finished" in capsys.readouterr().out
+    assert "unfinished" not in json.loads((out / "results.json").read_text())
+    assert "Not finished" not in (out / "results.md").read_text()
+
 
 def test_a_committed_report_continues_on_another_machine_through_records_from(tmp_path, capsys):
     args = ["preset=quick", "tasks=[mqar]", "mqar.steps=4", "mqar.val_every=4"]

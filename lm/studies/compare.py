@@ -548,8 +548,11 @@ def reported_records(arms: list[Arm], records: Path) -> tuple[list[dict], list[d
     incomplete = {table_entry(arm.labels) for arm in unfinished}
     shown = [r for r in done if table_entry(r) not in incomplete]
     waiting = [r for r in done if table_entry(r) in incomplete]
-    print(f"report_only: {len(done)} of {len(arms)} arms have finished; {len(incomplete)} table entries wait for "
-          f"the other {len(unfinished)} and are left out (results.json names them)", flush=True)
+    if unfinished:
+        print(f"report_only: {len(done)} of {len(arms)} arms have finished; {len(incomplete)} table entries wait for "
+              f"the other {len(unfinished)} and are left out (results.json names them)", flush=True)
+    else:
+        print(f"report_only: all {len(arms)} arms have finished", flush=True)
     return shown, waiting, [arm.name for arm in unfinished]
 
 
@@ -579,7 +582,7 @@ def run_study(cfg: DictConfig) -> dict | None:
         settings["speed"][key] = as_list(f"speed.{key}", settings["speed"].get(key, default))
     results = {"machine": machine(), "seconds": round(time.perf_counter() - started, 1),
                "settings": settings, "records": records}
-    if unfinished is not None:
+    if unfinished:  # every arm finished: the report is the finished study's, as if it had just run them
         # the finished arms of waiting entries are kept too, so records_from can continue from this file
         results["unfinished"] = {"planned": len(arms), "arms": unfinished}
         results["waiting"] = waiting
