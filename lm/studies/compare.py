@@ -582,7 +582,7 @@ def run_study(cfg: DictConfig) -> dict | None:
         settings["speed"][key] = as_list(f"speed.{key}", settings["speed"].get(key, default))
     results = {"machine": machine(), "seconds": round(time.perf_counter() - started, 1),
                "settings": settings, "records": records}
-    if unfinished:  # every arm finished: the report is the finished study's, as if it had just run them
+    if unfinished:  # report_only with arms left to run (once all have, the report is the finished study's);
         # the finished arms of waiting entries are kept too, so records_from can continue from this file
         results["unfinished"] = {"planned": len(arms), "arms": unfinished}
         results["waiting"] = waiting

@@ -50,8 +50,8 @@ class Arm:
 
 def recorded_settings(run_cfg: DictConfig) -> dict:
     """A training arm's settings as its record holds them: the whole run config but the folder its
-    checkpoints go to, a path under the study's `out` that the figures do not depend on. With it,
-    a study moved to another folder or machine (records_from=...) would run every arm again."""
+    checkpoints go to, a path under the study's `out` that the figures do not depend on. Were it
+    kept, a study moved to another folder or machine (records_from=...) would run every arm again."""
     settings = OmegaConf.to_container(run_cfg, resolve=True)
     settings.pop("checkpoint_dir", None)
     return settings

@@ -117,9 +117,7 @@ def plan(cfg: DictConfig) -> list[Arm]:
                 arm_cfg = OmegaConf.merge(cfg, {"attn": {"n_kv_head": kv_heads}, "run_name": f"study-{name}",
                                                 "checkpoint_dir": str(runs),
                                                 "uptrain": {"init": init, "fraction": fraction, "steps": None}})
-                settings = recorded_settings(arm_cfg)
-                del settings["study"]  # the grid: a longer list must not rerun the arms already in it
-                arms.append(Arm(name, {**settings, **measured_with},
+                arms.append(Arm(name, {**uptrained_arm_settings(arm_cfg), **measured_with},
                                 lambda c=arm_cfg: trained_figures(uptrain(c), measuring),
                                 labels={"kv_heads": kv_heads, "target": variant_name(kv_heads), "init": init,
                                         "fraction": fraction},
@@ -144,6 +142,14 @@ def plan(cfg: DictConfig) -> list[Arm]:
                                     "fraction": fraction},
                             log=runs / f"study-{name}" / "train.log"))
     return arms
+
+
+def uptrained_arm_settings(arm_cfg: DictConfig) -> dict:
+    """An uptrained arm's recorded settings without the study's grid: a longer list must not rerun
+    the arms already in it."""
+    settings = recorded_settings(arm_cfg)
+    del settings["study"]
+    return settings
 
 
 def check_study_settings(cfg: DictConfig) -> None:
@@ -185,11 +191,10 @@ def method_arm(cfg: DictConfig, method, fraction: float, runs: Path, measured_wi
     check_uptrain_settings(arm_cfg)
     target = conversion_target(arm_cfg)
     init = "svd" if target.latent is not None else arm_cfg.uptrain.init
-    settings = recorded_settings(arm_cfg)
-    del settings["study"]
     kv_heads = target.n_kv_head if target.latent is None else \
         f"latent {target.latent.kv_rank}+{target.latent.rope_dim}"
-    return Arm(name, {**settings, **measured_with}, lambda: trained_figures(uptrain(arm_cfg), measuring),
+    return Arm(name, {**uptrained_arm_settings(arm_cfg), **measured_with},
+               lambda: trained_figures(uptrain(arm_cfg), measuring),
                labels={"kv_heads": kv_heads, "target": target.name,
                        "init": f"{init} + distill" if distill else init, "fraction": fraction},
                log=runs / f"study-{name}" / "train.log")
