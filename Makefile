@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test test-slow test-all lint bench clean
+.PHONY: help install train test test-slow test-all test-gpu gpu-wheels lint bench clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -29,6 +29,15 @@ test-slow: install ## the slow tier: end-to-end script runs, studies, benchmarks
 test-all: install ## every test, slow ones included (installs llama-cpp-python, which compiles llama.cpp)
 	$(PY) -m pip install -q -c constraints.txt -e '.[llama]'
 	$(PY) -m pytest -q
+
+test-gpu: install ## the gpu tier (tests marked gpu: bf16, fused SDPA, CUDA graphs, trainer=gpu, FSDP); needs CUDA
+	$(PY) -m pytest -m gpu -q --durations=15
+
+gpu-wheels: ## .whl/: what a GPU machine with its own torch and no index lacks (gpu/wheels.txt), for `bash gpu/run`
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  -d .whl -r gpu/wheels.txt
+	$(PYTHON) -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3  # pure Python, source only
 
 lint: install ## ruff
 	$(VENV)/bin/ruff check lm scripts tests

@@ -8,12 +8,14 @@ from lm import ModelConfig, Transformer
 from lm.attention import LayerShape, SlidingSpec, example_rows, linear, reference
 from lm.attention.additive import additive_attention, naive_additive_attention
 from lm.attention.efficient import (
+    EfficientSpec,
     chunked_efficient_attention,
     efficient_step,
     naive_efficient_attention,
     recurrent_efficient_attention,
 )
 from lm.attention.feature_maps import FEATURE_MAPS, feature_map, taylor_kernel
+from lm.attention.gated_delta import GatedDeltaSpec
 from lm.attention.linear import (
     LinearSpec,
     chunked_linear_attention,
@@ -335,3 +337,24 @@ def test_generation_state_each_kind_declares():
     assert total(linear, 10) == total(linear, 10_000) == 2 * 2 * (8 * 8 + 8)  # (S, z) per K/V head
     hybrid = small_model(["linear", "softmax"])
     assert [b.attn.generation_state().kind for b in hybrid.blocks] == ["recurrent", "kv"]
+
+
+RECURRENT_ROWS = [name for name, (spec, _) in example_rows().items()
+                  if isinstance(spec, (LinearSpec, EfficientSpec, GatedDeltaSpec))]
+
+
+@pytest.mark.parametrize("name", RECURRENT_ROWS)
+def test_a_recurrent_kernel_keeps_float32_under_bf16_autocast(name):
+    """`bf16-mixed` runs every matmul under autocast in bf16, whatever its inputs' dtype, so a state
+    carried from chunk to chunk would be rounded to bf16 at each product. The recurrent kinds'
+    kernels turn autocast off: on float32 inputs their output under bf16 autocast is the output
+    without it, bit for bit (at 150 positions: several chunks)."""
+    spec, example = example_rows()[name]
+    torch.manual_seed(0)
+    layer = spec.build(LayerShape(d_model=32, n_head=N_HEAD, n_kv_head=example.kv_heads(N_HEAD, 2), head_dim=8))
+    layer.reset_own_parameters()
+    op, inputs = layer.benchmark_op(150)
+    expected = op(*inputs)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under_autocast = op(*inputs)
+    assert under_autocast.dtype == torch.float32 and torch.equal(under_autocast, expected)

@@ -34,11 +34,13 @@ def constraints() -> dict[str, Requirement]:
     return {r.name: r for r in (Requirement(line.split("#")[0]) for line in lines if line.split("#")[0].strip())}
 
 
-def test_torch_is_a_lower_bound_at_the_version_constraints_txt_pins():
+def test_torch_is_a_lower_bound_at_or_below_the_version_constraints_txt_pins():
+    """A machine's own torch (a GPU image's, say) stays: the bound is the lowest version the test
+    suite has passed on (2.11, docs/gpu.md), the pin the one `make install` uses."""
     (torch_spec,) = dependencies()["torch"].specifier
     (pin,) = constraints()["torch"].specifier
     assert (torch_spec.operator, pin.operator) == (">=", "==")
-    assert Version(torch_spec.version) == Version(pin.version)
+    assert Version(torch_spec.version) <= Version(pin.version)
 
 
 def test_no_dependency_of_the_package_is_pinned_exactly():
@@ -75,7 +77,7 @@ def test_the_installed_setuptools_builds_metadata_with_the_licence_and_the_torch
     metadata = (tmp_path / "out" / done.stdout.strip().splitlines()[-1] / "METADATA").read_text()
     headers = {tuple(line.split(": ", 1)) for line in metadata.split("\n\n")[0].splitlines()}  # before the readme
     assert ("License-Expression", "MIT") in headers and ("License-File", "LICENSE") in headers
-    assert ("Requires-Dist", "torch>=2.13") in headers
+    assert ("Requires-Dist", "torch>=2.11") in headers
 
 
 # ------------------------------------------------------------------ optimiser defaults

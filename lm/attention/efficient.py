@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from lm.attention.base import AttentionSpec, Example, LayerShape, register
 from lm.attention.cache import CacheSpec, GenerationCache
 from lm.attention.projections import GroupedQKV
-from lm.attention.shared_caches import RecurrentCache, accumulation_dtype
+from lm.attention.shared_caches import RecurrentCache, accumulation_dtype, without_autocast
 from lm.util.checks import require_int
 
 # N (B, nkv, f, hs) and D (B, nkv, f), both scaled by exp(-m); m (B, nkv, f) the running key maximum.
@@ -102,6 +102,7 @@ def empty_state(k: torch.Tensor, v: torch.Tensor) -> State:
             k.new_full((B, nkv, f), float("-inf"), dtype=dtype))
 
 
+@without_autocast
 def chunked_efficient_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: State | None = None,
                                 chunk_size: int = 64, real: torch.Tensor | None = None
                                 ) -> tuple[torch.Tensor, State]:
@@ -145,6 +146,7 @@ def chunked_efficient_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return out, (N, D, m)
 
 
+@without_autocast
 def efficient_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
     """One new position: q (B, nh, 1, hs), k and v (B, nkv, 1, hs)."""
     N, D, m = state

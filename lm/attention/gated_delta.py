@@ -39,7 +39,7 @@ from lm.attention.base import AttentionSpec, Example, LayerShape, register
 from lm.attention.cache import CacheSpec, GenerationCache
 from lm.attention.convolution import causal_conv, naive_causal_conv, window_after
 from lm.attention.projections import GroupedQKV
-from lm.attention.shared_caches import RecurrentCache, accumulation_dtype
+from lm.attention.shared_caches import RecurrentCache, accumulation_dtype, without_autocast
 from lm.util.checks import require_choice, require_int, require_positive
 from lm.util.errors import ConfigError
 
@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 BACKENDS = ("torch", "fla")
 
 
+@without_autocast
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
                      scale: float | None = None, state: torch.Tensor | None = None,
                      chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,6 +105,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: to
     return out.to(in_dtype), S
 
 
+@without_autocast
 def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
                      scale: float, S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One position: q (B, nh, 1, hs), k (B, nkv, 1, hs), v (B, nkv, 1, hv), beta and g (B, nkv, 1),

@@ -27,7 +27,7 @@ from lm.attention.base import AttentionSpec, Example, LayerShape, register
 from lm.attention.cache import CacheSpec, GenerationCache
 from lm.attention.feature_maps import FEATURE_MAPS, Kernel, feature_dim, feature_kernel, feature_map
 from lm.attention.projections import GroupedQKV
-from lm.attention.shared_caches import RecurrentCache, accumulation_dtype
+from lm.attention.shared_caches import RecurrentCache, accumulation_dtype, without_autocast
 from lm.util.checks import require_choice, require_int, require_positive
 
 State = tuple[torch.Tensor, torch.Tensor]  # S (B, nkv, F, hs), z (B, nkv, F), at least float32
@@ -39,6 +39,7 @@ def zero_state(k: torch.Tensor, v: torch.Tensor) -> State:
     return k.new_zeros(B, nkv, Fdim, v.shape[-1], dtype=dtype), k.new_zeros(B, nkv, Fdim, dtype=dtype)
 
 
+@without_autocast
 def chunked_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eps: float,
                              state: State | None = None, chunk_size: int = 64) -> tuple[torch.Tensor, State]:
     """Featurised q (B, nh, T, F), k (B, nkv, T, F), v (B, nkv, T, hs) -> out (B, nh, T, hs), final state.
@@ -83,6 +84,7 @@ def chunked_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 SEGMENT = 1024  # positions featurised and attended at a time by segmented_linear_attention
 
 
+@without_autocast
 def segmented_linear_attention(phi, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eps: float,
                                chunk_size: int, state: State | None = None) -> tuple[torch.Tensor, State]:
     """q (B, nh, T, hs), k and v (B, nkv, T, hs) -> out (B, nh, T, hs), final state: the chunkwise
@@ -102,6 +104,7 @@ def segmented_linear_attention(phi, q: torch.Tensor, k: torch.Tensor, v: torch.T
     return torch.cat(outputs, dim=2), state
 
 
+@without_autocast
 def kernel_linear_attention(kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             eps: float) -> torch.Tensor:
     """q (B, nh, T, hs), k and v (B, nkv, T, hs) -> out (B, nh, T, hs), from a fresh state: the
@@ -232,6 +235,7 @@ class LinearAttention(GroupedQKV):
         return recurrent_step(self.phi(q), self.phi(k), v, self.spec.eps, state)
 
 
+@without_autocast
 def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eps: float,
                    state: State) -> tuple[torch.Tensor, State]:
     """One new position: featurised q (B, nh, 1, F), k (B, nkv, 1, F), v (B, nkv, 1, hs).

@@ -6,6 +6,7 @@ Shapes: B batch, T new positions, nh query heads, nkv K/V heads, hs head size, L
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -21,6 +22,21 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """float32 for half-precision inputs (bf16 sums over thousands of positions lose a recurrent
     state); float64 stays float64."""
     return torch.promote_types(dtype, torch.float32)
+
+
+def without_autocast(fn: Callable) -> Callable:
+    """Runs a recurrent kernel with autocast off, so that what it casts to accumulation_dtype stays
+    there: under `bf16-mixed` every matmul runs in bf16 whatever its inputs' dtype, and a state
+    carried across chunks would be rounded to bf16 at each product. The inputs still arrive in
+    bf16 from the projections: the kernel's own arithmetic is what this keeps in float32."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        device = next(a for a in args if isinstance(a, torch.Tensor)).device
+        with torch.autocast(device.type, enabled=False):
+            return fn(*args, **kwargs)
+
+    return run
 
 
 class KVCache:

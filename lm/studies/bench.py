@@ -15,7 +15,10 @@ reports its median step time; compare the ratio, not a single absolute figure.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import csv
+import dataclasses
 import math
 import statistics
 import time
@@ -30,34 +33,39 @@ from lm.studies.bench_models import (
     GENERATE_KV_HEADS,
     REFERENCE,
     attention_rows,
+    bench_device,
     declared_cache_bytes,
+    dense_bf16_peak,
+    describe_device,
     hf_llama,
     reference_model,
     step_times,
+    synchronize,
     timed,
 )
 from lm.util.errors import ConfigError
 
+MODEL_CONFIGS = Path(__file__).resolve().parents[2] / "conf" / "model"
 
-def matmul_peak_flops(size: int = 2048, repeats: int = 10) -> float:
-    """Best observed fp32 FLOP/s of one square matmul: the ceiling MFU is measured against."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
+
+def matmul_peak_flops(size: int = 2048, repeats: int = 10, device: torch.device | None = None,
+                      dtype: torch.dtype = torch.float32) -> float:
+    """Best observed FLOP/s of one square matmul in `dtype` on `device`: the ceiling the CPU's MFU
+    is measured against (a GPU's is its data sheet's dense bf16 peak; this is printed beside it)."""
+    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
     a @ b
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
+    return 2 * size**3 / min(timed(lambda: a @ b) for _ in range(repeats))
 
 
-def train_step_fn(model: torch.nn.Module, logits_of):
-    """One fp32 training step: forward, loss, backward, fused AdamW."""
+def train_step_fn(model: torch.nn.Module, logits_of, autocast: torch.dtype | None = None):
+    """One training step: forward (under bf16 autocast when `autocast` says, as `bf16-mixed`
+    trains), loss in float32, backward, fused AdamW."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
     def step(batch: torch.Tensor) -> None:
-        logits = logits_of(model, batch[:, :-1])  # (B, T, V)
-        loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        with torch.autocast(batch.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            logits = logits_of(model, batch[:, :-1])  # (B, T, V)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -90,24 +98,56 @@ def checked_variant(variant: str) -> str:
     return variant
 
 
+def bench_shape(args) -> ModelConfig:
+    """--model: the reference shape, or one of conf/model/ (MHA, as `attn=mha` trains it);
+    --vocab and --seq change its vocabulary and sequence length."""
+    if args.model == "reference":
+        shape = dict(REFERENCE)
+    else:
+        from omegaconf import OmegaConf
+
+        model = OmegaConf.load(MODEL_CONFIGS / f"{args.model}.yaml")
+        shape = {key: model[key] for key in ("n_layer", "d_model", "n_head", "d_ff", "max_seq_len", "tie_embeddings")}
+        shape.update(vocab_size=REFERENCE["vocab_size"], n_kv_head=model.n_head)  # the built-in corpus's vocabulary
+    if args.vocab:
+        shape["vocab_size"] = args.vocab
+    if args.seq:
+        shape["max_seq_len"] = args.seq
+    return ModelConfig(**shape)
+
+
 def bench_train(args) -> None:
+    device = bench_device(args.device)
+    autocast = torch.bfloat16 if device.type == "cuda" else None  # bf16-mixed on a GPU, fp32 on the CPU
     torch.manual_seed(0)
-    cfg = ModelConfig(**REFERENCE)
-    ours = Transformer(cfg)
-    models = {"lm": ours}
-    contenders = {
-        "lm": train_step_fn(ours, lambda m, x: m(x)),
-        "transformers": train_step_fn(hf_llama(cfg), lambda m, x: m(input_ids=x).logits),
-    }
-    if args.compile:  # a second copy of our model, compiled as `compile=true` training compiles it
-        twin = Transformer(cfg)
-        twin.load_state_dict(ours.state_dict())
-        compiled = torch.compile(twin)
-        contenders["lm compiled"] = train_step_fn(twin, lambda m, x: compiled(x))
-    for variant in args.variants:  # the same shape with attention options: gate, qk_norm, softcap ...
-        models[variant] = Transformer(ModelConfig(**REFERENCE, attention=variant_spec(variant)))
-        contenders[variant] = train_step_fn(models[variant], lambda m, x: m(x))
-    batch = torch.randint(0, cfg.vocab_size, (args.batch, cfg.max_seq_len + 1))
+    cfg = bench_shape(args)
+    with device:  # every model's weights built where it trains
+        ours = Transformer(cfg)
+        peers = {"transformers": (hf_llama(cfg), lambda m, x: m(input_ids=x).logits)}
+        litgpt = litgpt_model(cfg)
+        if litgpt is not None:
+            peers["litgpt"] = (litgpt, lambda m, x: m(x))
+        models = {"lm": ours, **{name: model for name, (model, _) in peers.items()}}
+        contenders = {"lm": train_step_fn(ours, lambda m, x: m(x), autocast)}
+        for name, (model, logits_of) in peers.items():
+            contenders[name] = train_step_fn(model, logits_of, autocast)
+        if args.compile:  # a second copy of our model, compiled as `compile=true` training compiles it
+            twin = Transformer(cfg)
+            twin.load_state_dict(ours.state_dict())
+            compiled = torch.compile(twin)
+            models["lm compiled"] = twin
+            contenders["lm compiled"] = train_step_fn(twin, lambda m, x: compiled(x), autocast)
+            if args.compile_peers:  # the peers compiled alike, each a copy of its eager model
+                for name, (model, logits_of) in peers.items():
+                    copy_ = copy.deepcopy(model)
+                    compiled_peer = torch.compile(copy_)
+                    models[f"{name} compiled"] = copy_
+                    contenders[f"{name} compiled"] = train_step_fn(
+                        copy_, lambda m, x, f=compiled_peer, of=logits_of: of(f, x), autocast)
+        for variant in args.variants:  # the same shape with attention options: gate, qk_norm, softcap ...
+            models[variant] = Transformer(dataclasses.replace(cfg, attention=variant_spec(variant)))
+            contenders[variant] = train_step_fn(models[variant], lambda m, x: m(x), autocast)
+        batch = torch.randint(0, cfg.vocab_size, (args.batch, cfg.max_seq_len + 1))
     first_step = {}
     for name, step in contenders.items():
         first_step[name] = timed(lambda step=step: step(batch))  # compiles, for the compiled contender
@@ -116,28 +156,56 @@ def bench_train(args) -> None:
     times: dict[str, list[float]] = {name: [] for name in contenders}
     for _ in range(args.steps):  # alternate, so background load hits both alike
         for name, step in contenders.items():
-            start = time.perf_counter()
-            step(batch)
-            times[name].append(time.perf_counter() - start)
+            times[name].append(timed(lambda step=step: step(batch)))
 
-    peak = matmul_peak_flops()
+    measured_peak = matmul_peak_flops(4096 if device.type == "cuda" else 2048, device=device,
+                                      dtype=autocast or torch.float32)
+    spec_peak = dense_bf16_peak(device) if device.type == "cuda" else None
+    peak = spec_peak or measured_peak
     tokens = args.batch * cfg.max_seq_len
-    flops_per_step = {name: models.get(name, ours).flops_per_token(cfg.max_seq_len) * tokens for name in contenders}
-    print(f"training step, fp32, {torch.get_num_threads()} threads: vocab {cfg.vocab_size}, {cfg.n_layer} layers, "
-          f"d_model {cfg.d_model}, {cfg.n_head} heads / {cfg.n_kv_head} KV, SwiGLU {cfg.d_ff}, "
-          f"seq {cfg.max_seq_len}, batch {args.batch}, tied embeddings; {args.steps} steps each")
-    print(f"measured fp32 matmul peak: {peak / 1e9:.0f} GFLOP/s")
+    # Each of our models counts its own FLOPs (a variant's gate adds some); a peer is the same shape as ours.
+    counted = {name: models[name] if isinstance(models[name], Transformer) else ours for name in contenders}
+    flops_per_step = {name: model.flops_per_token(cfg.max_seq_len) * tokens for name, model in counted.items()}
+    precision = "bf16-mixed" if autocast else "fp32"
+    print(f"training step, {precision}, {describe_device(device)}: {ours.num_params() / 1e6:.1f}M parameters, "
+          f"vocab {cfg.vocab_size}, {cfg.n_layer} layers, d_model {cfg.d_model}, {cfg.n_head} heads / "
+          f"{cfg.n_kv_head} KV, SwiGLU {cfg.d_ff}, seq {cfg.max_seq_len}, batch {args.batch}, "
+          f"{'tied' if cfg.tie_embeddings else 'untied'} embeddings; {args.steps} steps each")
+    if spec_peak:
+        print(f"MFU against the data sheet's dense bf16 peak {spec_peak / 1e12:.0f} TFLOP/s "
+              f"(measured bf16 matmul peak {measured_peak / 1e12:.0f} TFLOP/s)")
+    else:
+        print(f"measured {'bf16' if autocast else 'fp32'} matmul peak: {measured_peak / 1e9:.0f} GFLOP/s")
+    if "litgpt" not in peers:
+        print("litgpt row: litgpt is not installed (pip install litgpt)")
     width = max(14, *(len(name) + 2 for name in contenders))
     print(f"{'':{width}}{'median step s':>14}{'tokens/s':>10}{'MFU':>7}{'first step s':>14}")
     medians = {name: statistics.median(t) for name, t in times.items()}
     for name, seconds in medians.items():
         print(f"{name:{width}}{seconds:14.3f}{tokens / seconds:10.0f}{flops_per_step[name] / seconds / peak:7.1%}"
               f"{first_step[name]:14.1f}")
-    for name in medians:
-        if name in ("lm", "lm compiled"):
-            print(f"{name} / transformers tokens/s: {medians['transformers'] / medians[name]:.2f}x")
+    for name, suffix in (("lm", ""), ("lm compiled", " compiled")):  # each against its like: eager, compiled
+        for peer in (f"{p}{suffix}" if f"{p}{suffix}" in medians else p for p in peers):
+            if name in medians:
+                print(f"{name} / {peer} tokens/s: {medians[peer] / medians[name]:.2f}x")
     for variant in args.variants:
         print(f"{variant} / lm tokens/s: {medians['lm'] / medians[variant]:.2f}x")
+
+
+def litgpt_model(cfg: ModelConfig) -> torch.nn.Module | None:
+    """litgpt's GPT of the same shape (Llama's layout: RMSNorm, SwiGLU, RoPE on every dimension,
+    no biases), or None where litgpt is not installed."""
+    try:
+        from litgpt.config import Config
+        from litgpt.model import GPT
+    except ImportError:
+        return None
+    config = Config(name="lm-shape", block_size=cfg.max_seq_len, vocab_size=cfg.vocab_size,
+                    padded_vocab_size=cfg.vocab_size, n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.d_model,
+                    n_query_groups=cfg.n_kv_head, head_size=cfg.head_dim, rotary_percentage=1.0,
+                    parallel_residual=False, bias=False, norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP",
+                    intermediate_size=cfg.d_ff)
+    return GPT(config)
 
 
 # ---------------------------------------------------------------------------- attention
@@ -164,12 +232,19 @@ def exact_resident_memory() -> None:
 
 
 def peak_memory_of(fn) -> tuple[float, int]:
-    """(seconds, peak bytes above the resident size before the call) of fn().
+    """(seconds, peak bytes above what was held before the call) of fn().
 
-    The CPU has no allocator statistics like CUDA's, so the peak is the process' high-water
-    resident size, which Linux resets on writing 5 to /proc/self/clear_refs."""
+    On CUDA, the caching allocator's own peak. The CPU has no allocator statistics like CUDA's, so
+    there the peak is the process' high-water resident size, which Linux resets on writing 5 to
+    /proc/self/clear_refs."""
     import ctypes
 
+    if torch.cuda.is_initialized():
+        synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        seconds = timed(fn)
+        return seconds, torch.cuda.max_memory_allocated() - before
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
@@ -215,7 +290,26 @@ def time_attention(module, shape: LayerShape, seq_len: int, backward: bool, repe
     return min(r[0] for r in results), max(r[1] for r in results)
 
 
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    """Layers built and inputs drawn in `dtype` inside the block."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
 def bench_attention(args) -> None:
+    """On CUDA in bf16 (layers and inputs made there), on the CPU in fp32."""
+    device = bench_device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with device, default_dtype(dtype):
+        attention_on(device, args)
+
+
+def attention_on(device: torch.device, args) -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -228,9 +322,10 @@ def bench_attention(args) -> None:
     longest_n = max(args.lengths)
     cases = [(name, spec, n_kv_head, heads, n) for name, spec, n_kv_head, heads, longest in cases for n in args.lengths
              if not ((heads == 1 and n != longest_n) or (longest is not None and n > longest))]
-    peak = matmul_peak_flops()
-    print(f"attention op (q, k, v -> out; projections excluded), fp32, {torch.get_num_threads()} threads, "
-          f"batch 1, d_model {args.d_model}; measured fp32 matmul peak {peak / 1e9:.0f} GFLOP/s")
+    precision = "bf16" if torch.get_default_dtype() == torch.bfloat16 else "fp32"
+    peak = matmul_peak_flops(4096 if device.type == "cuda" else 2048, device=device, dtype=torch.get_default_dtype())
+    print(f"attention op (q, k, v -> out; projections excluded), {precision}, {describe_device(device)}, "
+          f"batch 1, d_model {args.d_model}; measured {precision} matmul peak {peak / 1e9:.0f} GFLOP/s")
     # Times first, with the allocator as every program has it; then the memory peaks, with the
     # allocator made to map and unmap every block (exact_resident_memory), which costs page faults.
     print(f"{'kind':24}{'N':>7}{'fwd s':>9}{'fwd+bwd s':>11}{'fwd GFLOP/s':>13}{'of peak':>9}")
@@ -243,8 +338,10 @@ def bench_attention(args) -> None:
         rows.append({"kind": name, "n_head": heads, "n_kv_head": shape.n_kv_head, "seq_len": n, "forward_s": fwd_s,
                      "forward_backward_s": bwd_s, "forward_gflops": gflops, "forward_of_peak": gflops * 1e9 / peak})
         print(f"{name:24}{n:7}{fwd_s:9.4f}{bwd_s:11.4f}{gflops:13.1f}{gflops * 1e9 / peak:9.1%}", flush=True)
-    exact_resident_memory()
-    print(f"{'kind':24}{'N':>7}{'fwd MB':>9}{'fwd+bwd MB':>12}   (peak resident memory above the inputs)")
+    if device.type == "cpu":
+        exact_resident_memory()
+    what = "peak CUDA memory allocated" if device.type == "cuda" else "peak resident memory"
+    print(f"{'kind':24}{'N':>7}{'fwd MB':>9}{'fwd+bwd MB':>12}   ({what} above the inputs)")
     for row, (name, spec, n_kv_head, heads, n) in zip(rows, cases, strict=True):
         torch.manual_seed(0)
         module, shape = attention_layer(spec, n_kv_head, args.d_model, heads)
@@ -258,7 +355,8 @@ def bench_attention(args) -> None:
         writer.writerows(rows)
     print_attention_ratios(rows, max(args.lengths))
     print_whole_layer_times(args)
-    png_path = plot_attention(rows, args.heads, out_dir / "attention.png")
+    label = f"{torch.cuda.get_device_name(device)} bf16" if device.type == "cuda" else "CPU fp32"
+    png_path = plot_attention(rows, args.heads, out_dir / "attention.png", label)
     print(f"wrote {csv_path} and {png_path}")
 
 
@@ -306,7 +404,7 @@ def print_whole_layer_times(args) -> None:
         f"{name} {t:.3f} s ({times[FULL_ATTENTION] / t:.1f}x)" for name, t in times.items()))
 
 
-def plot_attention(rows: list[dict], heads: int, path: Path) -> Path:
+def plot_attention(rows: list[dict], heads: int, path: Path, label: str = "CPU fp32") -> Path:
     from lm.studies.report import pyplot, save_figure
 
     plt = pyplot()
@@ -320,7 +418,7 @@ def plot_attention(rows: list[dict], heads: int, path: Path) -> Path:
         ax.set_yscale("log")
         ax.set_xlabel("sequence length N")
         ax.set_ylabel("seconds")
-        ax.set_title(f"{title} (CPU fp32, {heads} heads)")
+        ax.set_title(f"{title} ({label}, {heads} heads)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
     save_figure(fig, Path(path))
@@ -442,7 +540,16 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--steps", type=int, default=10, help="measured steps per contender")
     train.add_argument("--warmup", type=int, default=2, help="unmeasured steps per contender first")
     train.add_argument("--batch", type=int, default=8)
+    shapes = ["reference", *sorted(p.stem for p in MODEL_CONFIGS.glob("*.yaml"))]
+    train.add_argument("--model", default="reference", choices=shapes,
+                       help="the reference shape (GQA, 6 layers, d_model 384) or a conf/model shape as MHA")
+    train.add_argument("--vocab", type=int, default=None, help="vocabulary size (default: the corpus's, 8192)")
+    train.add_argument("--seq", type=int, default=None, help="sequence length (default: the shape's max_seq_len)")
+    train.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                       help="auto: CUDA where torch sees it (bf16-mixed there), else the CPU (fp32)")
     train.add_argument("--no-compile", dest="compile", action="store_false", help="skip the compiled contender")
+    train.add_argument("--compile-peers", action="store_true",
+                       help="compiled copies of transformers' and litgpt's models too")
     train.add_argument("--variants", nargs="+", type=checked_variant, default=[], metavar="OPTIONS",
                        help="more contenders: the same model with softmax options, e.g. gate=elementwise,qk_norm=true")
     train.set_defaults(run=bench_train)
@@ -454,6 +561,8 @@ def build_parser() -> argparse.ArgumentParser:
     attention.add_argument("--no-single-head", dest="single_head", action="store_false",
                            help="skip the one-head comparison at the longest N")
     attention.add_argument("--out", default="bench", help="folder for attention.csv and attention.png")
+    attention.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                           help="auto: CUDA where torch sees it (bf16 there), else the CPU (fp32)")
     attention.add_argument("--kinds", nargs="+", choices=list(attention_rows()), default=list(attention_rows()),
                            help="rows to time (default: every registered kind's benchmark settings)")
     attention.set_defaults(run=bench_attention)
@@ -482,6 +591,8 @@ def build_parser() -> argparse.ArgumentParser:
     dec.add_argument("--context-batches", type=int, nargs="+", default=[1, 8])
     dec.add_argument("--context-kinds", nargs="+", choices=list(attention_rows()), default=LONG_CONTEXT_KINDS)
     dec.add_argument("--context-steps", type=int, default=16, help="timed steps per cell (the median is kept)")
+    dec.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                     help="auto: CUDA where torch sees it (bf16 there, no int8 or llama.cpp rows), else the CPU (fp32)")
     dec.add_argument("--eager-long", dest="compile_long", action="store_false",
                      help="the long-context table with the eager step (default: compiled, as compile=true decodes)")
     dec.set_defaults(run=bench_decode)

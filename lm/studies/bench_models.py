@@ -43,9 +43,43 @@ def reference_model(spec: AttentionSpec, n_kv_head: int, max_seq_len: int) -> Tr
 
 
 def timed(fn) -> float:
+    """Seconds of fn(); on CUDA, of the work it queued too (the GPU runs behind the host)."""
+    synchronize()
     start = time.perf_counter()
     fn()
+    synchronize()
     return time.perf_counter() - start
+
+
+def synchronize() -> None:
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def bench_device(name: str) -> torch.device:
+    """--device: `auto` is CUDA where torch sees it, else the CPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda: torch sees no CUDA device here")
+    return torch.device(name)
+
+
+def describe_device(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, CUDA {torch.version.cuda}"
+    return f"CPU, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+# Dense (no sparsity) bf16 tensor-core peaks from the vendors' data sheets, by a part of the name
+# torch reports: what model FLOPs utilisation is measured against on a GPU.
+DENSE_BF16_PEAK = {"H100 80GB HBM3": 989e12, "H100 SXM": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12,
+                   "H200": 989e12, "A100": 312e12}
+
+
+def dense_bf16_peak(device: torch.device) -> float | None:
+    name = torch.cuda.get_device_name(device)
+    return next((peak for part, peak in DENSE_BF16_PEAK.items() if part in name), None)
 
 
 def alternate(contenders: dict[str, Callable], rounds: int) -> tuple[dict, dict, dict]:

@@ -29,7 +29,9 @@ from lm.studies.bench_models import (
     REFERENCE,
     alternate,
     attention_rows,
+    bench_device,
     declared_cache_bytes,
+    describe_device,
     hf_llama,
     reference_model,
     step_times,
@@ -110,18 +112,29 @@ def ragged_prompts(batch: int, length: int, vocab_size: int) -> list[list[int]]:
 
 
 def bench_decode(args) -> None:
+    device = bench_device(args.device)
+    with device:  # every model, cache and prompt tensor made where it decodes
+        decode_on(device, args)
+
+
+def decode_on(device: torch.device, args) -> None:
+    """The tables on `device`: the CPU in fp32, CUDA in bf16 (as `generate.py dtype=bf16` runs)."""
     torch.manual_seed(0)
     n = args.new_tokens
     widest = 3 * args.prompt // 2 if args.batches else args.prompt  # the longest prompt of any table
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg = ModelConfig(**{**REFERENCE, "max_seq_len": widest + n})
     model = Transformer(cfg).eval()
     hf = hf_llama(cfg).eval()
     hf.load_state_dict(as_hf_state(model), strict=False)  # rotary inv_freq buffers are not weights
+    model, hf = model.to(dtype), hf.to(dtype)
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = 0
-    int8 = {kernel: quantize_int8(model, kernel) for kernel in args.int8_kernels}
+    if device.type == "cuda" and args.int8_kernels:
+        print("int8 rows: left out on CUDA (the int8 kernels are the CPU's)")
+    int8 = {kernel: quantize_int8(model, kernel) for kernel in args.int8_kernels if device.type == "cpu"}
     prompt = [torch.randint(1, cfg.vocab_size, (args.prompt,)).tolist()]
-    threads = torch.get_num_threads()
+    setting = f"{'bf16' if dtype == torch.bfloat16 else 'fp32'}, {describe_device(device)}"
 
     contenders = {"transformers eager": theirs(hf, prompt, n),
                   "transformers static+compile": theirs(hf_static_compiled(hf), prompt, n),
@@ -132,11 +145,11 @@ def bench_decode(args) -> None:
             contenders[f"lm int8 {kernel}{suffix}"] = ours(quantized, prompt, n, compile=compile)
             weights_mb[f"lm int8 {kernel}{suffix}"] = weight_bytes(quantized) / 2**20
     with tempfile.TemporaryDirectory() as folder:
-        llama_cpp = llama_cpp_runs(model, prompt[0], n, Path(folder))
+        llama_cpp = llama_cpp_runs(model, prompt[0], n, Path(folder)) if device.type == "cpu" else {}
         for name, (run, mb) in llama_cpp.items():
             contenders[name], weights_mb[name] = run, mb
         tokens, first, seconds = alternate(contenders, args.rounds)
-    print(f"greedy decoding, batch 1, {args.prompt}-token prompt, {n} new tokens, fp32, {threads} threads; "
+    print(f"greedy decoding, batch 1, {args.prompt}-token prompt, {n} new tokens, {setting}; "
           f"reference shape (vocab 8192, 6 layers, d_model 384, 6 heads / 2 KV heads, SwiGLU 1024); "
           f"median of {args.rounds} alternating rounds")
     print(f"{'':34}{'tokens/s':>10}{'vs transformers':>17}{'vs lm eager':>13}{'first call s':>14}{'weight MB':>11}"
@@ -145,7 +158,9 @@ def bench_decode(args) -> None:
         print(f"{name:34}{n / seconds[name]:10.1f}{seconds['transformers eager'] / seconds[name]:16.2f}x"
               f"{seconds['lm eager'] / seconds[name]:12.2f}x{first[name]:14.1f}{weights_mb[name]:11.1f}"
               f"{str(tokens[name] == tokens['lm eager']):>13}")
-    if not llama_cpp:
+    if device.type == "cuda":
+        print("llama.cpp rows: left out on CUDA (llama-cpp-python's CPU build)")
+    elif not llama_cpp:
         print("llama.cpp rows: llama-cpp-python is not installed (pip install -e '.[llama]')")
     elif tokens["llama.cpp F32"] != tokens["lm eager"]:
         print("llama.cpp F32's greedy tokens differ from ours (its KV cache is f16: a near-tie can flip)")
@@ -159,8 +174,9 @@ def bench_batched(model: Transformer, hf: torch.nn.Module, int8: dict, batch: in
     """Tokens/s of every row together, prompts of different lengths in one batch."""
     n = args.new_tokens
     prompts = ragged_prompts(batch, args.prompt, model.config.vocab_size)
-    contenders = {"transformers eager": theirs(hf, prompts, n), "lm eager": ours(model, prompts, n),
-                  "lm compiled": ours(model, prompts, n, compile=True)}
+    contenders = {"transformers eager": theirs(hf, prompts, n),
+                  "transformers static+compile": theirs(hf_static_compiled(hf), prompts, n),
+                  "lm eager": ours(model, prompts, n), "lm compiled": ours(model, prompts, n, compile=True)}
     for kernel, quantized in int8.items():
         contenders[f"lm int8 {kernel} compiled"] = ours(quantized, prompts, n, compile=True)
     tokens, first, seconds = alternate(contenders, args.batch_rounds)
@@ -185,10 +201,11 @@ def step_rate(model: Transformer, context: int, batch: int, compile: bool, steps
     every slot it would after a real prompt (the same shapes and masks) and its time does not depend
     on what the slots hold, so the minutes a 32k prefill takes per row are not spent."""
     from lm.attention.cache import GenerationCache
+    from lm.generation.decode import compiled_functions
 
     cache = GenerationCache(model, pad=torch.zeros(batch, dtype=torch.long), max_len=context + steps + 2)
     cache.advance(context)
-    step = torch.compile(model.decode_step, fullgraph=True) if compile else model.decode_step
+    step = compiled_functions(model)[1] if compile else model.decode_step  # as generation compiles it
     times = step_times(step, cache, batch, steps + 2)[2:]  # the first two untimed: compilation, first touches
     return batch / statistics.median(times)
 
@@ -200,6 +217,8 @@ def bench_long_context(args) -> None:
     print(f"\ndecoding at long contexts: reference shape, {'compiled' if args.compile_long else 'eager'} fixed-shape "
           f"step, the cache advanced to the context without a prefill; median of {args.context_steps} steps")
     cache_label = f"cache MB @{context_label(max(args.contexts))}"
+    if torch.get_default_device().type == "cuda":  # the declared sizes count 4 bytes a number
+        print("cache MB: as fp32 holds it; the bf16 K/V caches hold half, the recurrent states stay fp32")
     print(f"{'tokens/s (context x batch)':28}{'kv heads':>9}{labels}{cache_label:>16}")
     rows_of, rates = attention_rows(), {}
     for name in args.context_kinds:
@@ -209,6 +228,7 @@ def bench_long_context(args) -> None:
         spec, example = rows_of[name]
         n_kv_head = example.kv_heads(REFERENCE["n_head"], GENERATE_KV_HEADS)
         model = reference_model(spec, n_kv_head, max_seq_len=max(args.contexts) + args.context_steps + 2)
+        model = model.to(torch.bfloat16 if next(model.parameters()).is_cuda else torch.float32)
         rates[name] = [step_rate(model, c, b, args.compile_long, args.context_steps) for c, b in cells]
         cache_mb = declared_cache_bytes(model, max(args.contexts)) / 2**20
         print(f"{name:28}{n_kv_head:9}{''.join(f'{r:11.1f}' for r in rates[name])}{cache_mb:16.1f}", flush=True)
