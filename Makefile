@@ -31,12 +31,11 @@ test-all: install ## every test, slow ones included (installs llama-cpp-python, 
 	$(PY) -m pytest -q
 
 test-gpu: install ## the gpu tier (tests marked gpu: bf16, fused SDPA, CUDA graphs, trainer=gpu, FSDP); needs CUDA
+	$(PY) -c "import sys, torch; sys.exit(None if torch.cuda.is_available() else 'error: torch sees no CUDA device')"
 	$(PY) -m pytest -m gpu -q --durations=15
 
 gpu-wheels: ## .whl/: what a GPU machine with its own torch and no index lacks (gpu/wheels.txt), for `bash gpu/run`
-	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-	  -d .whl -r gpu/wheels.txt
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: -d .whl -r gpu/wheels.txt
 	$(PYTHON) -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3  # pure Python, source only
 
 lint: install ## ruff

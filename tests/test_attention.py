@@ -358,3 +358,17 @@ def test_a_recurrent_kernel_keeps_float32_under_bf16_autocast(name):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         under_autocast = op(*inputs)
     assert under_autocast.dtype == torch.float32 and torch.equal(under_autocast, expected)
+
+
+@pytest.mark.parametrize("n_head, n_kv_head", [(4, 2), (4, 1)], ids=["gqa", "mqa"])
+def test_grouped_sdpa_with_repeated_heads_equals_enable_gqa(n_head, n_kv_head):
+    """CUDA's masked grouped calls repeat K/V to one head per query head (no fused kernel takes a
+    mask with enable_gqa); the repeat must compute what enable_gqa does, values and gradients."""
+    from lm.attention.scores import grouped_sdpa
+
+    q, k, v = qkv(n_head, n_kv_head, T=9)
+    mask = torch.rand(2, 1, 9, 9, generator=torch.Generator().manual_seed(3)) < 0.7
+    mask |= torch.eye(9, dtype=torch.bool)  # every query sees at least itself
+    repeated = grouped_sdpa(q, k, v, mask, repeat_groups=True)
+    shared = grouped_sdpa(q, k, v, mask, repeat_groups=False)
+    assert_same_values_and_grads(repeated, shared, (q, k, v))

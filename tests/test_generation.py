@@ -375,3 +375,48 @@ def test_a_compiled_prefill_runs_once_and_the_later_chunks_of_a_long_prompt_run_
     eager = decode.Generation(model, [prompt], 6, Sampling(), prefill_chunk=16)
     assert [t for step in compiled for t in step] == [t for step in eager for t in step]
     assert calls == [16]  # chunks of 16, 16 and 8: the first through the compiled prefill only
+
+
+class WrittenStorages(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the storage of every tensor an op writes in place (its schema marks the argument written)."""
+
+    def __init__(self):
+        super().__init__()
+        self.written = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for i, argument in enumerate(func._schema.arguments):
+            if argument.alias_info is not None and argument.alias_info.is_write:
+                value = args[i] if i < len(args) else kwargs.get(argument.name)
+                if isinstance(value, torch.Tensor):
+                    self.written.add(value.untyped_storage().data_ptr())
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("name", list(KINDS) + WITH_CONV)
+def test_every_buffer_the_decoding_step_writes_is_one_the_cache_holds(name):
+    """On CUDA the cache marks what `held_tensors()` lists as static addresses, the only inputs a
+    CUDA graph may write in place: the step must write nothing else (a tensor it wrote outside
+    that list would make inductor skip the graph)."""
+    import gc
+    import warnings
+
+    model = make_model(name)
+    with torch.no_grad():
+        cache, _ = prefill_ragged(model, [[1, 2, 3], [4, 5, 6, 7, 8]], max_len=12)
+        held = {t.untyped_storage().data_ptr() for t in cache.held_tensors()}
+        for token in range(3):
+            idx, pos = torch.full((2, 1), token), torch.tensor(cache.seen)
+            # The step's inputs are among the tensors alive before it (kept alive, so no temporary of
+            # the step reuses their memory); what it writes of those must be what the cache holds.
+            with warnings.catch_warnings():  # isinstance on some module objects warns of deprecations
+                warnings.simplefilter("ignore")
+                alive = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+            before = {t.untyped_storage().data_ptr() for t in alive}
+            with WrittenStorages() as spy:
+                model.decode_step(idx, cache, pos)
+            cache.advance(1)
+            written = spy.written & before
+            assert written, "the step wrote no cache buffer"
+            assert written <= held, f"{len(written - held)} written inputs that the cache does not hold"

@@ -193,7 +193,8 @@ def gpu_train_config(train_config, tmp_path):
 @pytest.mark.parametrize("attn", ATTN_CONFIGS)
 def test_every_attention_config_trains_with_trainer_gpu_in_bf16_mixed(attn, gpu_train_config, capsys):
     """`trainer=gpu attn=<name>` (bf16-mixed): 40 steps on a repeated sentence take the validation
-    loss from about ln(512) = 6.2 to under 2."""
+    loss from above 5 (about 5.7: the tokenizer trained on that sentence has about 300 ids) to
+    under 2 (on the CPU in fp32: 0.68 for MHA, 0.73 linear, 0.91 additive)."""
     needs_cuda()
     from lm.training.run import train
 

@@ -71,6 +71,23 @@ class GenerationCache:
         # The model's short convolutions before attention (lm.model.short_conv), where it has them.
         self.short_convs = [block.short_conv.build_state(self) if block.short_conv is not None else None
                             for block in model.blocks]
+        if self.device.type == "cuda":
+            # compile=true captures the decoding step as a CUDA graph, which may write in place only to
+            # inputs at a fixed address: unmarked, inductor skips the graph ("mutated inputs") and the
+            # step runs uncaptured. A new cache's buffers have new addresses: the graph is re-recorded.
+            for tensor in self.held_tensors():
+                torch._dynamo.mark_static_address(tensor)
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The buffers the layers' caches and convolution states hold (alone or in tuples and lists):
+        every tensor the decoding step writes. Parameters (a learned sink's logit) are left out."""
+        held = []
+        for part in (*self.layers, *self.short_convs):
+            for value in vars(part).values() if part is not None else ():
+                for item in value if isinstance(value, (tuple, list)) else (value,):
+                    if isinstance(item, torch.Tensor) and not isinstance(item, torch.nn.Parameter):
+                        held.append(item)
+        return held
 
     def positions(self, T: int) -> torch.Tensor:
         """(B, T) RoPE positions of the next T slots: each row counts from its first real token."""

@@ -24,13 +24,12 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lm.attention.base import AttentionSpec, Example, LayerShape, register
 from lm.attention.cache import CacheSpec, GenerationCache, tensor_bytes
 from lm.attention.projections import GroupedQKV
-from lm.attention.scores import grouped
+from lm.attention.scores import grouped_sdpa
 from lm.util.checks import require_int
 from lm.util.errors import ConfigError
 
@@ -140,7 +139,6 @@ def lowrank_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, E: torc
     # The block each compressed slot summarises, counting prior blocks as -1 (seen by everyone).
     slot_block = torch.cat((torch.full((n_prior,), -1, device=q.device),
                             torch.arange(kc.shape[2] - n_prior, device=q.device) // r))
-    gqa = grouped(k, q)
     outputs = []
     for start in range(0, T, QUERY_GROUP):
         first_pos, last_pos = q_offset + start, q_offset + min(T, start + QUERY_GROUP) - 1  # Python ints: no sync
@@ -154,8 +152,7 @@ def lowrank_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, E: torc
         sees_slot = slot_block[None, :n_slots] < own[:, None]  # (t, n_slots)
         sees_raw = (raw[None, :] // block == own[:, None]) & (raw[None, :] <= pos[:, None])  # (t, s)
         mask = torch.cat((sees_slot, sees_raw), dim=1)  # (t, n_slots + s)
-        outputs.append(F.scaled_dot_product_attention(q[:, :, start:start + len(pos)], keys, values, attn_mask=mask,
-                                                      enable_gqa=gqa))
+        outputs.append(grouped_sdpa(q[:, :, start:start + len(pos)], keys, values, mask))
     return torch.cat(outputs, dim=2)
 
 
@@ -218,7 +215,7 @@ class LowRankCache:
         sees_raw = torch.arange(L, device=k.device)[None, :] <= offset[:, None]  # (B, L): this block up to pos
         mask = torch.cat((sees_slot, sees_raw), dim=1)[:, None, None]  # (B, 1, 1, P + L)
         keys, values = torch.cat((self.kc, self.k), dim=2), torch.cat((self.vc, self.v), dim=2)  # (B, nkv, P + L, hs)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=grouped(keys, q))
+        return grouped_sdpa(q, keys, values, mask)
 
     def nbytes(self) -> int:
         return tensor_bytes(self.kc, self.vc, self.k, self.v)

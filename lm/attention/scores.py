@@ -33,11 +33,13 @@ def check_softcap(softcap: float | None, learned_sink: bool = False) -> None:
                           "with the scores; choose one")
 
 
-def folds_on_cpu(q: torch.Tensor, nkv: int) -> bool:
-    """Whether one query per head is faster folded onto its K/V head: on the CPU, where SDPA's kernel
-    splits its work over batch x heads, and only with enough of those to keep every thread busy
-    (MQA at batch 1 folded is one unit of work: slower on 2 threads, 0.47 ms against 0.38 at 32k)."""
-    return q.device.type == "cpu" and q.shape[0] * nkv >= cpu_threads()
+def folds(q: torch.Tensor, nkv: int) -> bool:
+    """Whether one query per head is folded onto its K/V head. On CUDA always: with a mask, SDPA's
+    fused kernels cannot share a K/V head across a group (flash takes no mask, memory-efficient no
+    enable_gqa). On the CPU where it is faster: SDPA's kernel splits its work over batch x heads, so
+    only with enough of those to keep every thread busy (MQA at batch 1 folded is one unit of work:
+    slower on 2 threads, 0.47 ms against 0.38 at 32k)."""
+    return q.device.type == "cuda" or (q.device.type == "cpu" and q.shape[0] * nkv >= cpu_threads())
 
 
 @torch.compiler.assume_constant_result
@@ -56,13 +58,29 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
         return softcapped_attention(q, k, v, softcap, mask, causal, scale)
     B, nh, T, hs = q.shape
     nkv = k.shape[1]
-    if nkv != nh and T == 1 and not causal and (mask is None or mask.shape[-2] == 1) and folds_on_cpu(q, nkv):
+    if nkv != nh and T == 1 and not causal and (mask is None or mask.shape[-2] == 1) and folds(q, nkv):
         # One query per head, as in decoding: a group's heads become query rows of their shared K/V
         # head, so each K/V head is read once per step; SDPA's enable_gqa on the CPU reads it once
         # per query head (GQA-2 at batch 16 and an 8k context: 3.28 ms -> 2.44 ms a call, docs/studies.md).
         rows = q.view(B, nkv, nh // nkv, hs)  # (B, nh, 1, hs) -> (B, nkv, g, hs): head h is row h % g of group h // g
         out = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask, scale=scale)  # (B, nkv, g, hs)
         return out.view(B, nh, 1, hs)
+    return grouped_sdpa(q, k, v, mask, causal, scale)
+
+
+def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                 causal: bool = False, scale: float | None = None,
+                 repeat_groups: bool | None = None) -> torch.Tensor:
+    """SDPA of q (B, nh, T, hs) over k, v (B, nkv, S, hs), on a fused kernel wherever there is one.
+    On CUDA a masked call with fewer K/V heads than query heads has none (flash takes no mask,
+    memory-efficient no enable_gqa) and would fall to the math path, so there K/V are repeated to
+    one head per query head first (a copy, on the masked paths only: later prefill chunks, windows);
+    everywhere else SDPA shares them with enable_gqa. `repeat_groups` (None: as the device says)."""
+    if repeat_groups is None:
+        repeat_groups = q.device.type == "cuda" and mask is not None
+    if repeat_groups and grouped(k, q):
+        g = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)  # (B, nkv, S, hs) -> (B, nh, S, hs)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
                                           enable_gqa=grouped(k, q))
 

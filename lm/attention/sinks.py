@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lm.attention.scores import grouped, softmax_attention
+from lm.attention.scores import grouped_sdpa, softmax_attention
 
 SINK_DIMS = 8  # a multiple of 8 keeps the widened heads aligned for SDPA's kernels
 
@@ -55,7 +55,7 @@ def causal_with_learned_sink(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q = F.pad(q, (0, 0, 1, 0))  # (B, nh, T + 1, e): a dummy query at the front
     k = torch.cat((sink_key, k), dim=2)  # (B, nkv, T + 1, e)
     v = F.pad(v, (0, SINK_DIMS, 1, 0))  # (B, nkv, T + 1, e): the sink's value is zero
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=grouped(k, q))
+    out = grouped_sdpa(q, k, v, causal=True, scale=scale)
     return out[:, :, 1:, :hs]
 
 
@@ -68,7 +68,7 @@ def masked_with_learned_sink(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     k = torch.cat((sink_key, k), dim=2)  # (B, nkv, S + 1, e)
     v = F.pad(v, (0, SINK_DIMS, 1, 0))  # (B, nkv, S + 1, e): the sink's value is zero
     mask = torch.cat((mask.new_ones(*mask.shape[:-1], 1), mask), dim=-1)  # (..., T, S + 1): the sink is seen
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=grouped(k, q))
+    out = grouped_sdpa(q, k, v, mask, scale=scale)
     return out[..., :hs]
 
 

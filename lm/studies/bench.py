@@ -177,7 +177,7 @@ def bench_train(args) -> None:
     else:
         print(f"measured {'bf16' if autocast else 'fp32'} matmul peak: {measured_peak / 1e9:.0f} GFLOP/s")
     if "litgpt" not in peers:
-        print("litgpt row: litgpt is not installed (pip install litgpt)")
+        print("litgpt row: left out (pip install litgpt to time it)")
     width = max(14, *(len(name) + 2 for name in contenders))
     print(f"{'':{width}}{'median step s':>14}{'tokens/s':>10}{'MFU':>7}{'first step s':>14}")
     medians = {name: statistics.median(t) for name, t in times.items()}
@@ -198,7 +198,9 @@ def litgpt_model(cfg: ModelConfig) -> torch.nn.Module | None:
     try:
         from litgpt.config import Config
         from litgpt.model import GPT
-    except ImportError:
+    except ImportError as e:
+        if e.name != "litgpt":  # installed, but something it imports is missing: say what
+            print(f"litgpt row: importing litgpt failed: {e}")
         return None
     config = Config(name="lm-shape", block_size=cfg.max_seq_len, vocab_size=cfg.vocab_size,
                     padded_vocab_size=cfg.vocab_size, n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.d_model,
@@ -436,7 +438,8 @@ def step_latency(model: Transformer, position: int, steps: int = 16) -> float:
     """Median seconds of one decoding step once `position` tokens are in the cache."""
     from lm.attention.cache import GenerationCache
 
-    cache = GenerationCache(model, pad=torch.zeros(1, dtype=torch.long), max_len=position + steps + 1)
+    cache = GenerationCache(model, pad=torch.zeros(1, dtype=torch.long, device=next(model.parameters()).device),
+                            max_len=position + steps + 1)
     prompt = torch.randint(0, model.config.vocab_size, (1, position))
     with torch.no_grad():
         for start in range(0, position, 1024):

@@ -101,11 +101,11 @@ def alternate(contenders: dict[str, Callable], rounds: int) -> tuple[dict, dict,
 def step_times(step, cache, batch: int, steps: int) -> list[float]:
     """Seconds of each of `steps` calls of a fixed-shape decoding step (`model.decode_step` or its
     compiled form) on one token per row, the cache advancing one slot after each."""
-    token = torch.zeros(batch, 1, dtype=torch.long)  # (B, 1)
+    token = torch.zeros(batch, 1, dtype=torch.long, device=cache.device)  # (B, 1)
     times = []
     with torch.no_grad():
         for _ in range(steps):
-            pos = torch.tensor(cache.seen)
+            pos = torch.tensor(cache.seen, device=cache.device)
             times.append(timed(lambda pos=pos: step(token, cache, pos)))
             cache.advance(1)
     return times

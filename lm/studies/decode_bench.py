@@ -39,10 +39,13 @@ from lm.studies.bench_models import (
 
 
 def hf_static_compiled(hf: torch.nn.Module) -> torch.nn.Module:
-    """What a transformers user tries first for speed: a static KV cache and a compiled forward."""
+    """What a transformers user tries first for speed: a static KV cache and a compiled forward. On
+    CUDA `generate` compiles the forward itself once the cache is static (its own CompileConfig,
+    CUDA graphs included), so only the cache is set there; elsewhere the forward is compiled here."""
     hf = copy.deepcopy(hf)
     hf.generation_config.cache_implementation = "static"
-    hf.forward = torch.compile(hf.forward, fullgraph=True)
+    if next(hf.parameters()).device.type != "cuda":
+        hf.forward = torch.compile(hf.forward, fullgraph=True)
     return hf
 
 
@@ -203,7 +206,8 @@ def step_rate(model: Transformer, context: int, batch: int, compile: bool, steps
     from lm.attention.cache import GenerationCache
     from lm.generation.decode import compiled_functions
 
-    cache = GenerationCache(model, pad=torch.zeros(batch, dtype=torch.long), max_len=context + steps + 2)
+    device = next(model.parameters()).device
+    cache = GenerationCache(model, pad=torch.zeros(batch, dtype=torch.long, device=device), max_len=context + steps + 2)
     cache.advance(context)
     step = compiled_functions(model)[1] if compile else model.decode_step  # as generation compiles it
     times = step_times(step, cache, batch, steps + 2)[2:]  # the first two untimed: compilation, first touches
