@@ -53,7 +53,7 @@ def test_one_query_per_head_folds_each_group_onto_its_kv_head_and_equals_the_nai
     softmax with K/V copied out to every head."""
     import lm.attention.scores as scores
 
-    monkeypatch.setattr(scores, "folds_on_cpu", lambda q, nkv: fold)
+    monkeypatch.setattr(scores, "folds", lambda q, nkv: fold)
     S = 9
     q, k, v = qkv(1, S, nh, nkv)
     visible = torch.rand(2, 1, 1, S) > 0.4 if mask_kind == "per-row" else torch.ones(1, S, dtype=torch.bool)
