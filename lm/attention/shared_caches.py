@@ -32,8 +32,10 @@ def without_autocast(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        device = next(a for a in args if isinstance(a, torch.Tensor)).device
-        with torch.autocast(device.type, enabled=False):
+        device_type = next(a for a in args if isinstance(a, torch.Tensor)).device.type
+        if not torch.is_autocast_enabled(device_type):  # the usual case: nothing to turn off
+            return fn(*args, **kwargs)
+        with torch.autocast(device_type, enabled=False):
             return fn(*args, **kwargs)
 
     return run

@@ -32,8 +32,10 @@ from lm.attention import AttentionSpec, LayerShape, LinearSpec, SoftmaxSpec, spe
 from lm.studies.bench_models import (
     GENERATE_KV_HEADS,
     REFERENCE,
+    add_device_argument,
     attention_rows,
     bench_device,
+    bench_dtype,
     declared_cache_bytes,
     dense_bf16_peak,
     describe_device,
@@ -48,11 +50,12 @@ from lm.util.errors import ConfigError
 MODEL_CONFIGS = Path(__file__).resolve().parents[2] / "conf" / "model"
 
 
-def matmul_peak_flops(size: int = 2048, repeats: int = 10, device: torch.device | None = None,
-                      dtype: torch.dtype = torch.float32) -> float:
-    """Best observed FLOP/s of one square matmul in `dtype` on `device`: the ceiling the CPU's MFU
-    is measured against (a GPU's is its data sheet's dense bf16 peak; this is printed beside it)."""
-    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
+def matmul_peak_flops(device: torch.device, repeats: int = 10) -> float:
+    """Best observed FLOP/s of one square matmul in the device's benchmark dtype: the ceiling the
+    CPU's MFU is measured against (a GPU's is its data sheet's dense bf16 peak; this is printed
+    beside it). 2048 on the CPU, 4096 on CUDA, where a smaller product cannot fill the GPU."""
+    size = 4096 if device.type == "cuda" else 2048
+    a, b = (torch.randn(size, size, device=device, dtype=bench_dtype(device)) for _ in range(2))
     a @ b
     return 2 * size**3 / min(timed(lambda: a @ b) for _ in range(repeats))
 
@@ -118,7 +121,7 @@ def bench_shape(args) -> ModelConfig:
 
 def bench_train(args) -> None:
     device = bench_device(args.device)
-    autocast = torch.bfloat16 if device.type == "cuda" else None  # bf16-mixed on a GPU, fp32 on the CPU
+    autocast = bench_dtype(device) if device.type == "cuda" else None  # bf16-mixed on a GPU, fp32 on the CPU
     torch.manual_seed(0)
     cfg = bench_shape(args)
     with device:  # every model's weights built where it trains
@@ -158,8 +161,7 @@ def bench_train(args) -> None:
         for name, step in contenders.items():
             times[name].append(timed(lambda step=step: step(batch)))
 
-    measured_peak = matmul_peak_flops(4096 if device.type == "cuda" else 2048, device=device,
-                                      dtype=autocast or torch.float32)
+    measured_peak = matmul_peak_flops(device)
     spec_peak = dense_bf16_peak(device) if device.type == "cuda" else None
     peak = spec_peak or measured_peak
     tokens = args.batch * cfg.max_seq_len
@@ -306,8 +308,7 @@ def default_dtype(dtype: torch.dtype):
 def bench_attention(args) -> None:
     """On CUDA in bf16 (layers and inputs made there), on the CPU in fp32."""
     device = bench_device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    with device, default_dtype(dtype):
+    with device, default_dtype(bench_dtype(device)):
         attention_on(device, args)
 
 
@@ -325,7 +326,7 @@ def attention_on(device: torch.device, args) -> None:
     cases = [(name, spec, n_kv_head, heads, n) for name, spec, n_kv_head, heads, longest in cases for n in args.lengths
              if not ((heads == 1 and n != longest_n) or (longest is not None and n > longest))]
     precision = "bf16" if torch.get_default_dtype() == torch.bfloat16 else "fp32"
-    peak = matmul_peak_flops(4096 if device.type == "cuda" else 2048, device=device, dtype=torch.get_default_dtype())
+    peak = matmul_peak_flops(device)
     print(f"attention op (q, k, v -> out; projections excluded), {precision}, {describe_device(device)}, "
           f"batch 1, d_model {args.d_model}; measured {precision} matmul peak {peak / 1e9:.0f} GFLOP/s")
     # Times first, with the allocator as every program has it; then the memory peaks, with the
@@ -548,8 +549,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the reference shape (GQA, 6 layers, d_model 384) or a conf/model shape as MHA")
     train.add_argument("--vocab", type=int, default=None, help="vocabulary size (default: the corpus's, 8192)")
     train.add_argument("--seq", type=int, default=None, help="sequence length (default: the shape's max_seq_len)")
-    train.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                       help="auto: CUDA where torch sees it (bf16-mixed there), else the CPU (fp32)")
+    add_device_argument(train, "bf16-mixed there")
     train.add_argument("--no-compile", dest="compile", action="store_false", help="skip the compiled contender")
     train.add_argument("--compile-peers", action="store_true",
                        help="compiled copies of transformers' and litgpt's models too")
@@ -564,8 +564,7 @@ def build_parser() -> argparse.ArgumentParser:
     attention.add_argument("--no-single-head", dest="single_head", action="store_false",
                            help="skip the one-head comparison at the longest N")
     attention.add_argument("--out", default="bench", help="folder for attention.csv and attention.png")
-    attention.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                           help="auto: CUDA where torch sees it (bf16 there), else the CPU (fp32)")
+    add_device_argument(attention, "bf16 there")
     attention.add_argument("--kinds", nargs="+", choices=list(attention_rows()), default=list(attention_rows()),
                            help="rows to time (default: every registered kind's benchmark settings)")
     attention.set_defaults(run=bench_attention)
@@ -594,8 +593,7 @@ def build_parser() -> argparse.ArgumentParser:
     dec.add_argument("--context-batches", type=int, nargs="+", default=[1, 8])
     dec.add_argument("--context-kinds", nargs="+", choices=list(attention_rows()), default=LONG_CONTEXT_KINDS)
     dec.add_argument("--context-steps", type=int, default=16, help="timed steps per cell (the median is kept)")
-    dec.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                     help="auto: CUDA where torch sees it (bf16 there, no int8 or llama.cpp rows), else the CPU (fp32)")
+    add_device_argument(dec, "bf16 there, no int8 or llama.cpp rows")
     dec.add_argument("--eager-long", dest="compile_long", action="store_false",
                      help="the long-context table with the eager step (default: compiled, as compile=true decodes)")
     dec.set_defaults(run=bench_decode)

@@ -65,6 +65,18 @@ def bench_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def bench_dtype(device: torch.device) -> torch.dtype:
+    """What the benchmarks compute in: bf16 on CUDA (as bf16-mixed training and dtype=bf16 decoding
+    run there), fp32 on the CPU (a CPU without bf16 instructions multiplies bf16 ~100x slower)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def add_device_argument(parser, on_cuda: str) -> None:
+    """--device of a benchmark; `on_cuda` says what the benchmark does differently there."""
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help=f"auto: CUDA where torch sees it ({on_cuda}), else the CPU (fp32)")
+
+
 def describe_device(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, CUDA {torch.version.cuda}"

@@ -30,6 +30,7 @@ from lm.studies.bench_models import (
     alternate,
     attention_rows,
     bench_device,
+    bench_dtype,
     declared_cache_bytes,
     describe_device,
     hf_llama,
@@ -125,7 +126,7 @@ def decode_on(device: torch.device, args) -> None:
     torch.manual_seed(0)
     n = args.new_tokens
     widest = 3 * args.prompt // 2 if args.batches else args.prompt  # the longest prompt of any table
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = bench_dtype(device)
     cfg = ModelConfig(**{**REFERENCE, "max_seq_len": widest + n})
     model = Transformer(cfg).eval()
     hf = hf_llama(cfg).eval()
@@ -232,7 +233,7 @@ def bench_long_context(args) -> None:
         spec, example = rows_of[name]
         n_kv_head = example.kv_heads(REFERENCE["n_head"], GENERATE_KV_HEADS)
         model = reference_model(spec, n_kv_head, max_seq_len=max(args.contexts) + args.context_steps + 2)
-        model = model.to(torch.bfloat16 if next(model.parameters()).is_cuda else torch.float32)
+        model = model.to(bench_dtype(next(model.parameters()).device))
         rates[name] = [step_rate(model, c, b, args.compile_long, args.context_steps) for c, b in cells]
         cache_mb = declared_cache_bytes(model, max(args.contexts)) / 2**20
         print(f"{name:28}{n_kv_head:9}{''.join(f'{r:11.1f}' for r in rates[name])}{cache_mb:16.1f}", flush=True)
