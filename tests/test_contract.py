@@ -26,7 +26,7 @@ from lm.attention import (
     spec_from_dict,
 )
 from lm.attention import base as attention_base
-from lm.attention.cache import GenerationCache
+from lm.model.generation_cache import GenerationCache
 
 SHAPE = LayerShape(d_model=128, n_head=4, n_kv_head=2, head_dim=32, layer_idx=0)  # room for every kind's defaults
 

@@ -8,8 +8,9 @@ import torch
 from kinds import model_rows
 
 from lm import GenerationError, ModelConfig, Transformer, generate, stream
-from lm.attention.cache import GenerationCache
+from lm.attention.cache import held_bytes
 from lm.generation.decode import Sampling
+from lm.model.generation_cache import GenerationCache
 
 KINDS = model_rows()  # name -> (the model's attention, n_kv_head); 2 layers, 4 heads
 VOCAB = 53
@@ -323,6 +324,57 @@ def test_the_decoding_step_matches_each_row_alone_and_never_syncs(name):
             torch.testing.assert_close(torch.stack([s[row] for s in steps]), full, atol=1e-4, rtol=1e-4)
 
 
+def decode_steps(model, cache, tokens):
+    """Feed tokens (B, n) one step at a time, each row at its own slot; the logits of each step."""
+    steps = []
+    for t in range(tokens.shape[1]):
+        with NoHostReads():
+            steps.append(model.decode_step(tokens[:, t:t + 1], cache, cache.lengths.clone()))  # (B, V)
+        cache.advance(1)
+    return steps
+
+
+@pytest.mark.parametrize("name", list(KINDS) + WITH_CONV)
+def test_a_row_is_reset_and_prefilled_alone_while_the_others_keep_decoding(name):
+    """What a server admitting and freeing requests row by row needs, on every kind's cache: after a
+    few steps row 1 is freed (reset_row: as a new cache's row, the others untouched) and a new prompt
+    is prefilled into it alone (prefill_row); then the three rows decode side by side, each at its
+    own slot. Row 1 gives what a fresh single-row cache of its prompt gives, rows 0 and 2 what the
+    same batch gives when nothing happens to row 1, in float64 to rounding."""
+    model = make_model(name).double()
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3, 11, 7)]
+    before, after = torch.randint(0, VOCAB, (3, 4), generator=g), torch.randint(0, VOCAB, (3, 6), generator=g)
+    new_prompt = torch.randint(0, VOCAB, (9,), generator=g)
+    with torch.no_grad():
+        cache, _ = prefill_ragged(model, prompts, max_len=24)
+        decode_steps(model, cache, before)
+        for tensor in cache.held_tensors():
+            assert tensor.shape[0] == 3, "a declared tensor must hold the batch's rows first"
+        kept = [{key: t.clone() for key, t in part.tensors().items()} for part in cache.parts() if part is not None]
+        cache.reset_row(1)
+        empty = cache.single_row()
+        for part, old, new in zip([p for p in cache.parts() if p is not None], kept,
+                                  [p for p in empty.parts() if p is not None], strict=True):
+            for key, tensor in part.tensors().items():
+                assert torch.equal(tensor[1], new.tensors()[key][0]), f"{key} of row 1 is not reset"
+                assert torch.equal(tensor[0::2], old[key][0::2]), f"{key} of rows 0 and 2 changed"
+        prefill_logits = cache.prefill_row(1, new_prompt)
+        assert cache.row_slots == [15, 9, 15] and not cache.aligned
+        steps = torch.stack(decode_steps(model, cache, after), dim=1)  # (3, 6, V)
+
+        alone = GenerationCache(model, pad=torch.zeros(1, dtype=torch.long), max_len=24)
+        torch.testing.assert_close(prefill_logits, model(new_prompt[None], cache=alone)[0], atol=1e-9, rtol=1e-9)
+        alone_steps = torch.stack(decode_steps(model, alone, after[1:2]), dim=1)  # (1, 6, V)
+        torch.testing.assert_close(steps[1], alone_steps[0], atol=1e-9, rtol=1e-9)
+        untouched, _ = prefill_ragged(model, prompts, max_len=24)
+        decode_steps(model, untouched, before)
+        untouched_steps = torch.stack(decode_steps(model, untouched, after), dim=1)  # (3, 6, V)
+        torch.testing.assert_close(steps[0::2], untouched_steps[0::2], atol=1e-12, rtol=1e-12)
+    with pytest.raises(ValueError, match="different slots"):
+        model(torch.zeros(3, 2, dtype=torch.long), cache=cache)  # a batch prefill needs aligned rows
+
+
 @pytest.mark.parametrize("name", list(KINDS))
 def test_each_layer_holds_what_it_declares(name):
     """generation_state() (what the benchmarks report) against the built cache's nbytes(), after
@@ -333,7 +385,7 @@ def test_each_layer_holds_what_it_declares(name):
         model(torch.randint(0, VOCAB, (2, 30)), cache=cache)
         cache.advance(30)
     for block, layer_cache in zip(model.blocks, cache.layers, strict=True):
-        assert layer_cache.nbytes() == 4 * block.attn.generation_state().numel(40, batch=2)
+        assert held_bytes(layer_cache) == 4 * block.attn.generation_state().numel(40, batch=2)
 
 
 @pytest.mark.parametrize("name", list(KINDS))
@@ -396,9 +448,10 @@ class WrittenStorages(torch.utils._python_dispatch.TorchDispatchMode):
 
 @pytest.mark.parametrize("name", list(KINDS) + WITH_CONV)
 def test_every_buffer_the_decoding_step_writes_is_one_the_cache_holds(name):
-    """On CUDA the cache marks what `held_tensors()` lists as static addresses, the only inputs a
-    CUDA graph may write in place: the step must write nothing else (a tensor it wrote outside
-    that list would make inductor skip the graph)."""
+    """The cache's parts declare what they hold (`tensors()`); on CUDA the cache marks those as static
+    addresses, the only inputs a CUDA graph may write in place, and the row operations copy them:
+    the step must write nothing else (a tensor it wrote outside the declaration would make inductor
+    skip the graph, and be left behind when a row is replaced)."""
     import gc
     import warnings
 

@@ -24,9 +24,9 @@ from kinds import model_rows
 import lm
 from lm import ModelConfig, Transformer, generate
 from lm.attention import SlidingSpec, SoftmaxSpec, example_rows
-from lm.attention.cache import GenerationCache
 from lm.attention.gated_delta import GatedDeltaSpec
 from lm.attention.mla import LatentSpec
+from lm.model.generation_cache import GenerationCache
 
 pytestmark = pytest.mark.gpu
 

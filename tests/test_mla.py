@@ -9,9 +9,9 @@ import torch
 
 from lm import ModelConfig, Transformer, generate, quantize_int8
 from lm.attention import LayerShape
-from lm.attention.cache import GenerationCache
 from lm.attention.mla import LatentSpec
 from lm.attention.rope import RotaryEmbedding
+from lm.model.generation_cache import GenerationCache
 from lm.util.errors import ConfigError
 
 
@@ -38,7 +38,7 @@ def test_the_absorbed_step_equals_attention_over_decompressed_keys_and_values():
     cache = layer.build_cache(context, 16)
     cache.attend(q[:, :, :8], latent[:, :, :8])
     context.advance(8)
-    got = cache.decode(q[:, :, 8:], latent[:, :, 8:], None, torch.tensor(8))
+    got = cache.decode(q[:, :, 8:], latent[:, :, 8:], context.lengths.clone())  # its own inputs, each row at slot 8
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
 
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from lm import ModelConfig, Transformer
-from lm.attention.cache import GenerationCache
 from lm.formats.gguf import check_exportable
 from lm.formats.hf import hf_architecture
 from lm.model.config import ConfigError
+from lm.model.generation_cache import GenerationCache
 from lm.model.short_conv import ShortConv
 
 

@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lm.attention.base import AttentionSpec, Example, LayerShape, register
-from lm.attention.cache import CacheSpec, GenerationCache
+from lm.attention.cache import CacheContext, CacheSpec
 from lm.attention.projections import GroupedQKV
 from lm.attention.shared_caches import KVCache
 from lm.util.checks import require_int
@@ -77,7 +77,7 @@ class AdditiveAttention(GroupedQKV):
     def generation_state(self) -> CacheSpec:
         return CacheSpec("kv", self.n_kv_head, self.head_dim)
 
-    def build_cache(self, context: GenerationCache, max_len: int) -> AdditiveCache:
+    def build_cache(self, context: CacheContext, max_len: int) -> AdditiveCache:
         return AdditiveCache(context, self, max_len)
 
 
@@ -120,7 +120,7 @@ def _attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Te
 class AdditiveCache(KVCache):
     """K and V of every position, as for softmax attention; the scores differ, not what is kept."""
 
-    def __init__(self, context: GenerationCache, layer: AdditiveAttention, max_len: int):
+    def __init__(self, context: CacheContext, layer: AdditiveAttention, max_len: int):
         super().__init__(context, layer.n_kv_head, layer.head_dim, max_len)
         self.layer = layer
 

@@ -5,9 +5,10 @@
   `spec.build(shape)` makes the layer from the few sizes in `LayerShape`; nothing else is needed.
 - its **layer** (`AttentionLayer`): x (B, T, C) -> (B, T, C) for training and scoring, and with a
   cache for generation; it declares what it keeps while decoding and whether it is context-limited.
-- its **cache** (`LayerCache`): `attend(q, k, v)` of the next positions over what it holds,
-  updating it, and `decode(q, k, v, pos)`, the same for one position on fixed shapes (what a
-  compiled decoding step runs). The cached path is always here, never in the layer.
+- its **cache** (`LayerCache`): the tensors it holds, declared (`tensors()`), and `attend(...)` of
+  the next positions over what it holds, updating it, and `decode(..., pos)`, the same for one
+  position per row on fixed shapes (what a compiled decoding step runs), each taking the inputs
+  its kind computes. The cached path is always here, never in the layer.
 
 A model's attention is a list of specs, one per layer (lm.model.config.ModelConfig.attention).
 Shapes: B batch, T new positions, C d_model, nh query heads, nkv K/V heads, hs head size.
@@ -26,7 +27,7 @@ import torch
 from lm.util.errors import ConfigError
 
 if TYPE_CHECKING:
-    from lm.attention.cache import CacheSpec, GenerationCache
+    from lm.attention.cache import CacheContext, CacheSpec
 
 
 @dataclass(frozen=True)
@@ -43,21 +44,20 @@ class LayerShape:
 
 @runtime_checkable
 class LayerCache(Protocol):
-    """What one layer keeps between decoding steps (lm.attention.cache.GenerationCache holds one per layer)."""
+    """What one layer keeps between decoding steps (lm.model.generation_cache.GenerationCache holds
+    one per layer). Besides `tensors()`, a cache has the two calls its own layer makes, with the
+    inputs that kind computes per position (lm.attention.cache):
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q (B, nh, T, hs), k and v (B, nkv, T, hs) of the next T positions -> (B, nh, T, hs),
-        attending over everything held so far plus these; the new positions are then held."""
-        ...
+      attend(*inputs) -> (B, nh, T, hs): the next T positions over everything held so far plus
+        these, which are then held (q, k, v for the kinds built on GroupedQKV; MLA's q and latent);
+      decode(*inputs, pos) -> (B, nh, 1, hs): the same for one new position per row, at its slot
+        pos (B,). Fixed shapes, in-place writes, no host sync (no .item(), no Python branch on
+        tensor values), so a compiled step can run it."""
 
-    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """The same for one new position at slot `pos`, a 0-dim long tensor: q (B, nh, 1, hs),
-        k and v (B, nkv, 1, hs) -> (B, nh, 1, hs). Fixed shapes, in-place writes, no host sync
-        (no .item(), no Python branch on tensor values), so a compiled step can run it."""
-        ...
-
-    def nbytes(self) -> int:
-        """Bytes of tensors held."""
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor it holds, by name, each with the batch row first: written in place, never
+        replaced, and nothing else written by a decoding step. Byte counts, CUDA-graph marking and
+        the row operations (reset a row, prefill one row while the others decode) come from it."""
         ...
 
 
@@ -87,11 +87,13 @@ class AttentionLayer(Protocol):
 
     def generation_state(self) -> CacheSpec:
         """What its cache keeps, as a size anyone can compute without building it; the shared
-        cache test holds it equal to the built cache's `nbytes()`, and the benchmarks report it."""
+        cache test holds it equal to the bytes of the built cache's `tensors()`, and the benchmarks
+        report it."""
         ...
 
-    def build_cache(self, context: GenerationCache, max_len: int) -> LayerCache:
-        """An empty cache for `context.batch_size` rows of up to `max_len` positions."""
+    def build_cache(self, context: CacheContext, max_len: int) -> LayerCache:
+        """An empty cache for `context.batch_size` rows of up to `max_len` positions, its tensors on
+        `context.device` in `context.dtype` (or wider, for a recurrent state)."""
         ...
 
     def reset_own_parameters(self) -> None:
@@ -223,6 +225,27 @@ def load_kind_files(paths: str) -> list[str]:
             module = importlib.util.module_from_spec(module_spec)
             sys.modules[name] = module  # dataclasses look their module up while the file runs
             module_spec.loader.exec_module(module)
+    return sorted(set(_SPECS) - before)
+
+
+ENTRY_POINT_GROUP = "lm.attention_kinds"
+
+
+def load_entry_points(group: str = ENTRY_POINT_GROUP) -> list[str]:
+    """Import the modules that installed distributions name in the entry point group
+    `lm.attention_kinds` (a pyproject.toml's [project.entry-points."lm.attention_kinds"]); each
+    registers its kinds on import, as the built-in ones do. Returns the kinds it added."""
+    from importlib.metadata import entry_points
+
+    before = set(_SPECS)
+    for point in entry_points(group=group):
+        try:
+            point.load()
+        except Exception as error:  # whatever the module raised, said in one line naming the entry point
+            dist = f" of {point.dist.name}" if getattr(point, "dist", None) is not None else ""
+            said = (str(error).strip().splitlines() or [""])[0]
+            raise ConfigError(f"entry point {point.name} = {point.value}{dist} (group {group}) cannot be "
+                              f"loaded: {type(error).__name__}: {said}") from error
     return sorted(set(_SPECS) - before)
 
 

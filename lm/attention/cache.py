@@ -1,18 +1,32 @@
-"""Generation caches: what each attention kind keeps between decoding steps.
+"""What the attention kinds' caches share: the batch they decode (CacheContext) and the contract
+each layer's cache keeps.
 
-Every kind declares its needs as a CacheSpec (`module.generation_state()`) and builds its own
-cache object (`module.build_cache(context, max_len)`): full K/V buffers for softmax, a ring
-buffer for sliding windows, the recurrent state (S, z) for linear attention. A GenerationCache
-holds one per layer plus what they share: how many slots have been consumed, and how many
-leading slots of each row are left padding (prompts of different lengths are left-padded into
-one batch; padded slots are never attended and never enter a linear state).
+Every kind declares its needs as a CacheSpec (`layer.generation_state()`) and builds its own
+cache (`layer.build_cache(context, max_len)`): full K/V buffers for softmax, a ring buffer for
+sliding windows, the recurrent state (S, z) for linear attention. A cache
 
-Two ways in, both on the same fixed buffers:
-- `attend(q, k, v)`: the next T slots after `seen`, a Python int (prefill, chunk by chunk);
-- `decode(q, k, v, pos)`: one new slot whose index `pos` is a 0-dim long tensor. Every shape is
-  fixed by the batch and `max_len`, buffers are written in place and masks span the whole buffer,
-  so the step never syncs with the host and one compiled graph serves every step (gpt-fast's
-  static KV cache). The caller advances `seen` after the step, outside any compiled code.
+- declares the tensors it holds, `tensors()`: a dict of name -> tensor, each with the batch row
+  first, written in place and never replaced. Nothing else is written by a decoding step (a
+  shared test holds it so), so byte counts, CUDA-graph marking and the row operations of
+  lm.model.generation_cache.CacheContext (reset a row, prefill one row while the others keep
+  decoding) work from this declaration alone;
+- takes the inputs its kind computes per position: `attend(*inputs)` for the next T positions
+  (prefill, chunk by chunk) and `decode(*inputs, pos)` for one position on fixed shapes (what a
+  compiled step runs). q, k, v for the kinds built on GroupedQKV; MLA's (q, latent); gated delta's
+  rows before its convolution with their write strengths and decays. Only its own layer calls them.
+
+The CacheContext is the bookkeeping every layer's cache of one batch reads: how many slots each
+row has consumed, and how many leading slots of each row are left padding (prompts of different
+lengths are left-padded into one batch; padded slots are never attended and never enter a state).
+Rows are "aligned" while they have consumed the same number of slots (after a batch prefill);
+`attend` needs them aligned, `decode` takes a slot per row, so rows replaced one at a time
+decode side by side at their own positions.
+
+- `attend(...)`: the next T slots after `seen`, a Python int;
+- `decode(..., pos)`: one new slot per row, `pos` a (B,) long tensor. Every shape is fixed by the
+  batch and `max_len`, buffers are written in place and masks span the whole buffer, so the step
+  never syncs with the host and one compiled graph serves every step (gpt-fast's static KV cache).
+  The caller advances the context after the step, outside any compiled code.
 
 Shapes: B batch, T new tokens in this call, S slots consumed so far, L max_len.
 """
@@ -50,44 +64,42 @@ class CacheSpec:
         raise ValueError(f"unknown cache kind {self.kind!r}")
 
 
-class GenerationCache:
-    """The per-layer caches of one batch of sequences, and the slot bookkeeping they share."""
+class CacheContext:
+    """The slot bookkeeping one batch's layer caches share.
 
-    def __init__(self, model, pad: torch.Tensor, max_len: int, dtype: torch.dtype | None = None):
-        self.pad = pad  # (B,) leading padding slots of each row
+    `pad` (B,) counts each row's leading padding slots, `lengths` (B,) the slots each row has
+    consumed (the slot its next token takes), both on the device; `row_slots` and `row_pad` are
+    the same numbers on the host, kept beside them so that no prefill has to read the device."""
+
+    def __init__(self, pad: torch.Tensor, max_len: int, dtype: torch.dtype, slot_table: bool):
+        self.pad = pad.clone()  # (B,) leading padding slots of each row
         self.batch_size = pad.shape[0]
-        self.max_len = max_len  # slots this cache can take in all
-        self.seen = 0  # slots consumed so far
+        self.max_len = max_len  # slots each row can take in all
         self.device = pad.device
-        self.dtype = dtype or next(model.parameters()).dtype
-        # Read once per batch: a per-layer check at every step would sync with the device.
-        self.has_padding = bool((pad > 0).any())
-        if model.context_limited:  # full K/V buffers: their decode_mask spans every slot
-            self.slots = torch.arange(max_len, device=self.device)  # (L,)
-            self.real_slots = self.slots[None, :] >= pad[:, None]  # (B, L): False on each row's left padding
-        else:  # rings and recurrent states never read these; max_len may be any size (decoding 10**12 tokens)
-            self.slots = self.real_slots = None
-        self.layers = [block.attn.build_cache(self, max_len) for block in model.blocks]
-        # The model's short convolutions before attention (lm.model.short_conv), where it has them.
-        self.short_convs = [block.short_conv.build_state(self) if block.short_conv is not None else None
-                            for block in model.blocks]
-        if self.device.type == "cuda":
-            # compile=true captures the decoding step as a CUDA graph, which may write in place only to
-            # inputs at a fixed address: unmarked, inductor skips the graph ("mutated inputs") and the
-            # step runs uncaptured. A new cache's buffers have new addresses: the graph is re-recorded.
-            for tensor in self.held_tensors():
-                torch._dynamo.mark_static_address(tensor)
+        self.dtype = dtype
+        self.row_pad = [int(p) for p in pad.tolist()]  # read once per batch
+        self.row_slots = [0] * self.batch_size
+        self.lengths = torch.zeros(self.batch_size, dtype=torch.long, device=self.device)  # (B,)
+        # Full K/V buffers mask with a slot table; rings and recurrent states never read one, so
+        # max_len may then be any size (decoding 10**12 tokens).
+        self.slots = torch.arange(max_len, device=self.device) if slot_table else None  # (L,)
 
-    def held_tensors(self) -> list[torch.Tensor]:
-        """The buffers the layers' caches and convolution states hold (alone or in tuples and lists):
-        every tensor the decoding step writes. Parameters (a learned sink's logit) are left out."""
-        held = []
-        for part in (*self.layers, *self.short_convs):
-            for value in vars(part).values() if part is not None else ():
-                for item in value if isinstance(value, (tuple, list)) else (value,):
-                    if isinstance(item, torch.Tensor) and not isinstance(item, torch.nn.Parameter):
-                        held.append(item)
-        return held
+    @property
+    def aligned(self) -> bool:
+        """Whether every row has consumed the same number of slots (a batch prefill needs it)."""
+        return len(set(self.row_slots)) <= 1
+
+    @property
+    def seen(self) -> int:
+        """Slots every row has consumed: the batch's next prefill starts there."""
+        if not self.aligned:
+            raise ValueError(f"the cache's rows are at different slots {self.row_slots}: a batch prefill needs "
+                             "them aligned; prefill a row on its own (CacheContext.prefill_row)")
+        return self.row_slots[0] if self.row_slots else 0
+
+    @property
+    def has_padding(self) -> bool:
+        return any(p > 0 for p in self.row_pad)
 
     def positions(self, T: int) -> torch.Tensor:
         """(B, T) RoPE positions of the next T slots: each row counts from its first real token."""
@@ -100,20 +112,25 @@ class GenerationCache:
         return slots[None, :] >= self.pad[:, None]
 
     def decode_positions(self, pos: torch.Tensor) -> torch.Tensor:
-        """(B, 1) RoPE positions of slot `pos` (0-dim tensor), without leaving the device."""
+        """(B, 1) RoPE positions of each row's slot pos (B,), without leaving the device."""
         return (pos - self.pad)[:, None].clamp(min=0)
 
     def decode_mask(self, pos: torch.Tensor) -> torch.Tensor:
-        """(B, 1, 1, L) bool: the slots a query at slot `pos` sees in a full K/V buffer: every real
-        slot up to and including its own. Only for kinds with context_limited = True: the others'
-        caches must not grow with max_len, so no slot table is built for them."""
-        return (self.real_slots & (self.slots <= pos))[:, None, None]
+        """(B, 1, 1, L) bool: the slots a query at its row's slot pos (B,) sees in a full K/V buffer:
+        every real slot of the row up to and including its own. Only for kinds with context_limited
+        = True: the others' caches must not grow with max_len, so no slot table is built for them."""
+        slots = self.slots[None, :]  # (1, L)
+        return ((slots >= self.pad[:, None]) & (slots <= pos[:, None]))[:, None, None]
 
     def advance(self, T: int) -> None:
-        self.seen += T
+        """Every row has consumed T more slots."""
+        self.row_slots = [s + T for s in self.row_slots]
+        self.lengths += T
 
-    def nbytes(self) -> int:
-        return sum(part.nbytes() for part in (*self.layers, *self.short_convs) if part is not None)
+    def take_row(self, row: int, other: CacheContext) -> None:
+        """Row `row` takes the bookkeeping of `other`'s only row."""
+        self.pad[row], self.lengths[row] = other.pad[0], other.lengths[0]
+        self.row_pad[row], self.row_slots[row] = other.row_pad[0], other.row_slots[0]
 
 
 def keep_in_place(held: tuple[torch.Tensor, ...], new: tuple[torch.Tensor, ...]) -> None:
@@ -126,16 +143,32 @@ def tensor_bytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def visibility_mask(context: GenerationCache, q_slots: torch.Tensor, k_slots: torch.Tensor,
-                    visible: torch.Tensor) -> torch.Tensor:
-    """The boolean SDPA mask for queries at q_slots (T,) over keys at k_slots (K,).
+def held_bytes(cache) -> int:
+    """Bytes of the tensors a layer's cache declares (`tensors()`)."""
+    return tensor_bytes(*cache.tensors().values())
 
-    `visible` (T, K) is the kind's own rule (causal, a window ...). With padded rows, padding
-    keys are hidden too, giving (B, 1, T, K); a padding query still sees itself, so no row of
-    the mask is empty (an all-masked softmax row is NaN, and 0 x NaN would leak into real rows).
-    """
+
+def scatter_at(buffer: torch.Tensor, pos: torch.Tensor, new: torch.Tensor, dim: int = 2) -> None:
+    """Write new (B, ..., 1, ...) into each row's slot pos (B,) along `dim` of buffer, in place."""
+    shape = [1] * buffer.dim()
+    shape[0] = pos.shape[0]
+    index = pos.view(shape).expand(new.shape)  # (B, ..., 1, ...): the row's slot everywhere in its row
+    buffer.scatter_(dim, index, new)
+
+
+def visibility_mask(context: CacheContext, q_slots: torch.Tensor, k_slots: torch.Tensor,
+                    visible: torch.Tensor) -> torch.Tensor:
+    """The boolean SDPA mask for queries at q_slots (T,) over keys at k_slots (K,) or (B, K).
+
+    `visible` (T, K) or (B, T, K) is the kind's own rule (causal, a window ...). With padded rows,
+    padding keys are hidden too, giving (B, 1, T, K); a padding query still sees itself, so no row
+    of the mask is empty (an all-masked softmax row is NaN, and 0 x NaN would leak into real rows).
+    Per-row key slots (B, K) give (B, 1, T, K) in any case."""
+    per_row = k_slots.dim() == 2
     if not context.has_padding:
-        return visible
-    real_keys = k_slots[None, None, :] >= context.pad[:, None, None]  # (B, 1, K)
-    itself = k_slots[None, :] == q_slots[:, None]  # (T, K)
-    return ((visible[None] & real_keys) | itself[None])[:, None]  # (B, 1, T, K)
+        return visible[:, None] if per_row else visible
+    k_slots = k_slots if per_row else k_slots[None]  # (B or 1, K)
+    visible = visible if per_row else visible[None]  # (B or 1, T, K)
+    real_keys = k_slots[:, None, :] >= context.pad[:, None, None]  # (B, 1, K)
+    itself = k_slots[:, None, :] == q_slots[None, :, None]  # (B or 1, T, K)
+    return ((visible & real_keys) | itself)[:, None]  # (B, 1, T, K)

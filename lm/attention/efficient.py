@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from lm.attention.base import AttentionSpec, Example, LayerShape, register
-from lm.attention.cache import CacheSpec, GenerationCache
+from lm.attention.cache import CacheContext, CacheSpec
 from lm.attention.projections import GroupedQKV
 from lm.attention.shared_caches import RecurrentCache, accumulation_dtype, without_autocast
 from lm.util.checks import require_int
@@ -87,12 +87,12 @@ class EfficientAttention(GroupedQKV):
     def naive_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return naive_efficient_attention(q, k, v)
 
-    def build_cache(self, context: GenerationCache, max_len: int) -> RecurrentCache:
+    def build_cache(self, context: CacheContext, max_len: int) -> RecurrentCache:
         """(N, D, m) per K/V head: (B, nkv, hs, hs), (B, nkv, hs), (B, nkv, hs), whatever the length."""
         empty = torch.zeros(context.batch_size, self.n_kv_head, 0, self.head_dim, dtype=context.dtype,
                             device=context.device)
         chunk = lambda q, k, v, state, real: chunked_efficient_attention(q, k, v, state, self.chunk_size, real)  # noqa: E731
-        return RecurrentCache(context, empty_state(empty, empty), chunk, efficient_step)
+        return RecurrentCache(context, dict(zip("NDm", empty_state(empty, empty), strict=True)), chunk, efficient_step)
 
 
 def empty_state(k: torch.Tensor, v: torch.Tensor) -> State:

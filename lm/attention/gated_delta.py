@@ -36,9 +36,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from lm.attention.base import AttentionSpec, Example, LayerShape, register
-from lm.attention.cache import CacheSpec, GenerationCache
+from lm.attention.cache import CacheContext, CacheSpec
 from lm.attention.convolution import causal_conv, naive_causal_conv, window_after
-from lm.attention.projections import GroupedQKV
+from lm.attention.projections import qkv_rows
 from lm.attention.shared_caches import RecurrentCache, accumulation_dtype, without_autocast
 from lm.util.checks import require_choice, require_int, require_positive
 from lm.util.errors import ConfigError
@@ -162,23 +162,32 @@ def l2_normalised(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-class GatedDeltaNet(GroupedQKV):
-    uses_rope = False
+class GatedDeltaNet(nn.Module):
+    """Its own layer, composed of the pieces it shares with the others (the fused Q/K/V rows of
+    lm.attention.projections, the causal convolution of lm.attention.convolution, the recurrent
+    cache of lm.attention.shared_caches), not a softmax layer's projections and RoPE."""
+
+    uses_rope = False  # position enters through the decay
     context_limited = False
 
     def __init__(self, spec: GatedDeltaSpec, shape: LayerShape):
-        super().__init__(shape)
+        super().__init__()
         self.spec = spec
-        nkv, hs = self.n_kv_head, self.head_dim
-        self.channels = (self.n_head + 2 * nkv) * hs  # the fused Q, K, V rows the convolution runs over
+        self.layer_idx = shape.layer_idx
+        self.n_head, self.n_kv_head, self.head_dim = nh, nkv, hs = shape.n_head, shape.n_kv_head, shape.head_dim
+        # Registered in this order so a seed draws the same initial weights as before this layer stood alone.
+        self.qkv = nn.Linear(shape.d_model, sum(qkv_rows(nh, nkv, hs)), bias=False)  # [Q heads | K heads | V heads]
+        self.out = nn.Linear(nh * hs, shape.d_model, bias=False)
+        self.channels = (nh + 2 * nkv) * hs  # the fused Q, K, V rows the convolution runs over
         # One weight per channel and tap, tap W-1 the current position (a depthwise causal conv1d).
         self.conv = nn.Parameter(torch.empty(self.channels, spec.conv_size)) if spec.conv_size else None
         self.decay_and_write = nn.Linear(shape.d_model, 2 * nkv, bias=False)  # x W_a | x W_b
         self.A_log = nn.Parameter(torch.empty(nkv))
         self.dt_bias = nn.Parameter(torch.empty(nkv))
-        self.gate = nn.Linear(shape.d_model, self.n_head * hs, bias=False)
-        self.out_norm = nn.Parameter(torch.ones(hs))
+        self.output_gate = nn.Linear(shape.d_model, nh * hs, bias=False)  # SiLU(x W_gate) times the output
+        self.out_norm = nn.Parameter(torch.ones(hs))  # the output RMSNorm's gain, shared by the heads
         self.backend = self._chosen_backend(spec.backend)
+        self._register_load_state_dict_pre_hook(output_gate_from_its_old_name)
 
     @staticmethod
     def _chosen_backend(backend: str):
@@ -236,12 +245,11 @@ class GatedDeltaNet(GroupedQKV):
         return rows if self.conv is None else causal_conv(rows, self.conv, window)
 
     def _output(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """y (B, nh, T, hs) -> RMSNorm per head, times SiLU(x W_gate), through the output projection."""
+        """y (B, nh, T, hs) -> RMSNorm per head (in float32), times SiLU(x W_gate), through the output projection."""
         B, _, T, hs = y.shape
-        y = y.float()
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.spec.norm_eps) * self.out_norm.float()
-        y = y.to(x.dtype).transpose(1, 2).reshape(B, T, self.n_head * hs)  # (B, T, nh*hs)
-        return self.out(y * F.silu(self.gate(x)))
+        y = F.rms_norm(y.float(), (hs,), self.out_norm.float(), self.spec.norm_eps)
+        y = y.to(x.dtype).transpose(1, 2).reshape(B, T, self.n_head * hs)  # (B, nh, T, hs) -> (B, T, nh*hs)
+        return self.out(y * F.silu(self.output_gate(x)))
 
     # ---------------------------------------------------------------------------- the contract
 
@@ -250,7 +258,7 @@ class GatedDeltaNet(GroupedQKV):
         g from the layer's own decay on random inputs."""
         nh, nkv, hs = self.n_head, self.n_kv_head, self.head_dim
         with torch.no_grad():
-            _, beta, g = self._rows(torch.randn(1, seq_len, self.gate.in_features))
+            _, beta, g = self._rows(torch.randn(1, seq_len, self.output_gate.in_features))
         q = l2_normalised(torch.randn(1, nh, seq_len, hs), self.spec.norm_eps)
         k = l2_normalised(torch.randn(1, nkv, seq_len, hs), self.spec.norm_eps)
         inputs = [q, k, torch.randn(1, nkv, seq_len, hs), beta, g]
@@ -286,12 +294,14 @@ class GatedDeltaNet(GroupedQKV):
         window = max(self.spec.conv_size - 1, 0) * self.channels // self.n_kv_head
         return CacheSpec("recurrent", self.n_kv_head, self.head_dim, state_numel=self.head_dim ** 2 + window)
 
-    def build_cache(self, context: GenerationCache, max_len: int) -> RecurrentCache:
+    def build_cache(self, context: CacheContext, max_len: int) -> RecurrentCache:
         """The state S (B, nkv, hs, hs) in float32 and the last W-1 rows before the convolution
-        (B, W-1, channels), whatever the length."""
+        (B, W-1, channels), whatever the length. It takes the layer's own per-position inputs: the
+        rows before the convolution (B, T, channels), the write strengths and decays (B, nkv, T)."""
         B, nkv, hs, device = context.batch_size, self.n_kv_head, self.head_dim, context.device
-        state = (torch.zeros(B, nkv, hs, hs, dtype=accumulation_dtype(context.dtype), device=device),
-                 torch.zeros(B, max(self.spec.conv_size - 1, 0), self.channels, dtype=context.dtype, device=device))
+        state = {"S": torch.zeros(B, nkv, hs, hs, dtype=accumulation_dtype(context.dtype), device=device),
+                 "conv_window": torch.zeros(B, max(self.spec.conv_size - 1, 0), self.channels, dtype=context.dtype,
+                                            device=device)}
         return RecurrentCache(context, state, self._chunk_from, self._step_from, time_dim=1)  # rows (B, T, ch)
 
     def _chunk_from(self, rows: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, state, real):
@@ -309,6 +319,13 @@ class GatedDeltaNet(GroupedQKV):
         y, S = gated_delta_step(q, k, v, beta, g, self.head_dim ** -0.5, S)
         return y, (S, window_after(window, rows))
 
+
+def output_gate_from_its_old_name(state_dict, prefix, *args) -> None:
+    """Checkpoints written while this layer subclassed GroupedQKV name its SiLU gate `gate`, the
+    sigmoid gate's name there: read them under today's name."""
+    old = f"{prefix}gate.weight"
+    if old in state_dict:
+        state_dict[f"{prefix}output_gate.weight"] = state_dict.pop(old)
 
 
 # ------------------------------------------------------------ naive twin (for tests)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from lm.attention.base import AttentionSpec, Example, LayerShape, register
-from lm.attention.cache import CacheSpec, GenerationCache
+from lm.attention.cache import CacheContext, CacheSpec
 from lm.attention.feature_maps import FEATURE_MAPS, Kernel, feature_dim, feature_kernel, feature_map
 from lm.attention.projections import GroupedQKV
 from lm.attention.shared_caches import RecurrentCache, accumulation_dtype, without_autocast
@@ -216,12 +216,12 @@ class LinearAttention(GroupedQKV):
         features = self.feature_size
         return CacheSpec("recurrent", self.n_kv_head, self.head_dim, state_numel=features * self.head_dim + features)
 
-    def build_cache(self, context: GenerationCache, max_len: int) -> RecurrentCache:
+    def build_cache(self, context: CacheContext, max_len: int) -> RecurrentCache:
         """The state (S, z) per K/V head: (B, nkv, F, hs) and (B, nkv, F), whatever the length."""
         dtype = accumulation_dtype(context.dtype)
         B, nkv, Fdim, hs = context.batch_size, self.n_kv_head, self.feature_size, self.head_dim
-        state = (torch.zeros(B, nkv, Fdim, hs, dtype=dtype, device=context.device),
-                 torch.zeros(B, nkv, Fdim, dtype=dtype, device=context.device))
+        state = {"S": torch.zeros(B, nkv, Fdim, hs, dtype=dtype, device=context.device),
+                 "z": torch.zeros(B, nkv, Fdim, dtype=dtype, device=context.device)}
         return RecurrentCache(context, state, self.chunk_from, self.step_from)
 
     def chunk_from(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: State,

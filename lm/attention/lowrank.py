@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from lm.attention.base import AttentionSpec, Example, LayerShape, register
-from lm.attention.cache import CacheSpec, GenerationCache, tensor_bytes
+from lm.attention.cache import CacheContext, CacheSpec
 from lm.attention.projections import GroupedQKV
 from lm.attention.scores import grouped_sdpa
 from lm.util.checks import require_int
@@ -100,7 +100,7 @@ class LowRankAttention(GroupedQKV):
     def generation_state(self) -> CacheSpec:
         return CompressedCacheSpec("compressed", self.n_kv_head, self.head_dim, block=self.block, rank=self.rank)
 
-    def build_cache(self, context: GenerationCache, max_len: int) -> LowRankCache:
+    def build_cache(self, context: CacheContext, max_len: int) -> LowRankCache:
         return LowRankCache(context, self)
 
 
@@ -164,20 +164,19 @@ class LowRankCache:
     block boundaries: a row has seen `seen - pad` real tokens, which says how many of its slots
     and raw positions are filled. A chunk therefore advances the rows one at a time."""
 
-    def __init__(self, context: GenerationCache, layer: LowRankAttention):
+    def __init__(self, context: CacheContext, layer: LowRankAttention):
         self.context, self.layer = context, layer
         B, nkv, hs, L, r = context.batch_size, layer.n_kv_head, layer.head_dim, layer.block, layer.rank
         slots = r * -(-context.max_len // L)  # every block a row can start, complete or not
         zeros = lambda n: torch.zeros(B, nkv, n, hs, dtype=context.dtype, device=context.device)  # noqa: E731
         self.kc, self.vc, self.k, self.v = zeros(slots), zeros(slots), zeros(L), zeros(L)
-        self.pad = context.pad.tolist()  # read once: the chunk path works row by row on the host
         self.slot_block = torch.arange(slots, device=context.device) // r  # (P,): the block of each slot
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         context, layer, T = self.context, self.layer, q.shape[2]
         L, r = layer.block, layer.rank
         out = q.new_zeros(q.shape)  # padding positions read zeros; nothing sees them
-        for b, pad in enumerate(self.pad):
+        for b, pad in enumerate(context.row_pad):  # the chunk path works row by row on the host
             first = min(T, max(0, pad - context.seen))  # this chunk's padding comes first
             if first == T:
                 continue
@@ -217,8 +216,8 @@ class LowRankCache:
         keys, values = torch.cat((self.kc, self.k), dim=2), torch.cat((self.vc, self.v), dim=2)  # (B, nkv, P + L, hs)
         return grouped_sdpa(q, keys, values, mask)
 
-    def nbytes(self) -> int:
-        return tensor_bytes(self.kc, self.vc, self.k, self.v)
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"kc": self.kc, "vc": self.vc, "k": self.k, "v": self.v}
 
 
 # ------------------------------------------------------------ naive twin (for tests)

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lm.attention.base import AttentionSpec, Example, LayerShape, register
-from lm.attention.cache import CacheSpec, GenerationCache, tensor_bytes, visibility_mask
+from lm.attention.cache import CacheContext, CacheSpec, scatter_at, visibility_mask
 from lm.attention.rope import apply_rope
 from lm.util.checks import require_int
 from lm.util.errors import ConfigError
@@ -191,9 +191,9 @@ class LatentAttention(nn.Module):
         if cache is None:
             y = self.attend(q, latent)  # (B, nh, T, hs)
         elif pos is not None:
-            y = cache.decode(q, latent, None, pos)  # the fixed-shape step, in the latent space
+            y = cache.decode(q, latent, pos)  # the fixed-shape step, in the latent space
         else:
-            y = cache.attend(q, latent, None)
+            y = cache.attend(q, latent)
         return self.merge(y)
 
     def merge(self, y: torch.Tensor) -> torch.Tensor:
@@ -236,7 +236,7 @@ class LatentAttention(nn.Module):
     def generation_state(self) -> CacheSpec:
         return LatentCacheSpec("latent", 1, self.kv_rank + self.rope_dim)
 
-    def build_cache(self, context: GenerationCache, max_len: int) -> LatentCache:
+    def build_cache(self, context: CacheContext, max_len: int) -> LatentCache:
         return LatentCache(context, self, max_len)
 
     def reset_own_parameters(self) -> None:
@@ -255,7 +255,7 @@ class LatentCache:
     """[c | k_rope] of every position, (B, 1, max_len, r + dR), written in place; attention runs in
     the latent space (the layer's absorbed query and output), never on decompressed K/V."""
 
-    def __init__(self, context: GenerationCache, layer: LatentAttention, max_len: int):
+    def __init__(self, context: CacheContext, layer: LatentAttention, max_len: int):
         self.context, self.layer = context, layer
         width = layer.kv_rank + layer.rope_dim
         self.rows = torch.zeros(context.batch_size, 1, max_len, width, dtype=context.dtype, device=context.device)
@@ -279,7 +279,7 @@ class LatentCache:
         y_latent = y_rows[..., : layer.kv_rank]  # (B, 1, nh*T, r)
         return layer.absorbed_output(y_latent.reshape(B, nh, T, layer.kv_rank))  # (B, nh, T, r) -> (B, nh, T, hs)
 
-    def attend(self, q: torch.Tensor, latent: torch.Tensor, _unused=None) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
         """The next T positions: latent (B, 1, T, r + dR) is stored, q (B, nh, T, hs) attends over every row so far."""
         start, T = self.context.seen, q.shape[2]
         end = start + T
@@ -291,10 +291,11 @@ class LatentCache:
         mask = visibility_mask(self.context, q_slots, k_slots, k_slots[None, :] <= q_slots[:, None])
         return self.latent_attention(q, self.rows[:, :, :end], mask)
 
-    def decode(self, q: torch.Tensor, latent: torch.Tensor, _unused, pos: torch.Tensor) -> torch.Tensor:
-        """One position at slot `pos` (0-dim tensor) over the whole buffer, later slots masked."""
-        self.rows.index_copy_(2, pos.view(1), latent)
+    def decode(self, q: torch.Tensor, latent: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """One position per row at its slot pos (B,): latent (B, 1, 1, r + dR) is stored, q (B, nh, 1, hs)
+        attends over the whole buffer, later slots masked."""
+        scatter_at(self.rows, pos, latent)
         return self.latent_attention(q, self.rows, self.context.decode_mask(pos))
 
-    def nbytes(self) -> int:
-        return tensor_bytes(self.rows)
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"rows": self.rows}

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from lm.attention.cache import GenerationCache, keep_in_place, tensor_bytes, visibility_mask
+from lm.attention.cache import CacheContext, keep_in_place, scatter_at, visibility_mask
 from lm.attention.scores import softmax_attention
 from lm.attention.sinks import masked_attention
 
@@ -44,7 +44,7 @@ def without_autocast(fn: Callable) -> Callable:
 class KVCache:
     """Preallocated K and V of every position, n_kv_head heads only: (B, nkv, max_len, hs) each."""
 
-    def __init__(self, context: GenerationCache, n_kv_head: int, head_dim: int, max_len: int,
+    def __init__(self, context: CacheContext, n_kv_head: int, head_dim: int, max_len: int,
                  sink_logit: torch.Tensor | None = None, softcap: float | None = None):
         shape = (context.batch_size, n_kv_head, max_len, head_dim)
         self.context, self.sink_logit, self.softcap = context, sink_logit, softcap
@@ -77,51 +77,54 @@ class KVCache:
         return masked_attention(q, keys, values, self.causal_mask(T), self.sink_logit, self.softcap)
 
     def store_at(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
-        """Write k, v (B, nkv, 1, hs) into slot `pos` (0-dim tensor) in place."""
-        self.k.index_copy_(2, pos.view(1), k)
-        self.v.index_copy_(2, pos.view(1), v)
+        """Write k, v (B, nkv, 1, hs) into each row's slot pos (B,) in place."""
+        scatter_at(self.k, pos, k)
+        scatter_at(self.v, pos, v)
 
     def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """One query (B, nh, 1, hs) at slot `pos` over the whole buffer, slots after it masked."""
+        """One query (B, nh, 1, hs) per row at its slot pos (B,) over the whole buffer, later slots masked."""
         self.store_at(k, v, pos)
         mask = self.context.decode_mask(pos)  # (B, 1, 1, L)
         return masked_attention(q, self.k, self.v, mask, self.sink_logit, self.softcap)
 
-    def nbytes(self) -> int:
-        return tensor_bytes(self.k, self.v)
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"k": self.k, "v": self.v}
 
 
 class RecurrentCache:
     """A state of fixed size per K/V head, whatever the length, for the kinds that carry one
-    (linear attention's (S, z), efficient attention's (N, D, m)). The kind gives two functions
-    on the same state tuple, each returning (out (B, nh, T, hs), new state):
+    (linear attention's (S, z), efficient attention's (N, D, m), gated delta's S and convolution
+    window). The kind names its state tensors and gives two functions of its own per-position
+    inputs and the state tuple (in the order named), each returning (out, new state):
 
-      chunk(q, k, v, state, real): the next T positions; `real` (B, T) bool marks the positions
+      chunk(*inputs, state, real): the next T positions; `real` (B, T) bool marks the positions
         that count (None: all), and the others (left padding) must add nothing to the state;
-      step(q, k, v, state): one position, on fixed shapes and without reading the host.
+      step(*inputs, state): one position, on fixed shapes and without reading the host.
 
-    The three inputs are whatever per-position tensors the kind's layer passes: q, k and v for
-    most, gated delta's rows before its convolution with its write strengths and decays; `time_dim`
-    is the dimension of the first that counts positions.
+    The inputs are whatever the kind computes per position: q, k and v for most, gated delta's
+    rows before its convolution with their write strengths and decays; `time_dim` is the dimension
+    of the first input that counts positions. No position enters: a state does not know slots.
 
     The buffers are allocated once and written in place, so a compiled step reads the same tensors.
     """
 
-    def __init__(self, context: GenerationCache, state: State, chunk: Callable, step: Callable, time_dim: int = 2):
-        self.context, self.state, self.chunk, self.step, self.time_dim = context, state, chunk, step, time_dim
+    def __init__(self, context: CacheContext, state: dict[str, torch.Tensor], chunk: Callable, step: Callable,
+                 time_dim: int = 2):
+        self.context, self.named_state, self.chunk, self.step, self.time_dim = context, state, chunk, step, time_dim
+        self.state = tuple(state.values())
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        context, T = self.context, q.shape[self.time_dim]
+    def attend(self, *inputs: torch.Tensor) -> torch.Tensor:
+        context, T = self.context, inputs[0].shape[self.time_dim]
         real = context.real(context.seen, T) if context.has_padding else None  # (B, T)
-        out, state = self.chunk(q, k, v, self.state, real)
+        out, state = self.chunk(*inputs, self.state, real)
         keep_in_place(self.state, state)
-        return out.to(q.dtype)
+        return out.to(inputs[0].dtype)
 
-    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def decode(self, *inputs_and_pos: torch.Tensor) -> torch.Tensor:
         # A decoded position is always a real token: padding only ever precedes the prompt.
-        out, state = self.step(q, k, v, self.state)
+        out, state = self.step(*inputs_and_pos[:-1], self.state)
         keep_in_place(self.state, state)
-        return out.to(q.dtype)
+        return out.to(inputs_and_pos[0].dtype)
 
-    def nbytes(self) -> int:
-        return tensor_bytes(*self.state)
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return self.named_state

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from lm.attention.base import Example, LayerShape, register
-from lm.attention.cache import CacheSpec, GenerationCache, tensor_bytes, visibility_mask
+from lm.attention.cache import CacheContext, CacheSpec, scatter_at, visibility_mask
 from lm.attention.projections import GroupedQKV, ProjectionOptions
 from lm.attention.reference import masked_softmax_attention
 from lm.attention.scores import check_softcap, softmax_attention
@@ -207,7 +207,7 @@ class SlidingWindowAttention(GroupedQKV):
         positions = self.window * self.dilation + self.sink_tokens
         return CacheSpec("ring", self.n_kv_head, self.head_dim, positions=positions)
 
-    def build_cache(self, context: GenerationCache, max_len: int) -> RingKVCache:
+    def build_cache(self, context: CacheContext, max_len: int) -> RingKVCache:
         return RingKVCache(context, self)
 
 
@@ -215,25 +215,34 @@ class RingKVCache:
     """K and V of the last window*dilation slots, (B, nkv, W*d, hs) each, written round-robin,
     and those of each row's first `sink_tokens` positions, (B, nkv, S, hs), kept for good.
 
-    Its size never grows with the generated length. New queries attend the ring's contents
-    plus their own keys under the window rule on absolute slot numbers, so a chunk longer than
-    the ring is still exact; the newest W*d keys are then kept. A sink token inside a query's
-    window is read from the ring, outside it from the sink buffer: it counts once either way.
+    Its size never grows with the generated length. Ring index i of a row holds the latest slot s
+    with s = i (mod W*d) that the row has written, so a row's slot count alone says what is where:
+    no table of slots is kept. New queries attend the ring's contents plus their own keys under
+    the window rule on absolute slot numbers, so a chunk longer than the ring is still exact; the
+    newest W*d keys are then kept. A sink token inside a query's window is read from the ring,
+    outside it from the sink buffer: it counts once either way.
     """
 
-    def __init__(self, context: GenerationCache, layer: SlidingWindowAttention):
+    def __init__(self, context: CacheContext, layer: SlidingWindowAttention):
         self.context, self.window, self.dilation = context, layer.window, layer.dilation
         self.sink_logit, self.softcap = layer.sink_logit, layer.softcap
         size = layer.window * layer.dilation
         shape = (context.batch_size, layer.n_kv_head, size, layer.head_dim)
         self.k = torch.zeros(shape, dtype=context.dtype, device=context.device)
         self.v = torch.zeros(shape, dtype=context.dtype, device=context.device)
-        self.slot_of = torch.full((size,), -1, dtype=torch.long, device=context.device)  # -1: empty
+        self.ring_index = torch.arange(size, device=context.device)  # (W*d,)
         S = layer.sink_tokens
         self.sink_k = torch.zeros(shape[:2] + (S, shape[3]), dtype=context.dtype, device=context.device)
         self.sink_v = torch.zeros_like(self.sink_k)
-        # Each row's sinks are its first S real tokens, which start after its left padding.
-        self.sink_slot = context.pad[:, None] + torch.arange(S, device=context.device)  # (B, S)
+
+    def held_slots(self, last: torch.Tensor | int) -> torch.Tensor:
+        """The slot each ring index holds once slot `last` (an int, or (B, 1) per row) is written:
+        the latest one at or before it with its residue; negative where none has been written."""
+        return last - (last - self.ring_index) % self.k.shape[2]  # (W*d,) or (B, W*d)
+
+    def sink_slots(self) -> torch.Tensor:
+        """(B, S): each row's sinks are its first S real tokens, which start after its left padding."""
+        return self.context.pad[:, None] + torch.arange(self.sink_k.shape[2], device=self.k.device)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         start, T = self.context.seen, q.shape[2]
@@ -241,58 +250,57 @@ class RingKVCache:
         q_slots = torch.arange(start, start + T, device=q.device)
         keys = torch.cat((self.k, k), dim=2)  # (B, nkv, W*d + T, hs)
         values = torch.cat((self.v, v), dim=2)  # (B, nkv, W*d + T, hs)
-        k_slots = torch.cat((self.slot_of, q_slots))
+        k_slots = torch.cat((self.held_slots(start - 1), q_slots))  # (W*d + T,)
         back = q_slots[:, None] - k_slots[None, :]  # (T, W*d + T): how far back each key lies
         in_window = (back >= 0) & (back % self.dilation == 0) & (back < self.window * self.dilation)
         visible = in_window & (k_slots[None, :] >= 0)
         mask = visibility_mask(self.context, q_slots, k_slots, visible)
         if sinks:
-            self._keep_sinks(k, v, q_slots)
+            self._keep_sinks(k, v, q_slots[None])
             keys, values = torch.cat((self.sink_k, keys), dim=2), torch.cat((self.sink_v, values), dim=2)
-            mask = torch.cat((self._sink_mask(q_slots), mask.expand(q.shape[0], 1, *visible.shape)), dim=-1)
+            mask = torch.cat((self._sink_mask(q_slots[None]), mask.expand(q.shape[0], 1, *visible.shape)), dim=-1)
         out = masked_attention(q, keys, values, mask, self.sink_logit, self.softcap)
         keep = min(T, self.k.shape[2])
         index = q_slots[-keep:] % self.k.shape[2]
         self.k[:, :, index] = k[:, :, -keep:]
         self.v[:, :, index] = v[:, :, -keep:]
-        self.slot_of[index] = q_slots[-keep:]
         return out
 
     def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """The new key replaces the one W*d slots back, which no query needs any more, so the ring
-        is written first and attended as it is, without a copy."""
-        index = (pos % self.k.shape[2]).view(1)
-        self.k.index_copy_(2, index, k)
-        self.v.index_copy_(2, index, v)
-        self.slot_of.index_copy_(0, index, pos.view(1))
+        """Each row's new key, at its slot pos (B,), replaces the one W*d slots back, which no query
+        needs any more, so the ring is written first and attended as it is, without a copy."""
+        scatter_at(self.k, pos % self.k.shape[2], k)
+        scatter_at(self.v, pos % self.k.shape[2], v)
         # Every slot in the ring is within W*d of pos; dilation and each row's padding decide the rest.
-        on_stride = (pos - self.slot_of) % self.dilation == 0  # (W*d,)
-        mask = (on_stride & (self.slot_of >= self.context.pad[:, None]))[:, None, None]  # (B, 1, 1, W*d)
+        held = self.held_slots(pos[:, None])  # (B, W*d)
+        on_stride = (pos[:, None] - held) % self.dilation == 0  # (B, W*d)
+        mask = (on_stride & (held >= self.context.pad[:, None]))[:, None, None]  # (B, 1, 1, W*d)
         keys, values = self.k, self.v
         if self.sink_k.shape[2] > 0:
-            self._keep_sinks(k, v, pos.view(1))
+            self._keep_sinks(k, v, pos[:, None])
             keys, values = torch.cat((self.sink_k, keys), dim=2), torch.cat((self.sink_v, values), dim=2)
-            mask = torch.cat((self._sink_mask(pos.view(1)), mask), dim=-1)  # (B, 1, 1, S + W*d)
+            mask = torch.cat((self._sink_mask(pos[:, None]), mask), dim=-1)  # (B, 1, 1, S + W*d)
         return masked_attention(q, keys, values, mask, self.sink_logit, self.softcap)
 
     def _keep_sinks(self, k: torch.Tensor, v: torch.Tensor, q_slots: torch.Tensor) -> None:
-        """Copy the sink tokens among the new slots q_slots (T,) into the sink buffer, in place and
-        without asking the device whether any is there (the step must not sync)."""
+        """Copy the sink tokens among the new slots q_slots (1 or B, T), consecutive, into the sink
+        buffer, in place and without asking the device whether any is there (the step must not sync)."""
         T = k.shape[2]
-        offset = self.sink_slot - q_slots[0]  # (B, S): where each row's sink sits among the new slots
+        offset = self.sink_slots() - q_slots[:, :1]  # (B, S): where each row's sink sits among the new slots
         here = (offset >= 0) & (offset < T)
         index = offset.clamp(0, T - 1)[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])  # (B, nkv, S, hs)
         self.sink_k.copy_(torch.where(here[:, None, :, None], k.gather(2, index), self.sink_k))
         self.sink_v.copy_(torch.where(here[:, None, :, None], v.gather(2, index), self.sink_v))
 
     def _sink_mask(self, q_slots: torch.Tensor) -> torch.Tensor:
-        """(B, 1, T, S): a sink is seen once it exists (at or before the query) and is not in the window."""
-        back = q_slots[None, :, None] - self.sink_slot[:, None, :]  # (B, T, S)
+        """(B, 1, T, S) for queries at q_slots (1 or B, T): a sink is seen once it exists (at or before
+        the query) and is not in the window."""
+        back = q_slots[:, :, None] - self.sink_slots()[:, None, :]  # (B, T, S)
         in_window = (back < self.window * self.dilation) & (back % self.dilation == 0)
         return ((back >= 0) & ~in_window)[:, None]
 
-    def nbytes(self) -> int:
-        return tensor_bytes(self.k, self.v, self.sink_k, self.sink_v)
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"k": self.k, "v": self.v, "sink_k": self.sink_k, "sink_v": self.sink_v}
 
 
 # ------------------------------------------------------------ naive twin (for tests)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from lm.attention.base import ALL_HEADS, Example, LayerShape, register
-from lm.attention.cache import CacheSpec, GenerationCache
+from lm.attention.cache import CacheContext, CacheSpec
 from lm.attention.projections import GroupedQKV, ProjectionOptions
 from lm.attention.reference import causal_softmax_attention
 from lm.attention.scores import check_softcap, softmax_attention
@@ -75,5 +75,5 @@ class SoftmaxAttention(GroupedQKV):
     def generation_state(self) -> CacheSpec:
         return CacheSpec("kv", self.n_kv_head, self.head_dim)
 
-    def build_cache(self, context: GenerationCache, max_len: int) -> KVCache:
+    def build_cache(self, context: CacheContext, max_len: int) -> KVCache:
         return KVCache(context, self.n_kv_head, self.head_dim, max_len, self.sink_logit, self.softcap)

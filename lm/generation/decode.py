@@ -18,7 +18,7 @@ from numbers import Integral
 
 import torch
 
-from lm.attention.cache import GenerationCache
+from lm.model.generation_cache import GenerationCache
 from lm.model.transformer import Transformer
 from lm.util.checks import as_list, require_bool, require_in_interval, require_int, require_seed
 from lm.util.errors import GenerationError
@@ -277,11 +277,9 @@ class Generation:
         # Kinds with a context limit preallocate max_len slots, which _fit_context keeps within max_seq_len;
         # the others hold a state of fixed size, so max_new_tokens may be any size.
         self.cache = GenerationCache(self.model, pad=width - lengths, max_len=width + self.max_new_tokens)
-        # The next slot as a 0-dim device tensor, moved on in place: the step takes it without a host sync.
-        self.next_slot = torch.full((), width, dtype=torch.long, device=self.device)
         no_step = sorted({type(c).__name__ for c in self.cache.layers if not hasattr(c, "decode")})
         if no_step and self.compiled:
-            raise GenerationError(f"compile=true needs every layer's cache to have decode(q, k, v, pos); {no_step} "
+            raise GenerationError(f"compile=true needs every layer's cache to have decode(..., pos); {no_step} "
                                   "have only attend")
         for start in range(0, width, self.prefill_chunk):
             # Only the first chunk through the compiled prefill: the cache's fill level is a constant of
@@ -292,14 +290,15 @@ class Generation:
 
     def _decode(self, next_ids: torch.Tensor) -> torch.Tensor:
         """One token per row through the fixed-shape step (lm.attention.cache), compiled or not."""
-        pos = self.next_slot.clone()  # the step's input, a tensor of its own (a CUDA graph copies it in)
+        # Each row's next slot, moved on in place by advance: the step takes it without a host sync, as a
+        # tensor of its own (a CUDA graph copies it in).
+        pos = self.cache.lengths.clone()
         first = "first_step_s" not in self.stats
         started = time.perf_counter()
         logits = self.step_fn(next_ids[:, None], self.cache, pos)  # (B, V)
         if first:  # with compile=true, mostly compilation
             self.stats["first_step_s"] = time.perf_counter() - started
         self.cache.advance(1)
-        self.next_slot += 1
         return logits
 
     def _recompute(self, done: list[bool]) -> torch.Tensor:

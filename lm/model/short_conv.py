@@ -9,8 +9,8 @@ al. 2024) and the gated delta rule put a short convolution beside their mixers f
 here it sits in the block, the same for every attention kind, so a comparison stays fair.
 0 (the default) leaves it out.
 
-Decoding keeps the last W-1 inputs per row (ShortConvState); a left-padded row's padding enters
-the convolution as zeros, as a sequence's start does in training.
+Decoding keeps the last W-1 inputs per row (ShortConvCache, a layer cache like any other); a
+left-padded row's padding enters the convolution as zeros, as a sequence's start does in training.
 
 Shapes: B batch, T new positions, C d_model, W kernel taps.
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lm.attention.cache import GenerationCache, keep_in_place, tensor_bytes
+from lm.attention.cache import CacheContext, keep_in_place
 from lm.attention.convolution import causal_conv, naive_causal_conv, window_after
 
 
@@ -31,35 +31,40 @@ class ShortConv(nn.Module):
         # keeps the block near the identity at the start.
         self.weight = nn.Parameter(torch.empty(d_model, taps))  # (C, W)
 
-    def forward(self, h: torch.Tensor, state: ShortConvState | None = None,
+    def forward(self, h: torch.Tensor, cache: ShortConvCache | None = None,
                 pos: torch.Tensor | None = None) -> torch.Tensor:
-        """h (B, T, C) -> h + conv(h); through `state` when decoding (pos: one step at that slot)."""
-        if state is None:
+        """h (B, T, C) -> h + conv(h); through `cache` when decoding (pos: one step per row)."""
+        if cache is None:
             return h + causal_conv(h, self.weight, None)
-        return h + state.convolve(h, self.weight, step=pos is not None)
+        return h + (cache.decode(h) if pos is not None else cache.attend(h))
 
     def naive_forward(self, h: torch.Tensor) -> torch.Tensor:
         return h + naive_causal_conv(h, self.weight)
 
-    def build_state(self, context: GenerationCache) -> ShortConvState:
-        return ShortConvState(context, self.weight.shape)
+    def build_cache(self, context: CacheContext) -> ShortConvCache:
+        return ShortConvCache(context, self.weight)
 
 
-class ShortConvState:
+class ShortConvCache:
     """The last W-1 inputs of one layer's convolution, (B, W-1, C), updated in place: a compiled
-    decoding step keeps reading the same buffer."""
+    decoding step keeps reading the same buffer. Its inputs are the block's normalised rows h."""
 
-    def __init__(self, context: GenerationCache, weight_shape: torch.Size):
-        C, W = weight_shape
-        self.context = context
+    def __init__(self, context: CacheContext, weight: torch.Tensor):
+        C, W = weight.shape
+        self.context, self.weight = context, weight
         self.window = torch.zeros(context.batch_size, W - 1, C, dtype=context.dtype, device=context.device)
 
-    def convolve(self, h: torch.Tensor, weight: torch.Tensor, step: bool) -> torch.Tensor:
-        if not step and self.context.has_padding:  # a prefill over left padding: the padding enters as zeros
+    def attend(self, h: torch.Tensor) -> torch.Tensor:
+        """The next T positions h (B, T, C) -> conv(h) (B, T, C)."""
+        if self.context.has_padding:  # a prefill over left padding: the padding enters as zeros
             h = h * self.context.real(self.context.seen, h.shape[1])[..., None].to(h.dtype)
-        out = causal_conv(h, weight, self.window)
+        return self.decode(h)
+
+    def decode(self, h: torch.Tensor) -> torch.Tensor:
+        """One position per row (or a prefill without padding): no slot enters a convolution."""
+        out = causal_conv(h, self.weight, self.window)
         keep_in_place((self.window,), (window_after(self.window, h),))
         return out
 
-    def nbytes(self) -> int:
-        return tensor_bytes(self.window)
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"window": self.window}

@@ -12,9 +12,9 @@ import math
 import torch
 from torch import nn
 
-from lm.attention.cache import GenerationCache
 from lm.attention.rope import RotaryEmbedding
 from lm.model.config import ModelConfig
+from lm.model.generation_cache import GenerationCache
 from lm.model.layers import RMSNorm, SwiGLU
 from lm.model.short_conv import ShortConv
 
@@ -29,10 +29,10 @@ class Block(nn.Module):
         self.mlp = SwiGLU(config.d_model, config.d_ff)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None,
-                pos: torch.Tensor | None = None, conv_state=None) -> torch.Tensor:
+                pos: torch.Tensor | None = None, conv_cache=None) -> torch.Tensor:
         h = self.attn_norm(x)
         if self.short_conv is not None:
-            h = self.short_conv(h, conv_state, pos)
+            h = self.short_conv(h, conv_cache, pos)
         x = x + self.attn(h, cos, sin, cache, pos)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -69,7 +69,7 @@ class Transformer(nn.Module):
     def forward(self, idx: torch.Tensor, cache: GenerationCache | None = None) -> torch.Tensor:
         """Logits (B, T, V) for token ids idx (B, T).
 
-        With a `cache` (see lm.attention.cache), idx holds the next T tokens after those the cache has
+        With a `cache` (lm.model.generation_cache), idx holds the next T tokens after those the cache has
         seen: positions continue from there and each layer attends through its cache.
         """
         T = idx.shape[1]
@@ -85,21 +85,23 @@ class Transformer(nn.Module):
             if cache is None:
                 x = block(x, cos, sin)
             else:
-                x = block(x, cos, sin, cache.layers[i], conv_state=cache.short_convs[i])
+                x = block(x, cos, sin, cache.layers[i], conv_cache=cache.short_convs[i])
         if cache is not None:
             cache.advance(T)
         return self.head(self.norm(x))
 
     def decode_step(self, idx: torch.Tensor, cache: GenerationCache, pos: torch.Tensor) -> torch.Tensor:
-        """Logits (B, V) of one new token per row, idx (B, 1), at slot `pos` (a 0-dim long tensor).
+        """Logits (B, V) of one new token per row, idx (B, 1), each at its row's slot pos (B,) (a 0-dim
+        long tensor: every row at that slot), usually `cache.lengths`.
 
         Every shape is fixed and nothing syncs with the host, so this is the function
         `torch.compile(fullgraph=True)` takes (lm.generation.decode). It neither checks the context limit
         nor advances the cache: the caller does both on the host, outside the compiled graph."""
+        pos = pos.expand(idx.shape[0])  # (B,)
         cos, sin = self.rope(cache.decode_positions(pos))  # (B, 1, hs/2) each
         x = self.embed(idx)  # (B, 1, C)
-        for block, layer_cache, conv_state in zip(self.blocks, cache.layers, cache.short_convs, strict=True):
-            x = block(x, cos, sin, layer_cache, pos, conv_state)
+        for block, layer_cache, conv_cache in zip(self.blocks, cache.layers, cache.short_convs, strict=True):
+            x = block(x, cos, sin, layer_cache, pos, conv_cache)
         return self.head(self.norm(x[:, -1]))  # (B, V)
 
     def num_params(self) -> int:
