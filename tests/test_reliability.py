@@ -303,7 +303,7 @@ def test_a_folder_export_into_a_link_to_another_disk_moves_nothing_across_disks(
 
 
 def test_the_summary_survives_a_diverged_run_and_a_missing_best_score():
-    from lm.training.run import summary_lines
+    from lm.training.summary import summary_lines
 
     result = {"val_loss": float("inf"), "val_accuracy": 0.0, "steps": 3, "best": "/x/best.ckpt",
               "best_val_loss": None, "last": "/x/last.ckpt", "train_tokens_per_s": None, "train_seconds": 0.0,

@@ -14,7 +14,8 @@ from lm.data.corpora import text_corpus
 from lm.data.modules import TokenDataModule
 from lm.formats.checkpoint import read_checkpoint
 from lm.training.module import warmup_cosine
-from lm.training.run import format_seconds, train
+from lm.training.run import train
+from lm.training.summary import format_seconds
 
 
 def test_gqa_run_leaves_checkpoint_tokenizer_and_offline_wandb_run(train_config, monkeypatch):
@@ -162,13 +163,13 @@ def test_wall_times_read_as_people_say_them(seconds, shown):
 def test_precision_auto_follows_what_the_hardware_multiplies_fast(monkeypatch, accelerator, cuda, bf16_cpu, expected):
     from omegaconf import OmegaConf
 
-    from lm.training import run
+    from lm.training import setup
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    monkeypatch.setattr(run, "cpu_multiplies_bf16", lambda: bf16_cpu)
+    monkeypatch.setattr(setup, "cpu_multiplies_bf16", lambda: bf16_cpu)
     trainer = OmegaConf.create({"precision": "auto", "accelerator": accelerator})
-    assert run.pick_precision(trainer) == expected
-    assert run.pick_precision(OmegaConf.merge(trainer, {"precision": "32-true"})) == "32-true"  # asked for: kept
+    assert setup.pick_precision(trainer) == expected
+    assert setup.pick_precision(OmegaConf.merge(trainer, {"precision": "32-true"})) == "32-true"  # asked for: kept
 
 
 def test_bf16_mixed_trains_with_the_fused_optimizer_and_clips_its_gradients(train_config):

@@ -11,12 +11,14 @@ import threading
 from pathlib import Path
 
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lm.util.errors import RunInterrupted
 
 
 class StopOnSignal(ModelCheckpoint):
-    """Install with `with stop:` around `trainer.fit`; `stop.signum` says whether a signal came.
+    """One of the trainer's callbacks; `stop.fit(...)` fits with it installed (or `with stop:` around
+    `trainer.fit`); `stop.signum` says whether a signal came.
 
     A ModelCheckpoint that saves only once a signal has come: Lightning's own step-end save is
     the one whose loop state resumes exactly (the periodic last.ckpt is written the same way)."""
@@ -70,6 +72,16 @@ class StopOnSignal(ModelCheckpoint):
         if self.signum is not None and self.saved_step is None and not isinstance(exception, KeyboardInterrupt):
             trainer.save_checkpoint(self.last_path)
             self.saved_step = trainer.global_step
+
+    def fit(self, trainer, module, datamodule, ckpt_path: str | None) -> None:
+        """`trainer.fit` with the handlers installed; RunInterrupted once a signal's last.ckpt is written."""
+        with self:
+            try:
+                trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+            except SIGTERMException:
+                if self.signum is None:
+                    raise
+        self.raise_if_stopped()
 
     def raise_if_stopped(self) -> None:
         if self.signum is not None and self.saved_step is not None:
