@@ -314,6 +314,72 @@ def test_the_summary_survives_a_diverged_run_and_a_missing_best_score():
     assert lines[-1] == "wall time        1 min 00 s"
 
 
+def test_a_nan_loss_stops_the_run_in_one_line_at_the_next_check_with_the_last_good_checkpoint(
+        train_config, tmp_path, monkeypatch, capsys):
+    """A weight poisoned with NaN before step 4: the loss is watched on the device and read every
+    trainer.log_every_n_steps batches and before each save, so the run stops at step 6's save, in
+    one line, exit code 2, and last.ckpt stays step 3's."""
+    from lm.training.module import LitLM
+    from lm.util.cli import exit_on_user_error
+
+    real_start, started = LitLM.on_train_batch_start, []
+
+    def poisoning(self, batch, batch_idx):
+        started.append(self.global_step)
+        if self.global_step == 4:
+            with torch.no_grad():
+                next(p for p in self.model.blocks.parameters() if p.dim() == 2)[0, 0] = float("nan")
+        real_start(self, batch, batch_idx)
+
+    monkeypatch.setattr(LitLM, "on_train_batch_start", poisoning)
+    cfg = train_config("trainer.max_steps=30", "trainer.val_every_n_steps=30", "trainer.log_every_n_steps=4",
+                       "checkpoint.every_n_steps=3", "logger=none")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info, exit_on_user_error():
+        train(cfg)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith("error: loss is nan at step 4; stopping with the last good "
+                                                   "checkpoint kept"), err
+    assert err.count("error: ") == 1 and "Traceback" not in err
+    assert started == [0, 1, 2, 3, 4, 5]  # the save after step 5 read the watch
+    last = read_checkpoint(Path(cfg.checkpoint_dir) / cfg.run_name / "last.ckpt")
+    assert last["global_step"] == 3 and all(torch.isfinite(v).all() for v in last["state_dict"].values())
+
+
+def test_a_training_step_reads_no_value_back_from_the_device(train_config, monkeypatch):
+    """On an accelerator a read of a tensor's value (`if`, .item(), float()) waits for every queued
+    step; the training step makes none, so non-finite losses are caught without one."""
+    from lm.training.module import LitLM
+
+    reads, inside = [], []
+
+    def counting(name: str):
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *args, **kwargs):
+            if inside:
+                reads.append(name)
+            return real(self, *args, **kwargs)
+
+        return counted
+
+    for name in ("__bool__", "__float__", "__int__", "item", "tolist"):
+        monkeypatch.setattr(torch.Tensor, name, counting(name))
+    real_step = LitLM.training_step
+
+    def watched_step(self, batch, batch_idx):
+        inside.append(batch_idx)
+        try:
+            return real_step(self, batch, batch_idx)
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(LitLM, "training_step", watched_step)
+    assert train(train_config("trainer.max_steps=3", "logger=none", "sample.max_new_tokens=0"))["steps"] == 3
+    assert reads == []
+
+
 def test_the_lock_is_taken_on_the_file_at_its_path_when_the_holder_removed_it_meanwhile(tmp_path, monkeypatch):
     """The race the folder clean-up opens: we open `.lock`, its holder finishes and removes it,
     then our flock succeeds on a file no one else can see. The lock must be on the new file."""

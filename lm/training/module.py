@@ -146,6 +146,35 @@ class AtomicCheckpointIO(L.pytorch.plugins.TorchCheckpointIO):
         write_atomically(path, lambda tmp: torch.save(checkpoint, tmp))
 
 
+class NonFiniteWatch:
+    """The first training loss that was not finite and its step, kept on the loss's device: recording
+    costs no host sync, so an accelerator's steps queue without waiting for each other. `check` reads
+    them (one sync) where the host waits anyway: every `trainer.log_every_n_steps` batches, as Lightning
+    logs; at each validation; before each checkpoint is written, so last.ckpt stays the last good one."""
+
+    def __init__(self):
+        self.step: torch.Tensor | None = None  # () int64: -1 while every loss was finite
+        self.loss: torch.Tensor | None = None  # () float32: the first loss that was not
+        self.unread = 0  # losses recorded since the last check
+
+    def record(self, loss: torch.Tensor, step: int) -> None:
+        loss = loss.detach().float()
+        if self.step is None:
+            self.step = torch.full((), -1, dtype=torch.long, device=loss.device)
+            self.loss = torch.zeros((), device=loss.device)
+        first = ~torch.isfinite(loss) & (self.step < 0)
+        self.step = torch.where(first, step, self.step)
+        self.loss = torch.where(first, loss, self.loss)
+        self.unread += 1
+
+    def check(self) -> None:
+        """TrainingError, in one line, once a loss was not finite."""
+        self.unread = 0
+        if self.step is not None and int(self.step) >= 0:
+            raise TrainingError(f"loss is {float(self.loss)} at step {int(self.step)}; stopping with the last good "
+                                "checkpoint kept (trainer.skip_nonfinite=true skips such steps instead)")
+
+
 class LitLM(L.LightningModule):
     def __init__(self, model: Transformer, optim: OptimConfig, total_steps: int,
                  tokenizer_json: str | None = None, run_config: dict | None = None, compile: bool = False,
@@ -184,6 +213,7 @@ class LitLM(L.LightningModule):
         self._batch_start, self._batch_tokens, self._batch_counted = 0.0, 0, True  # no step in progress
         self._val_sums: list[torch.Tensor] = []
         self.last_val_step = -1
+        self.watch = NonFiniteWatch()
 
     def loss(self, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
         return next_token_loss(self._forward, batch)
@@ -203,11 +233,9 @@ class LitLM(L.LightningModule):
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor | None:
         loss, ce, kl = self.training_losses(batch)
-        if not torch.isfinite(loss):
-            if not self.skip_nonfinite:
-                # Raised before any checkpoint of this step exists: last.ckpt stays the last good one.
-                raise TrainingError(f"loss is {loss.item()} at step {self.global_step}; stopping with the last good "
-                                    "checkpoint kept (trainer.skip_nonfinite=true skips such steps instead)")
+        # Skipping a step needs its loss on the host before backward: one sync a step, the price of
+        # trainer.skip_nonfinite. Without it the loss is watched on the device (NonFiniteWatch).
+        if self.skip_nonfinite and not torch.isfinite(loss):
             self.skipped_steps += 1
             self.skipped_in_a_row += 1
             if self.skipped_in_a_row > 20:
@@ -216,6 +244,7 @@ class LitLM(L.LightningModule):
             self.log("train/skipped_nonfinite", float(self.skipped_steps))
             return None  # Lightning skips backward and the optimizer step
         self.skipped_in_a_row = 0
+        self.watch.record(loss, self.global_step)
         self.log("train/loss", loss, prog_bar=True)
         self.log("train/ce", ce)
         if kl is not None:
@@ -245,6 +274,8 @@ class LitLM(L.LightningModule):
         return seconds
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        if self.watch.unread >= self.trainer.log_every_n_steps:  # when Lightning's logging syncs anyway
+            self.watch.check()
         seconds = self.count_batch()
         self.log("train/tokens_per_s", self._batch_tokens / seconds, prog_bar=True)
 
@@ -256,7 +287,11 @@ class LitLM(L.LightningModule):
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         self._val_sums.append(loss_sums(self._forward, batch))
 
+    def on_train_end(self) -> None:
+        self.watch.check()
+
     def on_validation_epoch_end(self) -> None:
+        self.watch.check()  # before the callbacks save at this validation
         sums = torch.stack(self._val_sums).sum(0)  # (3,): loss, targets, correct
         self._val_sums.clear()
         total_loss, total_tokens, total_correct = self.trainer.strategy.reduce(sums, reduce_op="sum")
@@ -325,6 +360,7 @@ class LitLM(L.LightningModule):
         self.last_val_step = int(progress.get("last_val_step", -1))
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        self.watch.check()
         if not all(torch.isfinite(p).all() for p in self.model.parameters()):
             # Refusing here aborts the save, so the previous checkpoint stays the last good one.
             raise TrainingError(f"the weights are no longer finite at step {self.global_step}; "
