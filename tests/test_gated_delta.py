@@ -171,3 +171,32 @@ def test_the_fla_backend_equals_ours_in_bf16():
     x = torch.randn(2, 300, 256, device="cuda", dtype=torch.bfloat16)
     cos = sin = torch.zeros(300, 32, device="cuda")
     torch.testing.assert_close(theirs(x, cos, sin).float(), ours(x, cos, sin).float(), atol=3e-2, rtol=3e-2)
+
+
+def test_a_state_dict_that_names_the_output_gate_gate_loads_into_it():
+    """The layer once inherited a softmax layer's projections and called its SiLU gate `gate` there;
+    weights saved under that name load into `output_gate`, and the layer computes the same."""
+    layer = GatedDeltaSpec(chunk_size=4, conv_size=3).build(LayerShape(24, 4, 2, 6))
+    old = {("gate.weight" if key == "output_gate.weight" else key): value for key, value in layer.state_dict().items()}
+    assert "gate.weight" in old and "output_gate.weight" not in old
+    again = GatedDeltaSpec(chunk_size=4, conv_size=3).build(LayerShape(24, 4, 2, 6))
+    again.load_state_dict(old)  # strict: no key left over, none missing
+    x, angles = torch.randn(2, 7, 24), torch.zeros(7, 3)
+    assert torch.equal(again(x, angles, angles), layer(x, angles, angles))
+
+
+def test_a_checkpoint_that_names_the_output_gate_gate_loads(tmp_path):
+    """The same through lm.load, which compares every weight's name with the config's first."""
+    from lm import ModelConfig, Transformer, load
+    from lm.data.tokenizer import train_tokenizer
+    from lm.formats.checkpoint import save_checkpoint
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=300, n_layer=2, d_model=32, n_head=4, n_kv_head=2, d_ff=64,
+                                    attention=[GatedDeltaSpec(chunk_size=4), GatedDeltaSpec(chunk_size=4)]))
+    old = {key.replace("attn.output_gate.", "attn.gate."): value for key, value in model.state_dict().items()}
+    tokenizer = train_tokenizer(iter(["abc def " * 20]), 300)
+    loaded, _ = load(save_checkpoint(tmp_path / "last.ckpt", old, model.config, tokenizer.to_str()))
+    idx = torch.randint(0, 300, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(loaded(idx), model(idx))

@@ -169,6 +169,9 @@ class GatedDeltaNet(nn.Module):
 
     uses_rope = False  # position enters through the decay
     context_limited = False
+    # Weights saved while this layer subclassed GroupedQKV call its SiLU gate `gate`, the sigmoid
+    # gate's name there: read under today's name (here, and by lm.formats.checked before it compares names).
+    former_names = {"gate.weight": "output_gate.weight"}
 
     def __init__(self, spec: GatedDeltaSpec, shape: LayerShape):
         super().__init__()
@@ -187,7 +190,7 @@ class GatedDeltaNet(nn.Module):
         self.output_gate = nn.Linear(shape.d_model, nh * hs, bias=False)  # SiLU(x W_gate) times the output
         self.out_norm = nn.Parameter(torch.ones(hs))  # the output RMSNorm's gain, shared by the heads
         self.backend = self._chosen_backend(spec.backend)
-        self._register_load_state_dict_pre_hook(output_gate_from_its_old_name)
+        self.register_load_state_dict_pre_hook(with_current_names)
 
     @staticmethod
     def _chosen_backend(backend: str):
@@ -320,12 +323,11 @@ class GatedDeltaNet(nn.Module):
         return y, (S, window_after(window, rows))
 
 
-def output_gate_from_its_old_name(state_dict, prefix, *args) -> None:
-    """Checkpoints written while this layer subclassed GroupedQKV name its SiLU gate `gate`, the
-    sigmoid gate's name there: read them under today's name."""
-    old = f"{prefix}gate.weight"
-    if old in state_dict:
-        state_dict[f"{prefix}output_gate.weight"] = state_dict.pop(old)
+def with_current_names(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    """A load_state_dict pre-hook: the module's weights saved under a former name take today's."""
+    for old, new in module.former_names.items():
+        if f"{prefix}{old}" in state_dict and f"{prefix}{new}" not in state_dict:
+            state_dict[f"{prefix}{new}"] = state_dict.pop(f"{prefix}{old}")
 
 
 # ------------------------------------------------------------ naive twin (for tests)

@@ -47,12 +47,25 @@ def check_size_against_weights(values: dict, weights: dict, what: str, layer_pre
 MAX_WEIGHT = 1e6
 
 
+def with_current_names(model: Transformer, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` with weights a layer saved under a former name renamed to today's: each module that
+    renamed a weight says so in its `former_names` ({old: new}, relative to the module)."""
+    renamed = dict(state)
+    for prefix, module in model.named_modules():
+        for old, new in getattr(module, "former_names", {}).items():
+            old_key, new_key = f"{prefix}.{old}", f"{prefix}.{new}"
+            if old_key in renamed and new_key not in renamed:
+                renamed[new_key] = renamed.pop(old_key)
+    return renamed
+
+
 def build_checked(config: ModelConfig, state: dict[str, torch.Tensor], what: str) -> Transformer:
     """The model with `state` loaded, after comparing every name and shape with the config's
     (the model is laid out on the meta device first, which allocates nothing) and refusing
     weights that are not finite or too large to compute with in float32."""
     with torch.device("meta"):
         skeleton = Transformer(config)
+    state = with_current_names(skeleton, state)
     expected = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
     problems = [f"missing {k}" for k in expected if k not in state]
     problems += [f"unexpected {k}" for k in state if k not in expected]
