@@ -24,9 +24,10 @@ from lm.data.modules import TokenDataModule
 from lm.formats.checkpoint import load, read_checkpoint
 from lm.formats.convert import INITS
 from lm.model.transformer import Transformer
+from lm.studies.ablation_report import ablation_table, uptraining_plot
 from lm.studies.decode_speed import decode_speed
 from lm.studies.engine import Arm, machine, recorded_settings, run_arms
-from lm.studies.report import ablation_table, uptraining_plot, write_results
+from lm.studies.report import write_results
 from lm.training.module import evaluate_loss
 from lm.training.run import train
 from lm.training.uptraining import (
