@@ -84,7 +84,7 @@ def train(cfg: DictConfig, model_config: ModelConfig | None = None, init_state: 
             # and make `last.ckpt` hold them.
             trainer.validate(lit, datamodule=data, verbose=False)
             trainer.save_checkpoint(run_dir / "last.ckpt")
-        result = run_result(trainer, lit, saves, run_dir)
+        result = run_result(trainer, lit, saves.best, run_dir)
         if validate_first:
             result["val_loss_before"] = lit.val_history[0][1]
         if trainer.is_global_zero and cfg.sample.max_new_tokens > 0 and data.is_text:

@@ -8,12 +8,12 @@ import time
 from pathlib import Path
 
 import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig
 
 from lm.generation.decode import generate
 from lm.model.transformer import Transformer
 from lm.training.module import LitLM
-from lm.training.setup import Saves
 from lm.util.distributed import say
 
 
@@ -24,11 +24,10 @@ def announce(run_name: str, model: Transformer, precision: str, run_dir: Path, c
     say(f"attention: {model.config.describe_attention()}")
 
 
-def run_result(trainer: L.Trainer, lit: LitLM, saves: Saves, run_dir: Path) -> dict:
+def run_result(trainer: L.Trainer, lit: LitLM, best: ModelCheckpoint, run_dir: Path) -> dict:
     """The final val loss and accuracy, where the checkpoints are, the steps taken and how fast."""
     # The last validation, also when it happened before a resume that had no steps left to take.
     _, val_loss, val_accuracy, _ = lit.val_history[-1]
-    best = saves.best
     return {"val_loss": val_loss, "val_accuracy": val_accuracy, "run_dir": str(run_dir),
             "last": str(run_dir / "last.ckpt"), "best": best.best_model_path, "steps": trainer.global_step,
             "best_val_loss": float(best.best_model_score) if best.best_model_score is not None else None,
