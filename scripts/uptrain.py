@@ -7,6 +7,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
+import lm.config  # noqa: F401  the attn group's schemas, also where hydra.searchpath=... replaces conf's
 from lm.util.cli import exit_on_user_error, run_script
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import logging
 import os
@@ -152,12 +153,23 @@ def hydra_error_line(error: HydraException) -> str:
     cause = error.__cause__
     if isinstance(error, ConfigCompositionException) and isinstance(cause, OmegaConfBaseException):
         key = cause.full_key or message
-        root = cause.parent_node._get_root() if cause.parent_node is not None else None
+        parent = cause.parent_node
+        root = parent._get_root() if parent is not None else None
         keys = dotted_keys(root) if root is not None else []
-        return f"{key} is not a setting{close_keys(key, keys)} (+{key}=... adds a new one)"
+        close = close_keys(key, keys)
+        if is_schema(parent) and parent is not root:
+            # A schema (an attn kind's options, lm.config) holds every key it takes: name them.
+            taken = ", ".join(str(k) for k in parent.keys())
+            return f"{key} is not a setting{close or f'; {parent._get_full_key(None)} takes {taken}'}"
+        return f"{key} is not a setting{close} (+{key}=... adds a new one)"
     if isinstance(error, OverrideParseException):
         return f"cannot read an override on the command line ({message.splitlines()[0]})"
     return message.splitlines()[0]
+
+
+def is_schema(node) -> bool:
+    """Whether a config node was made from a dataclass (a structured config in Hydra's ConfigStore)."""
+    return isinstance(node, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(node))
 
 
 def close_matches(word: str, candidates: list[str]) -> str:

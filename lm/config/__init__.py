@@ -1,0 +1,14 @@
+"""The scripts' settings as schemas Hydra composes against, derived from where each setting is
+declared: the `attn` group's keys from the attention registry (lm.config.attn).
+
+Importing this package registers the schemas in Hydra's ConfigStore. The scripts import it; the
+primary configs that compose `attn` (conf/train.yaml, conf/uptrain.yaml) name it in
+`hydra.searchpath` as pkg://lm.config, so Hydra imports it before it reads any group, for every
+other composition too (tests, notebooks: hydra.compose).
+"""
+
+from lm.config.attn import register_attn_schemas
+
+register_attn_schemas()
+
+__all__ = ["register_attn_schemas"]

@@ -1,0 +1,180 @@
+"""Every setting declared once: the `attn` group's keys come from the attention registry (the
+kinds' specs), the YAMLs hold only what they change, and kinds from outside lm/ register through
+the `lm.attention_kinds` entry point group."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import compose_config
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf
+
+from lm.attention import available_kinds, option_names, spec_class
+from lm.config.attn import PER_LAYER, attn_schema
+from lm.util.cli import run_script
+
+ROOT = Path(__file__).resolve().parents[1]
+ATTN_CONFIGS = sorted((ROOT / "conf" / "attn").glob("*.yaml"))
+COMMON = {"name", "n_kv_head", "global_every"}  # keys every attn config has beside its kind's options
+
+
+def schema_defaults(kind: str) -> dict:
+    return {f.name: f.default for f in dataclasses.fields(attn_schema(kind))}
+
+
+def declared_kind(path: Path) -> str:
+    """The kind a conf/attn YAML names in its defaults list: `- /attn/kind@_here_: <kind>`."""
+    (entry,) = yaml.safe_load(path.read_text())["defaults"]
+    ((key, kind),) = entry.items()
+    assert key == "/attn/kind@_here_", f"{path.name}: {entry}"
+    return kind
+
+
+@pytest.mark.parametrize("path", ATTN_CONFIGS, ids=[p.stem for p in ATTN_CONFIGS])
+def test_an_attn_yaml_holds_its_kind_and_only_what_it_changes(path):
+    kind = declared_kind(path)
+    assert kind in [*available_kinds(), PER_LAYER]
+    values = {k: v for k, v in yaml.safe_load(path.read_text()).items() if k != "defaults"}
+    defaults = schema_defaults(kind)
+    specs = [spec_class(k) for k in available_kinds()] if kind == PER_LAYER else [spec_class(kind)]
+    spec_defaults = {f.name: f.default for spec in specs for f in dataclasses.fields(spec)}
+    for key, value in values.items():
+        assert key in defaults, f"{path.name}: {key} is not a key of attn/kind/{kind}"
+        assert value != defaults[key], f"{path.name}: {key}={value!r} is the schema's own default"
+        assert key not in spec_defaults or value != spec_defaults[key], \
+            f"{path.name}: {key}={value!r} restates the spec's default"
+    assert "name" in values or path.stem == kind  # the run's name (run_name: ${attn.name}-...)
+
+
+@pytest.mark.parametrize("kind", [*available_kinds(), PER_LAYER])
+def test_a_kinds_schema_is_its_specs_options_and_the_common_keys(kind):
+    fields = list(schema_defaults(kind))
+    kinds = available_kinds() if kind == PER_LAYER else [kind]
+    options = list(dict.fromkeys(name for k in kinds for name in option_names(k)))
+    head = ["name", "pattern"] if kind == PER_LAYER else ["name", "kind"]
+    assert fields == [*head, "n_kv_head", *options, "global_every"]
+    assert all(v is None for k, v in schema_defaults(kind).items() if k not in ("name", "kind"))
+
+
+@pytest.mark.parametrize("path", ATTN_CONFIGS, ids=[p.stem for p in ATTN_CONFIGS])
+def test_every_option_of_the_kind_is_set_from_the_command_line(path):
+    kind = declared_kind(path)
+    keys = [k for k in schema_defaults(kind) if k not in ("name", "kind", "pattern")]
+    values = {key: [i, i + 1] if i % 2 else i for i, key in enumerate(keys, start=3)}  # one, or one per layer
+    cfg = compose_config("train", [f"attn={path.stem}", *(f"attn.{k}={v}" for k, v in values.items())])
+    assert {k: cfg.attn[k] for k in keys} == values
+    assert cfg.attn.name == yaml.safe_load(path.read_text()).get("name", path.stem)
+
+
+def test_the_uptraining_target_takes_the_kinds_options():
+    cfg = compose_config("uptrain", ["ckpt=x", "attn=mla", "attn.kv_rank=24", "attn.rope_dim=4"])
+    assert OmegaConf.to_container(cfg.attn) == {"name": "mla", "kind": "mla", "n_kv_head": None, "kv_rank": 24,
+                                                "rope_dim": 4, "q_rank": None, "rope_pairs": None,
+                                                "global_every": None}
+
+
+def run_train(args: list[str], monkeypatch) -> tuple[int, str]:
+    """(exit code, stderr) of scripts/train.py's main as `python scripts/train.py <args>` runs it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("lm_script_train", ROOT / "scripts" / "train.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script.main.__wrapped__.__module__ = "__main__"  # Hydra finds conf/ beside a __main__ module only
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "scripts" / "train.py"), *args])
+    GlobalHydra.instance().clear()
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = run_script(script.main)
+    return code, err.getvalue()
+
+
+@pytest.mark.parametrize("args, line", [
+    (["attn=linear", "attn.window=8"],
+     "error: attn.window is not a setting; attn takes name, kind, n_kv_head, feature_map, chunk_size, eps, "
+     "global_every"),
+    (["attn=sliding", "attn.windw=8"], "error: attn.windw is not a setting; did you mean attn.window?"),
+    (["attn=mha", "attn.kv_rank=8"], "error: attn.kv_rank is not a setting; attn takes name, kind, n_kv_head, "
+                                     "gate, qk_norm, learned_sink, softcap, global_every"),
+])
+def test_a_key_the_kind_does_not_take_is_one_line_naming_it(args, line, tmp_path, monkeypatch):
+    code, err = run_train([*args, f"hydra.run.dir={tmp_path}/hydra", f"checkpoint_dir={tmp_path}"], monkeypatch)
+    assert (code, err.strip().splitlines()) == (2, [line])
+    assert not any(tmp_path.rglob("*"))
+
+
+def test_a_composition_elsewhere_finds_the_schemas_through_hydra_searchpath(tmp_path):
+    """conf/train.yaml names pkg://lm.config, so hydra.compose works without importing it first."""
+    code = textwrap.dedent(f"""
+        import sys
+        from hydra import compose, initialize_config_dir
+        with initialize_config_dir(config_dir={str(ROOT / "conf")!r}, version_base="1.3"):
+            cfg = compose(config_name="train", overrides=["attn=sliding", "attn.window=8"])
+        print(cfg.attn.window, "lm.config" in sys.modules)
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert done.stdout.split() == ["8", "True"], done.stderr[-2000:]
+
+
+# ------------------------------------------------------------------ kinds from outside lm/
+
+KIND_MODULE = """
+from dataclasses import dataclass
+from lm.attention import AttentionSpec, register
+
+@register({name!r})
+@dataclass(frozen=True)
+class Spec(AttentionSpec):
+    scale: float = 1.0
+"""
+
+
+def distribution(folder: Path, name: str, module: str, source: str) -> Path:
+    """An installed distribution as importlib.metadata sees one: a .dist-info folder whose
+    entry_points.txt names `module` in the group lm.attention_kinds, and the module beside it."""
+    info = folder / f"{name}-0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[lm.attention_kinds]\n{name} = {module}\n")
+    (folder / f"{module}.py").write_text(source)
+    return folder
+
+
+def test_an_installed_distributions_entry_point_registers_its_kind_and_a_broken_one_is_one_line(tmp_path):
+    good = distribution(tmp_path / "good", "outside_kinds", "outside_kinds_mod", KIND_MODULE.format(name="ep_kind"))
+    broken = distribution(tmp_path / "broken", "broken_kinds", "broken_kinds_mod", "import no_such_module_here\n")
+    old_style = tmp_path / "old_kind.py"
+    old_style.write_text(KIND_MODULE.format(name="env_kind"))
+    code = textwrap.dedent(f"""
+        import sys, warnings
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import lm.attention
+        print(sorted(k for k in lm.attention.available_kinds() if k.endswith("_kind")))
+        print([str(w.message) for w in caught if w.category is DeprecationWarning])
+        sys.path.insert(0, {str(broken)!r})
+        try:
+            lm.attention.load_entry_points()
+        except lm.attention.base.ConfigError as error:
+            print(str(error))
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(good), os.environ.get("PYTHONPATH", "")]),
+           "LM_ATTENTION_KINDS": str(old_style)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env,
+                          timeout=300)
+    kinds, warned, error = done.stdout.strip().splitlines()
+    assert kinds == "['env_kind', 'ep_kind']", done.stderr[-2000:]
+    assert "LM_ATTENTION_KINDS is deprecated" in warned and "'lm.attention_kinds'" in warned
+    assert error == ("entry point broken_kinds = broken_kinds_mod of broken_kinds (group lm.attention_kinds) "
+                     "cannot be loaded: ModuleNotFoundError: No module named 'no_such_module_here'")
+
