@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import compose_config
+from conftest import compose_config, train_small_run
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
@@ -178,3 +178,10 @@ def test_an_installed_distributions_entry_point_registers_its_kind_and_a_broken_
     assert error == ("entry point broken_kinds = broken_kinds_mod of broken_kinds (group lm.attention_kinds) "
                      "cannot be loaded: ModuleNotFoundError: No module named 'no_such_module_here'")
 
+
+
+def test_training_prints_every_layers_resolved_options(tmp_path, small_corpus, capsys):
+    train_small_run(tmp_path, small_corpus, "attn=sliding", "attn.window=[3,5]", "attn.global_every=2")
+    out = capsys.readouterr().out
+    assert ("attention: 1 x sliding(gate=none, qk_norm=False, window=3, dilation=1, sink_tokens=0, learned_sink=False, "
+            "softcap=None), 1 x softmax(gate=none, qk_norm=False, learned_sink=False, softcap=None)") in out
