@@ -16,11 +16,14 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import compose_config, train_small_run
+from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
 from lm.attention import available_kinds, option_names, spec_class
 from lm.config.attn import PER_LAYER, attn_schema
+from lm.config.generate import GenerateSettings
+from lm.config.settings import SCHEMAS, check_settings, default_of, is_group, shown
 from lm.util.cli import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -185,3 +188,25 @@ def test_training_prints_every_layers_resolved_options(tmp_path, small_corpus, c
     out = capsys.readouterr().out
     assert ("attention: 1 x sliding(gate=none, qk_norm=False, window=3, dilation=1, sink_tokens=0, learned_sink=False, "
             "softcap=None), 1 x softmax(gate=none, qk_norm=False, learned_sink=False, softcap=None)") in out
+
+
+# ------------------------------------------------------------------ the scripts' run-side settings
+
+def test_every_settings_schema_documents_each_setting_and_its_defaults_pass_its_bounds():
+    assert SCHEMAS  # lm.config stores them on import
+    for name, cls in SCHEMAS.items():
+        for f in dataclasses.fields(cls):
+            assert is_group(f) or f.metadata["help"], f"{name}.{f.name} has no help"
+        check_settings({}, cls)  # every default within its bound
+
+
+def test_generate_composes_its_settings_from_the_dataclass_and_its_help_lists_them():
+    assert set(yaml.safe_load((ROOT / "conf" / "generate.yaml").read_text())) == {"defaults", "hydra"}
+    cfg = compose_config("generate", [])
+    defaults = {f.name: default_of(f) for f in dataclasses.fields(GenerateSettings)}
+    assert OmegaConf.to_container(cfg) == {**defaults, "ckpt": "???"}
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        template = compose(config_name="generate", return_hydra_config=True).hydra.help.template
+    for f in dataclasses.fields(GenerateSettings):
+        line = next(line for line in template.splitlines() if line.split()[:1] == [f.name])
+        assert f.metadata["help"] in line and line.endswith(f"({shown(default_of(f))})")

@@ -1,12 +1,14 @@
 """The scripts' settings as schemas Hydra composes against, derived from where each setting is
-declared: the `attn` group's keys from the attention registry (lm.config.attn).
+declared: the `attn` group's keys from the attention registry (lm.config.attn), and each script's
+run-side settings from a dataclass of them (lm.config.settings; generate's in lm.config.generate).
 
 Importing this package registers the schemas in Hydra's ConfigStore. The scripts import it; the
-primary configs that compose `attn` (conf/train.yaml, conf/uptrain.yaml) name it in
-`hydra.searchpath` as pkg://lm.config, so Hydra imports it before it reads any group, for every
-other composition too (tests, notebooks: hydra.compose).
+primary configs that compose them (conf/train.yaml, conf/uptrain.yaml, conf/generate.yaml) name
+it in `hydra.searchpath` as pkg://lm.config, so Hydra imports it before it reads any group, for
+every other composition too (tests, notebooks: hydra.compose).
 """
 
+from lm.config import generate  # noqa: F401  stores generate_settings
 from lm.config.attn import register_attn_schemas
 
 register_attn_schemas()
