@@ -3,6 +3,11 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# pytest-xdist workers: one per core, at most 4 (`make test WORKERS=0`: one process, without xdist);
+# tests/conftest.py gives each worker its share of the cores for torch's threads. worksteal: a worker
+# that runs out takes queued tests from the other, so a few long tests do not leave a core idle
+WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count() or 1))")
+XDIST = -n $(WORKERS) --dist worksteal
 
 .DEFAULT_GOAL := help
 .PHONY: help install train test test-slow test-all test-gpu gpu-wheels lint bench clean
@@ -21,14 +26,14 @@ train: install ## train the default model (tiny MHA) on the standard-library cor
 	$(PY) scripts/train.py
 
 test: install ## the test suite, without tests marked slow (a few minutes on 2 cores)
-	$(PY) -m pytest -m "not slow" -q --durations=15
+	$(PY) -m pytest -m "not slow" -q $(XDIST) --durations=15
 
 test-slow: install ## the slow tier: end-to-end script runs, studies, benchmarks, kill-and-resume, DDP
-	$(PY) -m pytest -m slow -q --durations=15
+	$(PY) -m pytest -m slow -q $(XDIST) --durations=15
 
 test-all: install ## every test, slow ones included (installs llama-cpp-python, which compiles llama.cpp)
 	$(PY) -m pip install -q -c constraints.txt -e '.[llama]'
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(XDIST)
 
 test-gpu: install ## the gpu tier (tests marked gpu: bf16, fused SDPA, CUDA graphs, trainer=gpu, FSDP); needs CUDA
 	$(PY) -c "import sys, torch; sys.exit(None if torch.cuda.is_available() else 'error: torch sees no CUDA device')"

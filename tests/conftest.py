@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sysconfig
 from pathlib import Path
 
@@ -12,6 +13,29 @@ from omegaconf import DictConfig, open_dict
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 # Small models that still have several heads, so GQA/MQA groupings are real.
 TINY_MODEL = ["model.n_layer=2", "model.d_model=64", "model.n_head=4", "model.d_ff=128", "model.max_seq_len=32"]
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (`make test` runs `-n 2`), each worker gets its share of the cores for
+    torch's intra-op threads, so two workers do not run four threads on two cores; the scripts the
+    tests start inherit it through OMP_NUM_THREADS. Without xdist, or where the caller set
+    OMP_NUM_THREADS, torch keeps its own choice."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers < 2 or "OMP_NUM_THREADS" in os.environ:
+        return
+    import torch
+
+    threads = max(1, available_cores() // workers)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+
+
+def available_cores() -> int:
+    """The cores this process may run on (a container's or taskset's share, not the machine's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS has no affinity call
+        return os.cpu_count() or 1
 
 
 def compose_config(config_name: str, overrides: list[str]) -> DictConfig:
@@ -66,8 +90,6 @@ def train_config(tmp_path, small_corpus):
 def pytest_collection_modifyitems(config, items):
     """Tests marked gpu run only where torch sees a CUDA device, or where LM_GPU_TIER_DEVICE names
     another device for the tier's device-independent checks (tests/test_gpu.py)."""
-    import os
-
     import torch
 
     if torch.cuda.is_available() or os.environ.get("LM_GPU_TIER_DEVICE"):
