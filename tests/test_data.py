@@ -1,14 +1,15 @@
 import glob
 import json
 import os
+import runpy
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+import lm.data.corpora
 import lm.data.token_cache
 from lm.data.corpora import DataError, files_corpus, hf_corpus, is_validation, pystdlib_corpus, text_corpus
 from lm.data.modules import TokenDataModule
@@ -57,13 +58,35 @@ def test_token_cache_is_built_once_and_reused(tmp_path, small_corpus, monkeypatc
     assert tok.decode(tok.encode(text).ids) == text
 
 
-def test_changing_a_file_changes_the_cache_key(tmp_path):
+def test_a_file_rewritten_at_its_size_within_one_clock_tick_changes_the_fingerprint(tmp_path):
+    """On a filesystem whose clock ticks every second or two, a rewrite within the tick keeps the
+    file's time: a small corpus's bytes are in its fingerprint, so the cache key changes anyway."""
     f = tmp_path / "a.txt"
     f.write_text("hello world\n" * 50)
     before = files_corpus("text", [f]).fingerprint
-    time.sleep(0.01)
-    f.write_text("hello there\n" * 50)
+    assert files_corpus("text", [f]).fingerprint == before  # nothing changed, nothing rebuilt
+    stat = f.stat()
+    f.write_text("hello there\n" * 50)  # the same size
+    os.utime(f, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # and the same time, as a coarse clock gives it
     assert files_corpus("text", [f]).fingerprint != before
+
+
+def test_a_large_corpus_is_fingerprinted_by_sizes_and_times(tmp_path, monkeypatch):
+    """Past CONTENT_HASHED_BYTES the files are not read to fingerprint them: a changed time or size
+    changes it, a rewrite that keeps both does not."""
+    monkeypatch.setattr(lm.data.corpora, "CONTENT_HASHED_BYTES", 100)
+    f = tmp_path / "a.txt"
+    f.write_text("hello world\n" * 50)
+    stat = f.stat()
+    before = files_corpus("text", [f]).fingerprint
+    f.write_text("hello there\n" * 50)
+    os.utime(f, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert files_corpus("text", [f]).fingerprint == before
+    os.utime(f, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))  # a nanosecond later
+    later = files_corpus("text", [f]).fingerprint
+    f.write_text("hello there\n" * 51)
+    os.utime(f, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    assert len({before, later, files_corpus("text", [f]).fingerprint}) == 3
 
 
 def test_single_file_corpus_gets_a_validation_tail_and_odd_bytes_are_read(tmp_path):
@@ -354,10 +377,14 @@ def test_verify_cache_hashes_every_file_and_finds_bytes_changed_behind_a_restore
     (lambda folder: (folder / "meta.json").write_text("{"), "is damaged: meta.json is unreadable or from an older "
                                                            "cache format; "),
 ])
-def test_verify_cache_of_a_folder_that_is_no_cache_is_one_line_and_exit_2(tmp_path, make, message):
+def test_verify_cache_of_a_folder_that_is_no_cache_is_one_line_and_exit_2(tmp_path, make, message, capsys):
+    """The script's main in this process (the test above runs the script itself)."""
     folder = tmp_path / "not-a-cache"
     folder.mkdir()
     make(folder)
-    done = verify_cache(folder)
-    assert done.returncode == 2
-    assert len(done.stderr.splitlines()) == 1 and message in done.stderr, done.stderr
+    main = runpy.run_path(str(ROOT / "scripts" / "verify_cache.py"))["main"]
+    with pytest.raises(SystemExit) as done:
+        main([str(folder)])
+    stderr = capsys.readouterr().err
+    assert done.value.code == 2
+    assert len(stderr.splitlines()) == 1 and message in stderr, stderr
