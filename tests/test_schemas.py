@@ -23,8 +23,10 @@ from omegaconf import OmegaConf
 from lm.attention import available_kinds, option_names, spec_class
 from lm.config.attn import PER_LAYER, attn_schema
 from lm.config.generate import GenerateSettings
-from lm.config.settings import SCHEMAS, check_settings, default_of, is_group, shown
+from lm.config.settings import SCHEMAS, check_settings, default_of, defaults, is_group, shown
+from lm.config.train import TrainSettings, check_train_settings
 from lm.util.cli import run_script
+from lm.util.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 ATTN_CONFIGS = sorted((ROOT / "conf" / "attn").glob("*.yaml"))
@@ -210,3 +212,31 @@ def test_generate_composes_its_settings_from_the_dataclass_and_its_help_lists_th
     for f in dataclasses.fields(GenerateSettings):
         line = next(line for line in template.splitlines() if line.split()[:1] == [f.name])
         assert f.metadata["help"] in line and line.endswith(f"({shown(default_of(f))})")
+
+
+def test_train_composes_its_own_keys_from_the_dataclass():
+    assert set(yaml.safe_load((ROOT / "conf" / "train.yaml").read_text())) == {"defaults", "hydra"}
+    cfg = OmegaConf.to_container(compose_config("train", []), resolve=True)
+    assert {k: cfg[k] for k in defaults(TrainSettings)} == {**defaults(TrainSettings), "run_name": "mha-tiny"}
+
+
+@pytest.mark.parametrize("override, line", [
+    ("seed=abc", "seed='abc' must be an integer >= 0"),
+    ("resume=maybe", "resume='maybe' must be true or false"),
+    ("compile=1", "compile=1 must be true or false"),
+    ("checkpoint.every_n_steps=0", "checkpoint.every_n_steps=0 must be an integer >= 1"),
+    ("sample.max_new_tokens=-1", "sample.max_new_tokens=-1 must be an integer >= 0"),
+    ("sample.temperature=nan", "sample.temperature=nan must be a finite number >= 0"),
+    ("sample.top_k=0", "sample.top_k=0 must be an integer >= 1"),
+    ("sample.seed=-2", "sample.seed=-2 must be an integer >= 0"),
+])
+def test_a_train_setting_out_of_its_bound_is_one_line_naming_it_as_typed(override, line):
+    with pytest.raises(ConfigError) as refused:
+        check_train_settings(compose_config("train", [override]))
+    assert str(refused.value) == line
+
+
+def test_a_run_config_written_before_a_setting_existed_takes_its_default():
+    check_train_settings(OmegaConf.create({"run_name": "old", "seed": 0}))  # no checkpoint, sample, compile ...
+    with pytest.raises(ConfigError, match=r"^checkpoint.every_n_steps=0 "):
+        check_train_settings(OmegaConf.create({"checkpoint": {"every_n_steps": 0}}))

@@ -6,8 +6,8 @@ help and, where the script owns the check, its bound. From it come
 - the options part of `--help` (`options_help`, the `${settings_help:<name>}` resolver);
 - the checks and their one-line errors (`check_settings`), each naming the key as typed.
 
-Fields are stored typed Any: Hydra takes a value as typed and the bound says what is wrong with it,
-in the same words the checks in lm.util.checks use everywhere else. A setting whose bound a library
+Hydra composes the defaults as plain data: it takes a value as typed and the bound says what is
+wrong with it, in the same words the checks in lm.util.checks use everywhere else. A setting whose bound a library
 function declares (a sampling temperature: lm.generation.decode.Sampling) has no bound here; the
 script's run checks it there, so the Python API and the script share one bound.
 """
@@ -90,63 +90,67 @@ def is_group(f: dataclasses.Field) -> bool:
                                                 and dataclasses.is_dataclass(f.default_factory))
 
 
-def untyped(cls: type) -> type:
-    """The dataclass with every field typed Any, its groups likewise: what Hydra composes."""
-    fields = []
-    for f in dataclasses.fields(cls):
-        if is_group(f):
-            fields.append((f.name, Any, field(default_factory=untyped(f.default_factory))))
-        elif f.default_factory is not MISSING:
-            fields.append((f.name, Any, field(default_factory=f.default_factory)))
-        else:
-            fields.append((f.name, Any, field(default=f.default)))
-    return dataclasses.make_dataclass(cls.__name__, fields)
+def defaults(cls: type) -> dict:
+    """Every setting's default as plain data, groups as nested mappings, a required one as `???`:
+    what Hydra composes. Plain, not the dataclass itself, so the groups a primary config also holds
+    (train's attn, model, ...) can join it, and a value is taken as typed for its bound to judge."""
+    return {f.name: defaults(f.default_factory) if is_group(f) else "???" if default_of(f) is MISSING
+            else default_of(f) for f in dataclasses.fields(cls)}
 
 
 def store(name: str, cls: type) -> None:
-    """Register `cls` as the structured config `name` (a primary config's first defaults entry)."""
+    """Register `cls`'s defaults as the config `name` (a primary config's first defaults entry)."""
     SCHEMAS[name] = cls
-    ConfigStore.instance().store(name=name, node=untyped(cls))
+    ConfigStore.instance().store(name=name, node=defaults(cls))
 
 
 def shown(value: Any) -> str:
     if value is MISSING or value == "???":
         return "required"
+    if isinstance(value, str) and value != value.strip():
+        return repr(value)
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def options_help(cls: type, prefix: str = "", width: int = 24) -> str:
-    """One line per setting: its dotted name, what it means, its bound and its default."""
-    lines = []
+def described(cls: type, prefix: str = "") -> list[tuple[str, str]]:
+    """(dotted name, what it means, its bound and its default) of every setting, groups flattened."""
+    rows = []
     for f in dataclasses.fields(cls):
         name, meta = prefix + f.name, f.metadata
         if is_group(f):
-            lines.append(options_help(f.default_factory, f"{name}.", width))
+            rows += described(f.default_factory, f"{name}.")
             continue
         words = meta.get("help", "")
         if meta.get("bound") is not None:
             words += f"{'; ' if words else ''}{meta['bound'].words}"
-        lines.append(f"  {name:<{width}}{words} ({shown(default_of(f))})".rstrip())
-    return "\n".join(lines)
+        rows.append((name, f"{words} ({shown(default_of(f))})"))
+    return rows
+
+
+def options_help(cls: type) -> str:
+    """One line per setting: its dotted name, what it means, its bound and its default."""
+    rows = described(cls)
+    width = max(len(name) for name, _ in rows) + 2
+    return "\n".join(f"  {name:<{width}}{words}" for name, words in rows)
 
 
 def check_settings(cfg: DictConfig | dict, cls: type, prefix: str = "") -> None:
     """Check every setting of `cls` that has a bound, naming it as typed (`checkpoint.every_n_steps`).
     A key absent from `cfg` (a run config written before the setting existed) takes its default."""
     for f in dataclasses.fields(cls):
-        name = prefix + f.name
-        value = cfg.get(f.name, default_of(f)) if cfg is not None else default_of(f)
+        name, present = prefix + f.name, cfg is not None and f.name in cfg
         if is_group(f):
-            check_settings(value, f.default_factory, f"{name}.")
+            check_settings(cfg[f.name] if present else None, f.default_factory, f"{name}.")
         elif f.metadata.get("bound") is not None:
-            f.metadata["bound"](name, value)
+            f.metadata["bound"](name, cfg[f.name] if present else default_of(f))
 
 
 def settings_help(name: str) -> str:
-    return options_help(SCHEMAS[name])
+    """options_help for a Hydra help template, whose `$` (string.Template's) the text escapes."""
+    return options_help(SCHEMAS[name]).replace("$", "$$")
 
 
-# `${settings_help:generate}` in a help template: the options part of --help, from the dataclass.
+# `${settings_help:generate_settings}` in a help template: the options part of --help, from the dataclass.
 OmegaConf.register_new_resolver("settings_help", settings_help, replace=True)
 
 __all__ = ["Bound", "boolean", "check_settings", "choice", "fraction", "group", "integer", "number",

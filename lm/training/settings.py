@@ -7,6 +7,7 @@ from __future__ import annotations
 from omegaconf import DictConfig, OmegaConf
 
 from lm.attention import layer_specs
+from lm.config.train import check_train_settings
 from lm.model.config import ModelConfig
 from lm.model.transformer import Transformer
 from lm.training.module import check_distillation
@@ -48,13 +49,9 @@ def check_run_settings(cfg: DictConfig) -> None:
     require_int("data.batch_size", d.batch_size)
     if "val_fraction" in d:
         require_fraction("data.val_fraction", d.val_fraction)
-    if cfg.seed is not None:
-        require_int("seed", cfg.seed, minimum=0)
+    check_train_settings(cfg)  # run_name, seed, resume, ..., checkpoint.*, sample.* (lm/config/train.py)
     if "num_workers" in d:
         require_int("data.num_workers", d.num_workers, minimum=0)
-    every = (cfg.get("checkpoint") or {}).get("every_n_steps")
-    if every is not None:
-        require_int("checkpoint.every_n_steps", every)
     if t.get("stop_at_accuracy") is not None:
         require_fraction("trainer.stop_at_accuracy", t.stop_at_accuracy)
 
