@@ -5,6 +5,9 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
+import lm.config  # noqa: F401  the settings' schemas, also where hydra.searchpath=... replaces conf's
+from lm.config.export import ExportSettings
+from lm.config.settings import check_settings
 from lm.util.cli import exit_on_user_error, run_script
 
 
@@ -13,14 +16,12 @@ def main(cfg: DictConfig) -> None:
     from lm.formats.checkpoint import export_safetensors, load
     from lm.formats.gguf import export_gguf
     from lm.formats.hf import export_hf
-    from lm.util.errors import ConfigError
     from lm.util.paths import resolve_path
 
     with exit_on_user_error():
+        check_settings(cfg, ExportSettings)
         exporters = {"hf": export_hf, "safetensors": export_safetensors,
                      "gguf": lambda model, tokenizer, out: export_gguf(model, tokenizer, out, cfg.gguf_type)}
-        if cfg.format not in exporters:
-            raise ConfigError(f"format={cfg.format!r} is not one of {sorted(exporters)}")
         model, tokenizer = load(resolve_path(cfg.ckpt))
         out = exporters[cfg.format](model, tokenizer, resolve_path(cfg.out))
         c = model.config

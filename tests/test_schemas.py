@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 
 from lm.attention import available_kinds, option_names, spec_class
 from lm.config.attn import PER_LAYER, attn_schema
+from lm.config.export import ExportSettings
 from lm.config.generate import GenerateSettings
 from lm.config.settings import SCHEMAS, check_settings, default_of, defaults, is_group, shown
 from lm.config.train import TrainSettings, check_train_settings
@@ -202,16 +203,20 @@ def test_every_settings_schema_documents_each_setting_and_its_defaults_pass_its_
         check_settings({}, cls)  # every default within its bound
 
 
-def test_generate_composes_its_settings_from_the_dataclass_and_its_help_lists_them():
-    assert set(yaml.safe_load((ROOT / "conf" / "generate.yaml").read_text())) == {"defaults", "hydra"}
-    cfg = compose_config("generate", [])
-    defaults = {f.name: default_of(f) for f in dataclasses.fields(GenerateSettings)}
-    assert OmegaConf.to_container(cfg) == {**defaults, "ckpt": "???"}
+@pytest.mark.parametrize("config, cls", [("generate", GenerateSettings), ("export", ExportSettings)])
+def test_a_scripts_settings_come_from_its_dataclass_and_its_help_lists_them(config, cls):
+    assert set(yaml.safe_load((ROOT / "conf" / f"{config}.yaml").read_text())) == {"defaults", "hydra"}
+    assert OmegaConf.to_container(compose_config(config, [])) == defaults(cls)
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        template = compose(config_name="generate", return_hydra_config=True).hydra.help.template
-    for f in dataclasses.fields(GenerateSettings):
+        template = compose(config_name=config, return_hydra_config=True).hydra.help.template
+    for f in dataclasses.fields(cls):
         line = next(line for line in template.splitlines() if line.split()[:1] == [f.name])
         assert f.metadata["help"] in line and line.endswith(f"({shown(default_of(f))})")
+
+
+def test_export_refuses_a_format_it_does_not_write_before_reading_the_checkpoint():
+    with pytest.raises(ConfigError, match=r"^format='onnx' is not one of \['gguf', 'hf', 'safetensors'\]$"):
+        check_settings(compose_config("export", ["ckpt=none.ckpt", "out=x", "format=onnx"]), ExportSettings)
 
 
 def test_train_composes_its_own_keys_from_the_dataclass():

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from lm.config.settings import setting, store
 
 
-@dataclass
+@dataclass(kw_only=True)
 class GenerateSettings:
     ckpt: str = setting(help="a training checkpoint (last.ckpt / best.ckpt)")
     prompt: str | None = setting(None, "the text to continue (or prompt_file)")

@@ -1,5 +1,6 @@
-"""A script's settings declared once: a dataclass whose fields carry each setting's type, default,
-help and, where the script owns the check, its bound. From it come
+"""A script's settings declared once: a dataclass (kw_only, so a required setting may follow one with
+a default) whose fields carry each setting's type, default, help and, where the script owns the
+check, its bound. From it come
 
 - the structured config Hydra composes (`store`): the defaults a YAML no longer restates, and a
   refusal, in one line naming it, of a key the dataclass lacks (lm.util.cli);

@@ -15,13 +15,13 @@ from omegaconf import DictConfig
 from lm.config.settings import boolean, check_settings, group, integer, number, setting, store
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CheckpointSettings:
     every_n_steps: int | None = setting(100, "last.ckpt every n optimizer steps as well as at each validation "
                                              "(null: only there)", integer(1, nullable=True))
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SampleSettings:
     prompt: str = setting("def ", "the text the sample continues")
     max_new_tokens: int = setting(48, "tokens to add (0: no sample)", integer(0))
@@ -30,7 +30,7 @@ class SampleSettings:
     seed: int | None = setting(0, "null: a different sample each run", integer(0, nullable=True))
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TrainSettings:
     run_name: str = setting("${attn.name}-${model.name}", "checkpoints/<run_name>/; resume=true continues it")
     seed: int | None = setting(0, "of the weights' initialisation and the data's order", integer(0, nullable=True))
