@@ -1,7 +1,9 @@
-"""The attention benchmark's outputs: one command gives the table, the CSV and the plot."""
+"""The benchmarks (scripts/bench.py): what each command measures, read from its --json results; the
+attention benchmark's table, CSV and plot from one command; the FLOP counts and ops they time."""
 
 import csv
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -11,50 +13,87 @@ import torch
 
 from lm.attention import LayerShape, SlidingSpec, SoftmaxSpec, available_kinds
 from lm.attention.lowrank import LowRankSpec
-from lm.studies.bench import attention_layer, attention_rows, build_parser, variant_spec
+from lm.studies.attention_bench import attention_layer
+from lm.studies.bench import build_parser
+from lm.studies.bench_models import attention_rows
+from lm.studies.train_bench import variant_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def bench(tmp_path: Path, *args: str, timeout: int = 300) -> tuple[dict, str]:
+    """(the --json results, the printed tables) of `scripts/bench.py <args>`."""
+    out = tmp_path / "results.json"
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), *args, "--json", str(out)],
+                            capture_output=True, text=True, timeout=timeout, check=True)
+    return json.loads(out.read_text()), result.stdout
+
+
 @pytest.mark.slow
 def test_bench_attention_writes_table_csv_and_plot(tmp_path):
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench.py"), "attention", "--lengths", "128", "256",
-         "--repeats", "1", "--d-model", "64", "--heads", "4", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=300, check=True,
-    )
+    results, printed = bench(tmp_path, "attention", "--lengths", "128", "256", "--repeats", "1", "--d-model", "64",
+                             "--heads", "4", "--out", str(tmp_path))
     rows = list(csv.DictReader(open(tmp_path / "attention.csv")))
-    kinds = {r["kind"] for r in rows}
+    assert rows == [{key: str(value) for key, value in row.items()} for row in results["rows"]]  # one table, twice
+    kinds = {r["kind"] for r in results["rows"]}
     assert set(attention_rows()) | {"mha-1head", "linear-1head"} == kinds
     specs = {**{name: spec for name, (spec, _) in attention_rows().items()},
              "mha-1head": SoftmaxSpec(), "linear-1head": attention_rows()["linear"][0]}
-    for r in rows:  # the GFLOP/s column is the kind's own FLOP count over the measured forward time
-        flops = specs[r["kind"]].flops(int(r["seq_len"]), int(r["n_head"]), int(r["n_kv_head"]), 64 // int(r["n_head"]))
-        assert float(r["forward_gflops"]) * 1e9 * float(r["forward_s"]) == pytest.approx(flops, rel=1e-3)
-        assert float(r["forward_of_peak"]) == pytest.approx(float(r["forward_gflops"]) / peak_gflops(result), rel=0.02)
+    for r in results["rows"]:  # the GFLOP/s column is the kind's own FLOP count over the measured forward time
+        flops = specs[r["kind"]].flops(r["seq_len"], r["n_head"], r["n_kv_head"], 64 // r["n_head"])
+        assert r["forward_gflops"] * 1e9 * r["forward_s"] == pytest.approx(flops, rel=1e-9)
+        assert r["forward_of_peak"] == pytest.approx(r["forward_gflops"] * 1e9 / results["measured_peak_flops"])
+    assert set(results["whole_layer_forward_s"]) == {"softmax-mha", "sliding", "linear"}
     assert (tmp_path / "attention.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "against full causal softmax" in result.stdout
-
-
-def peak_gflops(result) -> float:
-    """The measured matmul peak the benchmark printed in its header."""
-    return float(result.stdout.split("matmul peak ")[1].split()[0])
+    assert results["png"] == str(tmp_path / "attention.png")
+    assert "against full causal softmax" in printed
+    assert results["benchmark"] == "attention" and results["settings"]["lengths"] == [128, 256]
 
 
 @pytest.mark.slow
-def test_bench_generate_prints_a_row_per_kind():
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench.py"), "generate", "--prompt", "4", "--new-tokens", "6",
-         "--positions", "8", "24", "--repeats", "1", "--no-compare"],
-        capture_output=True, text=True, timeout=300, check=True,
-    )
-    rows = [line.split() for line in result.stdout.splitlines()[2:]]
-    assert [row[0] for row in rows] == list(attention_rows())
+def test_bench_generate_gives_a_row_per_kind(tmp_path):
+    results, printed = bench(tmp_path, "generate", "--prompt", "4", "--new-tokens", "6", "--positions", "8", "24",
+                             "--repeats", "1", "--no-compare")
+    rows = results["rows"]
+    assert [row["kind"] for row in rows] == list(attention_rows()) and results["transformers"] is None
     for row in rows:  # the cache column is what each kind declares it keeps after prompt + new tokens
-        spec, example = attention_rows()[row[0]]
-        n_kv_head = int(row[1])
-        state = spec.build(LayerShape(384, 6, n_kv_head, 64)).generation_state()
-        assert int(row[-1].replace(",", "")) == 6 * 4 * state.numel(4 + 6)  # 6 layers, fp32
+        spec, example = attention_rows()[row["kind"]]
+        state = spec.build(LayerShape(384, 6, row["n_kv_head"], 64)).generation_state()
+        assert row["cache_tokens"] == 4 + 6 and row["cache_bytes"] == 6 * 4 * state.numel(4 + 6)  # 6 layers, fp32
+        assert row["cache_bytes_per_token"] == row["cache_bytes"] / 10
+        assert set(row["tokens_per_s"]) == {"6"} and set(row["step_s"]) == {"8", "24"}
+        assert row["latency_ratio"] == pytest.approx(row["step_s"]["24"] / row["step_s"]["8"])
+        assert f"{row['cache_bytes']:14,}" in printed  # the table shows what the JSON holds
+
+
+def test_bench_json_holds_the_settings_the_machine_and_what_the_table_shows(tmp_path, capsys):
+    """`--json PATH` in `make test`: one kind's decoding row at a few tokens, the table printed as ever."""
+    from lm.studies.bench import main
+
+    out = tmp_path / "results" / "generate.json"  # its folder made
+    main(["generate", "--prompt", "4", "--new-tokens", "3", "--positions", "4", "8", "--repeats", "1",
+          "--no-compare", "--kinds", "softmax-gqa", "--json", str(out)])
+    printed = capsys.readouterr().out.splitlines()
+    results = json.loads(out.read_text())
+    assert results["benchmark"] == "generate" and results["settings"]["kinds"] == ["softmax-gqa"]
+    assert set(results["machine"]) == {"cpu", "threads", "gpu", "torch"}
+    (row,) = results["rows"]
+    assert (row["kind"], row["n_kv_head"], row["cache_tokens"]) == ("softmax-gqa", 2, 4 + 3)
+    assert row["cache_bytes"] == 6 * 2 * 2 * 64 * 4 * 7  # 6 layers of K and V, 2 K/V heads of 64, fp32, 7 positions
+    assert len(printed) == 3 and printed[2].split()[:2] == ["softmax-gqa", "2"]
+    assert printed[2].endswith(f"{row['latency_ratio']:15.2f}{row['cache_bytes_per_token']:19,.0f}"
+                               f"{row['cache_bytes']:14,}")
+
+
+def test_bench_json_where_no_folder_can_be_made_is_one_line_before_measuring(tmp_path, capsys):
+    from lm.studies.bench import main
+
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(SystemExit) as exit_:
+        main(["kernels", "--json", str(tmp_path / "a-file" / "kernels.json")])
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and out == ""  # the table's header is not printed: nothing was measured
+    assert err.startswith(f"error: cannot create the folder '{tmp_path / 'a-file'}'") and err.count("\n") == 1
 
 
 def test_attention_flops_count_the_keys_each_query_sees():
@@ -91,38 +130,39 @@ def test_every_benchmark_row_times_its_op_on_the_inputs_it_names(row):
 
 
 @pytest.mark.slow
-def test_bench_decode_prints_every_contender_with_the_same_tokens():
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench.py"), "decode", "--new-tokens", "4", "--rounds", "1",
-         "--batches", "3", "--batch-rounds", "1", "--contexts", "64", "256", "--context-batches", "1", "2",
-         "--context-steps", "2", "--eager-long", "--context-kinds", "softmax-mha", "linear", "sliding"],
-        capture_output=True, text=True, timeout=900, check=True,
-    )
-    batch_one, rest = result.stdout.split("\n\nbatch 3, prompts of 16 to 48 tokens")
-    batched, long_context, ratios = rest.split("\n\n")
-    # the table's rows, without the notes under it (llama.cpp missing, or its tokens differing)
-    table = [line for line in batch_one.splitlines()[2:] if not line.startswith(("llama.cpp rows:", "llama.cpp F32'"))]
-    rows = {line[:34].strip(): line[34:].split() for line in table}
+def test_bench_decode_gives_every_contender_with_the_same_tokens(tmp_path):
+    results, printed = bench(tmp_path, "decode", "--new-tokens", "4", "--rounds", "1", "--batches", "3",
+                             "--batch-rounds", "1", "--contexts", "64", "256", "--context-batches", "1", "2",
+                             "--context-steps", "2", "--eager-long", "--context-kinds", "softmax-mha", "linear",
+                             "sliding", timeout=900)
+    rows = {row["name"]: row for row in results["rows"]}
     ours = {"lm eager", "lm compiled", "lm int8 dynamic", "lm int8 dynamic compiled", "lm int8 dequant",
             "lm int8 dequant compiled"}
     llama_cpp = {"llama.cpp F32", "llama.cpp Q8_0"} if importlib.util.find_spec("llama_cpp") else set()
     assert set(rows) == {"transformers eager", "transformers static+compile", *ours, *llama_cpp}
     # transformers and lm decode the same weights: the same greedy tokens, eager and compiled
-    assert all(rows[name][-1] == "True" for name in ("transformers eager", "transformers static+compile",
-                                                     "lm compiled"))
-    rows = {line[:34].strip(): line[34:].split() for line in batched.splitlines()[2:]}
+    assert all(rows[name]["same_tokens"] for name in ("transformers eager", "transformers static+compile",
+                                                      "lm compiled"))
+    assert rows["lm eager"]["vs_lm_eager"] == 1 and rows["transformers eager"]["vs_transformers"] == 1
+    assert rows["lm int8 dynamic"]["weight_mb"] < rows["lm eager"]["weight_mb"]  # int8 weights, float embedding
+    (batched,) = results["batched"]
+    assert batched["batch"] == 3 and batched["prompt_lengths"] == [16, 32, 48]
+    assert "\n\nbatch 3, prompts of 16 to 48 tokens" in printed
+    rows = {row["name"]: row for row in batched["rows"]}
     assert set(rows) == {"transformers eager", "transformers static+compile", "lm eager", "lm compiled",
                          "lm int8 dynamic compiled", "lm int8 dequant compiled"}
     # rows of different lengths, left-padded for transformers, ragged for lm: the same tokens
-    assert all(rows[name][-1] == "True" for name in ("transformers eager", "transformers static+compile",
-                                                     "lm compiled"))
+    assert all(rows[name]["same_tokens"] for name in ("transformers eager", "transformers static+compile",
+                                                      "lm compiled"))
     # every kind asked for at every context x batch, and its ratio to MHA's
-    lines = long_context.splitlines()
-    assert all(cell in lines[1] for cell in ("64 x 1", "64 x 2", "256 x 1", "256 x 2", "cache MB @256"))
-    rates = {line.split()[0]: [float(v) for v in line.split()[2:6]] for line in lines[2:]}
-    assert set(rates) == {"softmax-mha", "linear", "sliding"} and all(r > 0 for row in rates.values() for r in row)
-    ratio_rows = {line.split()[0]: line.split()[1:] for line in ratios.splitlines()[1:]}
-    assert ratio_rows["softmax-mha"] == ["1.00x"] * 4 and set(ratio_rows) == set(rates)
+    long_context = results["long_context"]
+    assert long_context["cells"] == [{"context": c, "batch": b} for c in (64, 256) for b in (1, 2)]
+    rates = {row["kind"]: row for row in long_context["rows"]}
+    assert list(rates) == ["softmax-mha", "linear", "sliding"]
+    assert all(len(row["tokens_per_s"]) == 4 and all(r > 0 for r in row["tokens_per_s"]) for row in rates.values())
+    assert rates["softmax-mha"]["vs_mha"] == [1.0] * 4
+    # the linear kind's state is fixed-size: less cache at 256 positions than MHA's keys and values
+    assert rates["linear"]["cache_mb"] < rates["softmax-mha"]["cache_mb"]
 
 
 def test_train_variants_are_softmax_options_checked_before_any_model_is_built(capsys):
@@ -152,15 +192,18 @@ def test_the_int4_contender_is_the_product_with_its_4_bit_weights():
 
 
 @pytest.mark.slow
-def test_bench_kernels_times_every_kernel_at_every_shape():
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "kernels", "--rounds", "1",
-                             "--repeats", "1"], capture_output=True, text=True, timeout=900, check=True)
-    lines = result.stdout.splitlines()
-    rows = {line[:34].strip(): line[34:].split() for line in lines[2:-1]}
+def test_bench_kernels_times_every_kernel_at_every_shape(tmp_path):
+    from lm.studies.kernel_bench import PER_STEP, SHAPES
+
+    results, _ = bench(tmp_path, "kernels", "--rounds", "1", "--repeats", "1", timeout=900)
+    rows = {row["kernel"]: row for row in results["rows"]}
     assert {"fp32", "lm int8 dynamic", "lm int8 dequant", "lm int8 int8pack", "lm int8 dynamic compiled",
             "aten int4 (group 32)"} <= set(rows)
-    assert all(len(cells) == 7 and all(float(c.rstrip("x")) > 0 for c in cells) for cells in rows.values())
-    assert rows["fp32"][-1] == "1.00x"
+    shapes = [f"{k}x{n}" for k, n in SHAPES]
+    for row in rows.values():  # a step: each matmul as often as the 6-layer model runs it
+        assert list(row["us"]) == shapes and all(us > 0 for us in row["us"].values())
+        assert row["per_step_us"] == pytest.approx(sum(n * row["us"][s] for n, s in zip(PER_STEP, shapes, strict=True)))
+    assert rows["fp32"]["vs_fp32"] == 1
 
 
 @pytest.mark.slow
@@ -169,12 +212,10 @@ def test_bench_int8_scores_a_trained_checkpoint_on_the_built_in_corpus(tmp_path,
 
     ckpt = train_small_run(tmp_path, small_corpus, "trainer.max_steps=20")
     for kernel in ("dynamic", "dequant"):
-        result = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench.py"), "int8", "--ckpt", str(ckpt),
-                                 "--tokens", "3000", "--int8-kernel", kernel],
-                                capture_output=True, text=True, timeout=900, check=True)
-        lines = result.stdout.splitlines()
-        assert f"validation tokens of the built-in corpus, int8 kernel {kernel}" in lines[0]
-        agreement = float(lines[1].split(": ")[1].rstrip("%"))
-        assert 80 <= agreement <= 100
-        fp32_loss, int8_loss = (float(part.split()[-1]) for part in lines[3].split(", "))
-        assert abs(fp32_loss - int8_loss) < 0.1
+        results, printed = bench(tmp_path, "int8", "--ckpt", str(ckpt), "--tokens", "3000", "--int8-kernel", kernel,
+                                 timeout=900)
+        assert f"validation tokens of the built-in corpus, int8 kernel {kernel}" in printed.splitlines()[0]
+        assert results["int8_kernel"] == kernel and 3000 - 32 < results["tokens"] <= 3000  # whole windows of 32
+        assert 0.8 <= results["agreement"] <= 1
+        assert abs(results["loss_fp32"] - results["loss_int8"]) < 0.1
+        assert results["weight_bytes_int8"] < results["weight_bytes_fp32"]

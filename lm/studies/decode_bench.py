@@ -115,13 +115,14 @@ def ragged_prompts(batch: int, length: int, vocab_size: int) -> list[list[int]]:
     return [torch.randint(1, vocab_size, (n,)).tolist() for n in lengths]
 
 
-def bench_decode(args) -> None:
+def bench_decode(args) -> dict:
+    """Prints the tables; returns them as plain data (--json)."""
     device = bench_device(args.device)
     with device:  # every model, cache and prompt tensor made where it decodes
-        decode_on(device, args)
+        return decode_on(device, args)
 
 
-def decode_on(device: torch.device, args) -> None:
+def decode_on(device: torch.device, args) -> dict:
     """The tables on `device`: the CPU in fp32, CUDA in bf16 (as `generate.py dtype=bf16` runs)."""
     torch.manual_seed(0)
     n = args.new_tokens
@@ -158,23 +159,26 @@ def decode_on(device: torch.device, args) -> None:
           f"median of {args.rounds} alternating rounds")
     print(f"{'':34}{'tokens/s':>10}{'vs transformers':>17}{'vs lm eager':>13}{'first call s':>14}{'weight MB':>11}"
           f"{'same tokens':>13}")
-    for name in contenders:
-        print(f"{name:34}{n / seconds[name]:10.1f}{seconds['transformers eager'] / seconds[name]:16.2f}x"
-              f"{seconds['lm eager'] / seconds[name]:12.2f}x{first[name]:14.1f}{weights_mb[name]:11.1f}"
-              f"{str(tokens[name] == tokens['lm eager']):>13}")
+    rows = [{"name": name, "tokens_per_s": n / s, "vs_transformers": seconds["transformers eager"] / s,
+             "vs_lm_eager": seconds["lm eager"] / s, "first_call_s": first[name], "weight_mb": weights_mb[name],
+             "same_tokens": tokens[name] == tokens["lm eager"]} for name, s in seconds.items()]
+    for row in rows:
+        print(f"{row['name']:34}{row['tokens_per_s']:10.1f}{row['vs_transformers']:16.2f}x"
+              f"{row['vs_lm_eager']:12.2f}x{row['first_call_s']:14.1f}{row['weight_mb']:11.1f}"
+              f"{str(row['same_tokens']):>13}")
     if device.type == "cuda":
         print("llama.cpp rows: left out on CUDA (llama-cpp-python's CPU build)")
     elif not llama_cpp:
         print("llama.cpp rows: llama-cpp-python is not installed (pip install -e '.[llama]')")
     elif tokens["llama.cpp F32"] != tokens["lm eager"]:
         print("llama.cpp F32's greedy tokens differ from ours (its KV cache is f16: a near-tie can flip)")
-    for batch in args.batches:
-        bench_batched(model, hf, int8, batch, args)
-    if args.contexts:
-        bench_long_context(args)
+    batched = [bench_batched(model, hf, int8, batch, args) for batch in args.batches]
+    long_context = bench_long_context(args) if args.contexts else None
+    return {"device": describe_device(device), "precision": "bf16" if dtype == torch.bfloat16 else "fp32",
+            "prompt": args.prompt, "new_tokens": n, "rows": rows, "batched": batched, "long_context": long_context}
 
 
-def bench_batched(model: Transformer, hf: torch.nn.Module, int8: dict, batch: int, args) -> None:
+def bench_batched(model: Transformer, hf: torch.nn.Module, int8: dict, batch: int, args) -> dict:
     """Tokens/s of every row together, prompts of different lengths in one batch."""
     n = args.new_tokens
     prompts = ragged_prompts(batch, args.prompt, model.config.vocab_size)
@@ -188,9 +192,13 @@ def bench_batched(model: Transformer, hf: torch.nn.Module, int8: dict, batch: in
     print(f"\nbatch {batch}, prompts of {lengths[0]} to {lengths[-1]} tokens, {n} new tokens each; "
           f"median of {args.batch_rounds} alternating rounds")
     print(f"{'':34}{'tokens/s':>10}{'vs transformers':>17}{'first call s':>14}{'same tokens':>13}")
-    for name in contenders:
-        print(f"{name:34}{batch * n / seconds[name]:10.1f}{seconds['transformers eager'] / seconds[name]:16.2f}x"
-              f"{first[name]:14.1f}{str(tokens[name] == tokens['lm eager']):>13}")
+    rows = [{"name": name, "tokens_per_s": batch * n / s, "vs_transformers": seconds["transformers eager"] / s,
+             "first_call_s": first[name], "same_tokens": tokens[name] == tokens["lm eager"]}
+            for name, s in seconds.items()]
+    for row in rows:
+        print(f"{row['name']:34}{row['tokens_per_s']:10.1f}{row['vs_transformers']:16.2f}x"
+              f"{row['first_call_s']:14.1f}{str(row['same_tokens']):>13}")
+    return {"batch": batch, "prompt_lengths": lengths, "rows": rows}
 
 
 # ---------------------------------------------------------------------------- long contexts
@@ -204,8 +212,8 @@ def step_rate(model: Transformer, context: int, batch: int, compile: bool, steps
     already in each row's cache. The cache is advanced to `context` without a prefill: the step reads
     every slot it would after a real prompt (the same shapes and masks) and its time does not depend
     on what the slots hold, so the minutes a 32k prefill takes per row are not spent."""
-    from lm.attention.cache import GenerationCache
     from lm.generation.decode import compiled_functions
+    from lm.model.generation_cache import GenerationCache
 
     device = next(model.parameters()).device
     cache = GenerationCache(model, pad=torch.zeros(batch, dtype=torch.long, device=device), max_len=context + steps + 2)
@@ -215,7 +223,7 @@ def step_rate(model: Transformer, context: int, batch: int, compile: bool, steps
     return batch / statistics.median(times)
 
 
-def bench_long_context(args) -> None:
+def bench_long_context(args) -> dict:
     """Every kind's decoding tokens/s at long contexts and batches, against MHA's."""
     cells = [(context, batch) for context in args.contexts for batch in args.context_batches]
     labels = "".join(f"{f'{context_label(c)} x {b}':>11}" for c, b in cells)
@@ -225,7 +233,7 @@ def bench_long_context(args) -> None:
     if torch.get_default_device().type == "cuda":  # the declared sizes count 4 bytes a number
         print("cache MB: as fp32 holds it; the bf16 K/V caches hold half, the recurrent states stay fp32")
     print(f"{'tokens/s (context x batch)':28}{'kv heads':>9}{labels}{cache_label:>16}")
-    rows_of, rates = attention_rows(), {}
+    rows_of, rates, rows = attention_rows(), {}, []
     for name in args.context_kinds:
         # Each kind's step is a new model's graph; torch's recompile limit would count them all, and a
         # fullgraph step stops at it instead of running eagerly.
@@ -236,12 +244,15 @@ def bench_long_context(args) -> None:
         model = model.to(bench_dtype(next(model.parameters()).device))
         rates[name] = [step_rate(model, c, b, args.compile_long, args.context_steps) for c, b in cells]
         cache_mb = declared_cache_bytes(model, max(args.contexts)) / 2**20
+        rows.append({"kind": name, "n_kv_head": n_kv_head, "tokens_per_s": rates[name], "cache_mb": cache_mb})
         print(f"{name:28}{n_kv_head:9}{''.join(f'{r:11.1f}' for r in rates[name])}{cache_mb:16.1f}", flush=True)
     if "softmax-mha" in rates:
         print(f"\n{'x MHA (context x batch)':37}{labels}")
-        for name, row in rates.items():
-            ratios = "".join(f"{r / m:10.2f}x" for r, m in zip(row, rates["softmax-mha"], strict=True))
-            print(f"{name:37}{ratios}")
+        for row in rows:
+            row["vs_mha"] = [r / m for r, m in zip(row["tokens_per_s"], rates["softmax-mha"], strict=True)]
+            print(f"{row['kind']:37}{''.join(f'{r:10.2f}x' for r in row['vs_mha'])}")
+    return {"cells": [{"context": c, "batch": b} for c, b in cells], "compiled": args.compile_long,
+            "cache_mb_at": max(args.contexts), "rows": rows}
 
 
 def context_label(tokens: int) -> str:

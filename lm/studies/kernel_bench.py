@@ -59,7 +59,8 @@ def torchao_kernels(linear: torch.nn.Linear) -> dict[str, Callable]:
     return kernels
 
 
-def bench_kernels(args) -> None:
+def bench_kernels(args) -> dict:
+    """Prints the table; returns it as plain data (--json)."""
     torch.manual_seed(0)
     print(f"one matmul of the reference shape, {args.rows} row(s) of input, {torch.get_num_threads()} threads; "
           f"microseconds, median of {args.rounds} alternating rounds of {args.repeats} calls; the weight hot in "
@@ -80,8 +81,12 @@ def bench_kernels(args) -> None:
     names = list(next(iter(table.values())))
     print(f"{'kernel':34}" + "".join(f"{shape:>11}" for shape in table) + f"{'per step':>11}{'vs fp32':>10}")
     step = {name: sum(n * row[name] for n, row in zip(PER_STEP, table.values(), strict=True)) for name in names}
-    for name in names:
-        print(f"{name:34}" + "".join(f"{row[name]:11.1f}" for row in table.values())
-              + f"{step[name]:11.0f}{step['fp32'] / step[name]:9.2f}x")
+    rows = [{"kernel": name, "us": {shape: row[name] for shape, row in table.items()}, "per_step_us": step[name],
+             "vs_fp32": step["fp32"] / step[name]} for name in names]
+    for row in rows:
+        print(f"{row['kernel']:34}" + "".join(f"{us:11.1f}" for us in row["us"].values())
+              + f"{row['per_step_us']:11.0f}{row['vs_fp32']:9.2f}x")
     print("per step: the matmuls of one decoding step of the 6-layer model (each layer's four, then the head)")
+    return {"threads": torch.get_num_threads(), "rows_of_input": args.rows, "shapes": list(table),
+            "per_step_calls": dict(zip(table, PER_STEP, strict=True)), "rows": rows}
 
