@@ -3,8 +3,10 @@ report set-up, without training anything."""
 
 import json
 import logging
+import math
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -53,7 +55,9 @@ def progress(capsys) -> list[str]:
 def test_each_arm_runs_once_prints_one_line_and_leaves_a_record_with_every_setting(tmp_path, capsys):
     work = {"a": Counting(1.0), "b": Counting(2.0), "c": Counting(3.0)}
     settings = {"a": {"lr": 0.1, "steps": [1, 2]}, "b": {"lr": 0.2, "steps": [1, 2]}, "c": {"lr": 0.3, "steps": [1]}}
+    started = time.perf_counter()
     records = run_arms(arms_of(work, settings, tmp_path / "logs"), tmp_path / "records", describe)
+    elapsed = time.perf_counter() - started
     lines = progress(capsys)
     assert [line.rsplit("  (", 1)[0] for line in lines] == ["[1/3] a loss 1.0", "[2/3] b loss 2.0", "[3/3] c loss 3.0"]
     assert all(line.endswith(" s)") for line in lines)  # the arm's own output went to its log instead
@@ -61,7 +65,8 @@ def test_each_arm_runs_once_prints_one_line_and_leaves_a_record_with_every_setti
     stored = json.loads((tmp_path / "records" / "b.json").read_text())
     assert stored == records[1]
     assert stored["settings"] == settings["b"] and stored["group"] == "b" and stored["history"] == [[1, 2.0]]
-    assert 0 <= stored["seconds"] < 5
+    # each arm's time is its own part of the run's: the three add up to no more than the whole call
+    assert all(r["seconds"] >= 0 for r in records) and sum(r["seconds"] for r in records) <= elapsed
     assert sorted(p.name for p in (tmp_path / "records").iterdir()) == ["a.json", "b.json", "c.json"]  # no temporaries
 
 
@@ -349,8 +354,34 @@ def test_decode_speed_counts_the_prompt_and_new_tokens_and_the_cache_they_fill()
     head_dim = 32 // 4
     # keys and values of 2 K/V heads in 2 layers, float32, for each of the 48 positions
     assert measured.cache_bytes == 48 * 2 * 2 * 2 * head_dim * 4
-    # a decoding step of a 2-layer model takes more than a microsecond, and under a second even on a loaded machine
-    assert 1 < measured.tokens_per_s < 1e6 and 0 < measured.prefill_s < 60
+    assert 0 < measured.tokens_per_s < math.inf and 0 < measured.prefill_s < math.inf
+
+
+class TimedRun:
+    """A stand-in for `stream`'s run: every row's tokens and the stats a run of that size reports."""
+
+    def __init__(self, runs: list, prompts: list, new_tokens: int, compile: bool = False):
+        self.stats = {"prefill_s": 0.25, "decode_s": 1.5, "first_step_s": 0.5, "new_tokens": len(prompts) * new_tokens,
+                      "cache_bytes": 1000}
+        self.rows, self.new_tokens = len(prompts), new_tokens
+        runs.append((len(prompts), len(prompts[0]), new_tokens, compile))
+
+    def __iter__(self):
+        yield from [[1] * self.rows] * self.new_tokens
+
+
+def test_decode_speed_times_the_steps_after_the_first_of_a_run_after_a_warm_up(monkeypatch):
+    """tokens/s counts each row's tokens of the steps after the first (the first token comes from the
+    prefill, the first step compiles), over decoding's time less the first step's."""
+    import lm.studies.decode_speed as measurer
+
+    runs = []
+    monkeypatch.setattr(measurer, "stream", lambda model, prompts, n, compile: TimedRun(runs, prompts, n, compile))
+    measured = decode_speed(tiny_model(), list(range(1, 101)), 10, batch=3, compile=True)
+    # the warm-up: a short prompt (the long one's end) and a few tokens, as compiled as the measured run
+    assert runs == [(3, measurer.WARM_UP_PROMPT, measurer.WARM_UP_TOKENS, True), (3, 100, 10, True)]
+    assert measured.tokens_per_s == 3 * (10 - 2) / (1.5 - 0.5)
+    assert (measured.prefill_s, measured.cache_bytes, measured.tokens) == (0.25, 1000, 3 * 100 + 3 * 10)
 
 
 @pytest.mark.parametrize("study", ["compare", "compare/previous-recipe", "compare/recall",
