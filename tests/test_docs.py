@@ -11,6 +11,7 @@ slow tier's script tests (train, generate, eval, export, import, compare, uptrai
 
 from __future__ import annotations
 
+import ast
 import re
 import shlex
 from pathlib import Path
@@ -106,6 +107,9 @@ def hydra_overrides(argv: list[str]) -> tuple[str | None, list[list[str]]]:
     return config_name, [overrides[:swept] + [f"{key}={v}"] + overrides[swept + 1:] for v in values.split(",")]
 
 
+PLANNED: set[str] = set()  # the comparison configs planned in this process: a plan of the default study takes seconds
+
+
 def check_composed(script: str, cfg) -> None:
     """The checks each script makes before it does any work."""
     if script == "train":
@@ -120,11 +124,17 @@ def check_composed(script: str, cfg) -> None:
     elif script == "compare":
         from unittest import mock
 
+        from omegaconf import OmegaConf
+
         from lm.studies import compare
 
+        settings = OmegaConf.to_yaml(cfg)
+        if settings in PLANNED:  # another command's settings exactly (only Hydra's own, or a comment, differ)
+            return
         # The pages' corpora (my/texts/) are examples: reading the corpus is test_compare's to check.
         with mock.patch.object(compare, "corpus_key", lambda cfg: "a corpus"):
             assert compare.plan(cfg), "the comparison plans no arm"
+        PLANNED.add(settings)
 
 
 @pytest.mark.parametrize("where,argv,error", COMMANDS, ids=[w for w, _, _ in COMMANDS])
@@ -132,8 +142,11 @@ def test_a_documented_command_is_accepted_as_written(where, argv, error, tmp_pat
     """Accepted, or refused with exactly the line the page says it prints."""
     monkeypatch.chdir(tmp_path)  # nothing may land in the checkout
     if argv[0] == "make":
-        targets = set(re.findall(r"^([a-z-]+):", (ROOT / "Makefile").read_text(), flags=re.M))
-        assert set(argv[1:]) <= targets, f"{where}: no such make target"
+        makefile = (ROOT / "Makefile").read_text()
+        targets = set(re.findall(r"^([a-z-]+):", makefile, flags=re.M))
+        settings = set(re.findall(r"^([A-Z_]+) \??=", makefile, flags=re.M))  # what `make test WORKERS=1` may set
+        assert {w for w in argv[1:] if "=" not in w} <= targets, f"{where}: no such make target"
+        assert {w.split("=")[0] for w in argv[1:] if "=" in w} <= settings, f"{where}: no such make variable"
         return
     script = ROOT / argv[0]
     assert script.is_file(), f"{where}: {argv[0]} does not exist"
@@ -164,3 +177,92 @@ def test_a_documented_command_is_accepted_as_written(where, argv, error, tmp_pat
             with pytest.raises(Exception) as refused:
                 check_composed(name, cfg)
             assert str(refused.value) == error, f"{where}: the page says it prints 'error: {error}'"
+
+
+# ---------------------------------------------------------------------------- cited tests and their tiers
+
+# A page that says this holds every test it cites without a slow mark to the fast tier (`make test`).
+FAST_UNLESS_MARKED = "A cited test runs in `make test` unless marked (slow)"
+SLOW_MARK = re.compile(r"\s*[(,]\s*(marked )?slow\b")  # `test_x` (slow) / `test_x`, slow / `x.py`, marked slow
+FILE_CITATION = re.compile(r"(?:tests/)?(test_\w+\.py)(?:::(test_\w*?)(\.\.\.)?)?")  # a file, or a test in it
+TEST_CITATION = re.compile(r"(test_\w*?)(\.\.\.)?")  # a test function alone; `...` ends a name cut short
+
+
+def tiers_of_tests() -> dict[str, dict[str, bool]]:
+    """{file name: {test function: whether it is in the slow tier}} of tests/test_*.py: marked
+    `slow` by a decorator of the function or by the module's `pytestmark`."""
+    tiers = {}
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        module_slow = any("mark.slow" in ast.unparse(node.value) for node in tree.body
+                          if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "pytestmark"
+                                                                  for t in node.targets))
+        tests = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")]
+        tiers[path.name] = {test.name: module_slow or any("mark.slow" in ast.unparse(d) for d in test.decorator_list)
+                            for test in tests}
+    return tiers
+
+
+def citation_problems(text: str, tiers: dict[str, dict[str, bool]]) -> list[str]:
+    """What is wrong with the tests a page cites in inline code (`tests/test_x.py`,
+    `test_x.py::test_y`, `test_y`, `test_y_...`): a file or test that does not exist, or a tier other
+    than the page says: slow where a slow mark follows the citation; `make test` where the page says
+    FAST_UNLESS_MARKED and none does (a file: at least one of its tests in that tier)."""
+    text = " ".join(re.sub(r"```.*?```", "", text, flags=re.S).split())  # prose only, one line
+    fast_unless_marked = FAST_UNLESS_MARKED in text
+    problems = []
+    for span in re.finditer(r"`([^`\s]+)`", text):
+        cited = span.group(1)
+        if match := FILE_CITATION.fullmatch(cited):
+            file, test, cut = match.groups()
+        elif match := TEST_CITATION.fullmatch(cited):
+            file, (test, cut) = None, match.groups()
+        else:
+            continue
+        if file is not None and file not in tiers:
+            problems.append(f"`{cited}`: no tests/{file}")
+            continue
+        files = [file] if file else list(tiers)
+        found = {name: slow for f in files for name, slow in tiers[f].items()
+                 if (name.startswith(test) if cut else name == test)} if test else tiers[file]
+        if not found:
+            problems.append(f"`{cited}`: no such test")
+            continue
+        if SLOW_MARK.match(text, span.end()):
+            slow = True
+        elif fast_unless_marked:
+            slow = False
+        else:  # the page says no tier
+            continue
+        tier = "the slow tier" if slow else "`make test`"
+        if test and set(found.values()) != {slow}:
+            wrong = sorted(name for name, s in found.items() if s != slow)
+            problems.append(f"`{cited}` is said to be in {tier}, but {', '.join(wrong)} is not")
+        elif not test and slow not in found.values():
+            problems.append(f"`{cited}` is said to have tests in {tier}, but has none there")
+    return problems
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[page.name for page in PAGES])
+def test_every_test_a_page_cites_exists_in_the_tier_the_page_says(page):
+    assert citation_problems(page.read_text(), tiers_of_tests()) == []
+
+
+def test_the_citation_check_finds_missing_tests_and_wrong_tiers():
+    tiers = {"test_a.py": {"test_fast": False, "test_slow_one": True, "test_slow_two": True},
+             "test_b.py": {"test_slow_three": True}}
+    page = f"""{FAST_UNLESS_MARKED}: `test_a.py::test_fast`, `test_slow_...` (slow), `tests/test_b.py`, slow;
+    `test_fast`, slow; `test_slow_one`; `test_b.py`; `test_c.py`; `test_a.py::test_gone`; `test_sl...`
+    ```
+    `test_gone` in a code block is not a citation
+    ```"""
+    assert citation_problems(page, tiers) == [
+        "`test_fast` is said to be in the slow tier, but test_fast is not",
+        "`test_slow_one` is said to be in `make test`, but test_slow_one is not",
+        "`test_b.py` is said to have tests in `make test`, but has none there",
+        "`test_c.py`: no tests/test_c.py", "`test_a.py::test_gone`: no such test",
+        "`test_sl...` is said to be in `make test`, but test_slow_one, test_slow_three, test_slow_two is not"]
+    # without the page's statement, unmarked citations claim no tier: only existence and slow marks are held
+    assert citation_problems(page.replace(FAST_UNLESS_MARKED, ""), tiers) == [
+        "`test_fast` is said to be in the slow tier, but test_fast is not",
+        "`test_c.py`: no tests/test_c.py", "`test_a.py::test_gone`: no such test"]
