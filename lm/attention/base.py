@@ -249,27 +249,6 @@ def load_entry_points(group: str = ENTRY_POINT_GROUP) -> list[str]:
     return sorted(set(_SPECS) - before)
 
 
-ENTRY_POINT_GROUP = "lm.attention_kinds"
-
-
-def load_entry_points(group: str = ENTRY_POINT_GROUP) -> list[str]:
-    """Import the modules that installed distributions name in the entry point group
-    `lm.attention_kinds` (a pyproject.toml's [project.entry-points."lm.attention_kinds"]); each
-    registers its kinds on import, as the built-in ones do. Returns the kinds it added."""
-    from importlib.metadata import entry_points
-
-    before = set(_SPECS)
-    for point in entry_points(group=group):
-        try:
-            point.load()
-        except Exception as error:  # whatever the module raised, said in one line naming the entry point
-            dist = f" of {point.dist.name}" if getattr(point, "dist", None) is not None else ""
-            said = (str(error).strip().splitlines() or [""])[0]
-            raise ConfigError(f"entry point {point.name} = {point.value}{dist} (group {group}) cannot be "
-                              f"loaded: {type(error).__name__}: {said}") from error
-    return sorted(set(_SPECS) - before)
-
-
 def spec_class(kind: str) -> type[AttentionSpec]:
     if kind not in _SPECS:
         raise ConfigError(f"attention kind {kind!r} is not known; choose one of {available_kinds()}")
