@@ -69,7 +69,9 @@ def test_a_kinds_schema_is_its_specs_options_and_the_common_keys(kind):
     options = list(dict.fromkeys(name for k in kinds for name in option_names(k)))
     head = ["name", "pattern"] if kind == PER_LAYER else ["name", "kind"]
     assert fields == [*head, "n_kv_head", *options, "global_every"]
-    assert all(v is None for k, v in schema_defaults(kind).items() if k not in ("name", "kind"))
+    # every option at null, the spec's default; K/V heads one per query head, as the model's config says
+    assert all(v is None for k, v in schema_defaults(kind).items() if k not in ("name", "kind", "n_kv_head"))
+    assert schema_defaults(kind)["n_kv_head"] == "${model.n_head}"
 
 
 @pytest.mark.parametrize("path", ATTN_CONFIGS, ids=[p.stem for p in ATTN_CONFIGS])

@@ -51,7 +51,8 @@ def attn_schema(kind: str) -> type:
         options = _option_fields([kind])
     fields = [
         *head,
-        _field("n_kv_head"),  # K/V heads of every layer (ModelConfig.n_kv_head); null: one per query head
+        # K/V heads of every layer (ModelConfig.n_kv_head): one per query head unless a config says otherwise
+        _field("n_kv_head", default="${model.n_head}"),
         *options,
         _field("global_every"),  # k: every k-th layer is full softmax attention (lm.attention.layout)
     ]

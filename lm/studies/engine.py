@@ -83,6 +83,28 @@ class Stored:
     changes: list[str] = field(default_factory=list)  # the settings that differ, when changed
 
 
+# Settings the run config gained after records were written, each with the value that does what a
+# record without it did: an arm planned with that value takes such a record as its own, so a study
+# keeps its records until it is rerun on purpose (with another value, the arm runs again).
+ADDED_SINCE_RECORDS = {
+    "attn.global_every": None,  # every attn config has it since the attn schemas (lm.config.attn)
+    "optim.name": "adamw",  # before optim=muon every run trained with AdamW ...
+    "optim.schedule": "cosine",  # ... and a linear warm-up then cosine decay
+    "optim.decay_fraction": 0.2,  # read by schedule=wsd only
+}
+
+
+def same_settings(recorded: dict, planned: dict) -> bool:
+    """Whether a record's settings are the planned ones: equal, but for settings added since the
+    record was written that the plan leaves at the value meaning what the record did."""
+    if recorded == planned:
+        return True
+    before, after = flat(recorded), flat(planned)
+    added = after.keys() - before.keys()
+    return before == {k: after[k] for k in after.keys() - added} and all(
+        key in ADDED_SINCE_RECORDS and ADDED_SINCE_RECORDS[key] == after[key] for key in added)
+
+
 def stored_record(path: Path, settings: dict) -> Stored:
     try:
         record = json.loads(path.read_text())
@@ -92,7 +114,7 @@ def stored_record(path: Path, settings: dict) -> Stored:
         return Stored("damaged")
     if not is_sealed(record) or not isinstance(record.get("settings"), dict):
         return Stored("damaged")
-    if record["settings"] != as_json_data(settings):
+    if not same_settings(record["settings"], as_json_data(settings)):
         return Stored("changed", changes=changed_settings(record["settings"], as_json_data(settings)))
     if "error" in record:
         return Stored("failed")
@@ -239,7 +261,7 @@ def import_records(arms: list[Arm], records: Path, source: Path,
             counts["not in this study"] += 1
         elif arm.name in taken:
             counts["given twice"] += 1
-        elif record["settings"] != as_json_data(arm.settings):
+        elif not same_settings(record["settings"], as_json_data(arm.settings)):
             counts["of other settings"] += 1
         elif "error" in record or record.get("interrupted"):
             counts["unfinished"] += 1
