@@ -54,6 +54,7 @@ class AdditiveSpec(AttentionSpec):
 
 class AdditiveAttention(GroupedQKV):
     uses_rope = False
+    adamw_parameters = ("score", "score_bias")  # (nh, hs): a vector per head, not a matrix for Muon (lm.training.optim)
 
     def __init__(self, spec: AdditiveSpec, shape: LayerShape):
         super().__init__(shape)

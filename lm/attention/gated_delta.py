@@ -172,6 +172,7 @@ class GatedDeltaNet(nn.Module):
     # Weights saved while this layer subclassed GroupedQKV call its SiLU gate `gate`, the sigmoid
     # gate's name there: read under today's name (here, and by lm.formats.checked before it compares names).
     former_names = {"gate.weight": "output_gate.weight"}
+    adamw_parameters = ("conv",)  # (channels, taps): convolution taps, not a matrix for Muon (lm.training.optim)
 
     def __init__(self, spec: GatedDeltaSpec, shape: LayerShape):
         super().__init__()
@@ -226,6 +227,12 @@ class GatedDeltaNet(nn.Module):
                 bound = 1 / math.sqrt(self.spec.conv_size)
                 self.conv.uniform_(-bound, bound)
             self.out_norm.fill_(1.0)
+
+    def fused_rows(self) -> dict[str, tuple[int, ...]]:
+        """Own weights that stack several matrices, and the rows of each (lm.training.optim): Q, K and
+        V; the decay's W_a and the write strength's W_b."""
+        return {"qkv.weight": qkv_rows(self.n_head, self.n_kv_head, self.head_dim),
+                "decay_and_write.weight": (self.n_kv_head, self.n_kv_head)}
 
     # -------------------------------------------------------------- from x to the op's inputs
 

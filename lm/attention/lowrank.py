@@ -76,6 +76,8 @@ class CompressedCacheSpec(CacheSpec):
 
 
 class LowRankAttention(GroupedQKV):
+    adamw_parameters = ("compress_k", "compress_v")  # (r, L): weights over a block's positions, not features
+
     def __init__(self, spec: LowRankSpec, shape: LayerShape):
         super().__init__(shape)
         self.block, self.rank = spec.block, spec.rank

@@ -138,6 +138,12 @@ class LatentAttention(nn.Module):
         self.out = nn.Linear(nh * hs, C, bias=False)
         self.register_buffer("rope_pairs", torch.tensor(pairs), persistent=False)  # (dR/2,)
 
+    def fused_rows(self) -> dict[str, tuple[int, ...]]:
+        """Own weights that stack several matrices, and the rows of each (lm.training.optim): kv_down
+        holds the latent's and the shared RoPE key's. kv_up's rows interleave k_nope and v head by
+        head: it is the one map from the latent to every head, orthogonalised whole."""
+        return {"kv_down.weight": (self.kv_rank, self.rope_dim)}
+
     # ---------------------------------------------------------------- projections
 
     def rope_angles(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -106,6 +106,11 @@ class GroupedQKV(nn.Module):
             y = y * torch.sigmoid(self.gate(x)).view(B, T, self.n_head, -1)  # gates (B, T, nh, 1 or hs)
         return self.out(y.reshape(B, T, self.n_head * self.head_dim))  # (B, T, nh*hs) -> (B, T, C)
 
+    def fused_rows(self) -> dict[str, tuple[int, ...]]:
+        """Own weights that stack several matrices, and the rows of each: the optimizer treats Q, K and
+        V as three matrices (lm.training.optim)."""
+        return {"qkv.weight": qkv_rows(self.n_head, self.n_kv_head, self.head_dim)}
+
     def benchmark_op(self, seq_len: int, requires_grad: bool = False):
         """The attention op alone and random inputs for it at batch 1: `attend` on q (1, nh, N, hs)
         and k, v (1, nkv, N, hs)."""

@@ -6,7 +6,6 @@ model code stays free of Lightning and the same module trains any attention kind
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -18,24 +17,15 @@ import torch.nn.functional as F
 from lm.data.mqar import IGNORE
 from lm.formats.checkpoint import FORMAT_VERSION
 from lm.model.transformer import Transformer
+from lm.training.optim import (
+    OptimConfig,
+    apply_settings,
+    build_optimizer,
+    schedule_of,
+    warmup_cosine,  # noqa: F401  (lives in lm.training.optim; code written before it imports it from here)
+)
 from lm.util.errors import ConfigError, TrainingError
 from lm.util.files import write_atomically
-
-
-@dataclass
-class OptimConfig:
-    """AdamW with linear warm-up and cosine decay to min_lr_ratio * lr at the last step.
-
-    These defaults are the only ones: conf/optim/adamw.yaml states the same values so the command
-    line can override them, and tests/test_packaging.py fails when the two differ."""
-
-    lr: float = 2e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 50
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    fused: bool = True
 
 
 def inputs_and_targets(batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,12 +120,14 @@ def check_teacher(model: Transformer, teacher: Transformer | None) -> None:
                           f"{model.config.vocab_size}: distillation compares their next-token distributions")
 
 
-def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
-    """LR multiplier: linear warm-up to 1, then cosine decay to min_ratio at total_steps."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+def check_same_optimizer(checkpoint: dict, name: str) -> None:
+    """One ConfigError line where a checkpoint to continue was trained by another optimizer: its
+    state (AdamW's moments, Muon's momentum) cannot carry over. Before any state is restored."""
+    saved = ((checkpoint.get("lm") or {}).get("run_config") or {}).get("optim") or {}
+    trained_with = saved.get("name", "adamw")  # runs from before optim=muon existed trained with AdamW
+    if "optimizer_states" in checkpoint and trained_with != name:
+        raise ConfigError(f"the checkpoint was trained with optim={trained_with}; continue it with "
+                          f"optim={trained_with}, or start optim={name} from its weights with init_from")
 
 
 class AtomicCheckpointIO(L.pytorch.plugins.TorchCheckpointIO):
@@ -314,38 +306,20 @@ class LitLM(L.LightningModule):
         self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def configure_optimizers(self):
-        # Decay matmul weights only; norms and embeddings are not decayed (a tied head is the
-        # embedding, so it is not decayed either).
-        embedding = self.model.embed.weight
-        decay = [p for p in self.model.parameters() if p.dim() >= 2 and p is not embedding]
-        no_decay = [p for p in self.model.parameters() if p.dim() < 2 or p is embedding]
-        o = self.optim
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=o.lr, betas=(o.beta1, o.beta2), fused=o.fused,
-        )
-        total, warmup, floor = self.total_steps, o.warmup_steps, o.min_lr_ratio
-        schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: warmup_cosine(step, warmup, total, floor)
-        )
+        """One optimizer (optim=muon: Muon and AdamW behind one, lm.training.muon) and one schedule
+        scaling every group's learning rate, stepped per optimizer step (lm.training.optim)."""
+        optimizer = build_optimizer(self.model, self.optim)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule_of(self.optim, self.total_steps))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def on_train_start(self) -> None:
         """Apply this run's optimizer settings over the ones a resumed checkpoint restored: the
         restored optimizer and schedule would go on with the old learning rate while the run's
         config says the new one. (A fresh run sets the same values again; nothing changes.)"""
-        o = self.optim
-        optimizer, scheduler = self.optimizers().optimizer, self.lr_schedulers()
-        step = scheduler.last_epoch  # the schedule's position: optimizer steps taken so far
-        decay, _ = optimizer.param_groups  # configure_optimizers' order: decayed, then not decayed
-        decay["weight_decay"] = o.weight_decay
-        for group, multiplier in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
-            group["betas"] = (o.beta1, o.beta2)
-            group["initial_lr"] = o.lr
-            group["lr"] = o.lr * multiplier(step)
-        scheduler.base_lrs = [o.lr] * len(optimizer.param_groups)
+        apply_settings(self.optimizers().optimizer, self.lr_schedulers(), self.optim)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        check_same_optimizer(checkpoint, self.optim.name)
         # Checkpoints written before the callable left the module tree hold every weight a second
         # time under "_forward." (or "_forward._orig_mod." when compiled); the "model." copy is the one.
         state = checkpoint["state_dict"]

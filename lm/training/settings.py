@@ -11,7 +11,8 @@ from lm.config.train import check_train_settings
 from lm.model.config import ModelConfig
 from lm.model.transformer import Transformer
 from lm.training.module import check_distillation
-from lm.util.checks import require_choice, require_fraction, require_int, require_positive
+from lm.training.optim import check_optim_settings, optim_config
+from lm.util.checks import require_choice, require_fraction, require_int
 from lm.util.errors import ConfigError
 
 PRECISIONS = ("auto", "32-true", "32", "16-mixed", "bf16-mixed", "bf16-true", "16-true", "64-true")
@@ -38,14 +39,7 @@ def check_run_settings(cfg: DictConfig) -> None:
                  "log_every_n_steps", "progress_refresh_steps"):
         require_int(f"trainer.{name}", t[name], minimum=1)
     require_choice("trainer.precision", str(t.precision), PRECISIONS)
-    require_positive("optim.lr", o.lr)
-    require_int("optim.warmup_steps", o.warmup_steps, minimum=0)
-    for name in ("beta1", "beta2", "min_lr_ratio"):
-        value = o[name]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-            raise ConfigError(f"optim.{name}={value!r} must be a number from 0 to 1")
-    if isinstance(o.weight_decay, bool) or not isinstance(o.weight_decay, (int, float)) or not o.weight_decay >= 0:
-        raise ConfigError(f"optim.weight_decay={o.weight_decay!r} must be a number >= 0")
+    check_optim_settings(optim_config(o), t.get("strategy", "auto"))  # lm.training.optim
     require_int("data.batch_size", d.batch_size)
     if "val_fraction" in d:
         require_fraction("data.val_fraction", d.val_fraction)

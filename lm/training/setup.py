@@ -16,7 +16,8 @@ from omegaconf import DictConfig, OmegaConf
 from lm.data.modules import make_data_module
 from lm.model.transformer import Transformer
 from lm.training.interrupt import StopOnSignal
-from lm.training.module import AtomicCheckpointIO, LitLM, OptimConfig
+from lm.training.module import AtomicCheckpointIO, LitLM
+from lm.training.optim import optim_config
 from lm.training.start import Start
 from lm.util.distributed import is_main_process, say
 from lm.util.errors import ConfigError
@@ -46,7 +47,7 @@ def corpus_fingerprint(data) -> str | None:
 
 def lightning_module(cfg: DictConfig, model: Transformer, data, start: Start, distillation: dict) -> LitLM:
     """LitLM around `model`, with what its checkpoints record (tokenizer, run config, provenance, corpus)."""
-    return LitLM(model, OptimConfig(**cfg.optim), total_steps=cfg.trainer.max_steps,
+    return LitLM(model, optim_config(cfg.optim), total_steps=cfg.trainer.max_steps,
                  tokenizer_json=data.tokenizer.to_str(), run_config=OmegaConf.to_container(cfg, resolve=True),
                  compile=cfg.compile, provenance=start.provenance, corpus_fingerprint=corpus_fingerprint(data),
                  skip_nonfinite=bool(cfg.trainer.get("skip_nonfinite", False)), **distillation)
