@@ -73,3 +73,20 @@ def test_rank_zero_is_read_from_what_each_launcher_sets(env, main, monkeypatch):
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     assert is_main_process() is main
+
+
+@pytest.mark.slow
+def test_two_process_ddp_with_muon_matches_one_process(train_config, tmp_path):
+    """Muon orthogonalises whole matrices: under DDP each process holds them whole and steps on the
+    same averaged gradient, so two processes of batch 4 train as one of batch 8."""
+    from lm.training.run import train
+
+    single = train(train_config("optim=muon", "data.batch_size=8", "trainer.max_steps=4", "run_name=single"))
+    ddp_ckpt = run_ddp(train_config(), tmp_path, "optim=muon", "trainer.max_steps=4")
+    assert read_checkpoint(ddp_ckpt)["global_step"] == 4
+    # Newton-Schulz runs in bf16 (torch.optim.Muon): gradients summed in another order differ in their
+    # last float32 bits, which a bf16 rounding can turn into 2^-8 of an update (~1e-4 here). A rank
+    # stepping on its own half batch would be off by about 1e-2 (measured: 5e-3 to 1.5e-2 per tensor).
+    ours, theirs = model_state_dict(read_checkpoint(Path(single["last"]))), model_state_dict(read_checkpoint(ddp_ckpt))
+    for name, tensor in ours.items():
+        torch.testing.assert_close(theirs[name], tensor, atol=5e-4, rtol=0, msg=name)

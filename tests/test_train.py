@@ -217,3 +217,47 @@ def test_freed_memory_is_kept_for_the_next_allocation():
     big.fill_(1)
     assert libc.mallinfo2().hblkhd == mapped_before
     assert libc.mallinfo2().uordblks >= 64 * 2**20  # it is in the heap instead
+
+
+def test_muon_trains_in_bf16_with_clipping_and_its_run_is_continued_by_muon_only(train_config):
+    """optim=muon through Lightning: one optimizer (Muon and AdamW) under bf16-mixed's plugin and
+    gradient clipping, whose checkpoint holds every parameter's state; a resume with optim=adamw is
+    one line before any state is restored."""
+    from lm.util.errors import ConfigError
+
+    muon = ("optim=muon", "trainer.precision=bf16-mixed", "trainer.gradient_clip_val=1.0", "trainer.max_steps=4",
+            "trainer.val_every_n_steps=4", "sample.max_new_tokens=0")
+    result = train(train_config(*muon))
+    assert result["val_loss"] < 6.5  # ln(512) = 6.24 at initialisation
+    ckpt = read_checkpoint(result["last"])
+    (state,) = ckpt["optimizer_states"]
+    assert [len(g["params"]) for g in state["param_groups"]][0] == 2 * 4  # qkv, out, gate_up, down of 2 layers
+    assert len(state["state"]) == sum(len(g["params"]) for g in state["param_groups"])  # every one stepped
+    assert ckpt["lm"]["run_config"]["optim"]["name"] == "muon"
+    with pytest.raises(ConfigError, match="^the checkpoint was trained with optim=muon; continue it with optim=muon, "
+                                          "or start optim=adamw from its weights with init_from$"):
+        train(train_config("resume=true", "trainer.max_steps=6", "sample.max_new_tokens=0"))
+
+
+@pytest.mark.slow
+def test_a_muon_run_stopped_by_sigterm_resumes_on_the_uninterrupted_loss_curve(train_config, tmp_path):
+    """As tests/test_reliability.py's Ctrl-C and SIGTERM test, with optim=muon and the wsd schedule:
+    Muon's momentum, AdamW's moments and the schedule's step all come back from last.ckpt."""
+    import signal
+
+    from test_reliability import COMMON, losses_by_step, start_training_child, wait_for_step
+
+    run = (*COMMON, "optim=muon", "optim.schedule=wsd", "trainer.max_steps=40")
+    expected = losses_by_step(Path(train(train_config(*run, "run_name=straight"))["run_dir"]), 0)
+    child, last = start_training_child(train_config, tmp_path, *run, "run_name=stopped")
+    wait_for_step(child, last, 10)
+    os.kill(child.pid, signal.SIGTERM)
+    _, stderr = child.communicate(timeout=120)
+    assert child.returncode == 128 + signal.SIGTERM, stderr
+    stopped_at = read_checkpoint(last)["global_step"]
+    assert 10 <= stopped_at < 40
+    resumed = train(train_config(*run, "run_name=stopped", "resume=true"))
+    after = losses_by_step(Path(resumed["run_dir"]), 1)
+    assert resumed["steps"] == 40 and min(after) == stopped_at and max(after) == 39
+    for step, loss in after.items():
+        assert abs(loss - expected[step]) < 1e-5, (step, loss, expected[step])
