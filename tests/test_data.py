@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import lm.data.corpora
 import lm.data.token_cache
 from lm.data.corpora import DataError, files_corpus, hf_corpus, is_validation, pystdlib_corpus, text_corpus
 from lm.data.modules import TokenDataModule
@@ -58,34 +57,19 @@ def test_token_cache_is_built_once_and_reused(tmp_path, small_corpus, monkeypatc
     assert tok.decode(tok.encode(text).ids) == text
 
 
-def test_a_file_rewritten_at_its_size_within_one_clock_tick_changes_the_fingerprint(tmp_path):
-    """On a filesystem whose clock ticks every second or two, a rewrite within the tick keeps the
-    file's time: a small corpus's bytes are in its fingerprint, so the cache key changes anyway."""
+def test_a_file_rewritten_changes_the_fingerprint_by_its_time_or_its_size(tmp_path):
+    """Set times, not slept ones: a rewrite at the same size a nanosecond later, or at another size
+    at the same time, changes the cache key; nothing changed changes nothing."""
     f = tmp_path / "a.txt"
     f.write_text("hello world\n" * 50)
+    stat = f.stat()
     before = files_corpus("text", [f]).fingerprint
     assert files_corpus("text", [f]).fingerprint == before  # nothing changed, nothing rebuilt
-    stat = f.stat()
-    f.write_text("hello there\n" * 50)  # the same size
-    os.utime(f, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # and the same time, as a coarse clock gives it
-    assert files_corpus("text", [f]).fingerprint != before
-
-
-def test_a_large_corpus_is_fingerprinted_by_sizes_and_times(tmp_path, monkeypatch):
-    """Past CONTENT_HASHED_BYTES the files are not read to fingerprint them: a changed time or size
-    changes it, a rewrite that keeps both does not."""
-    monkeypatch.setattr(lm.data.corpora, "CONTENT_HASHED_BYTES", 100)
-    f = tmp_path / "a.txt"
-    f.write_text("hello world\n" * 50)
-    stat = f.stat()
-    before = files_corpus("text", [f]).fingerprint
-    f.write_text("hello there\n" * 50)
-    os.utime(f, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    assert files_corpus("text", [f]).fingerprint == before
-    os.utime(f, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))  # a nanosecond later
+    f.write_text("hello there\n" * 50)  # the same size ...
+    os.utime(f, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))  # ... a nanosecond later
     later = files_corpus("text", [f]).fingerprint
-    f.write_text("hello there\n" * 51)
-    os.utime(f, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    f.write_text("hello there\n" * 51)  # another size ...
+    os.utime(f, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))  # ... at that same time
     assert len({before, later, files_corpus("text", [f]).fingerprint}) == 3
 
 
