@@ -1,3 +1,4 @@
-"""Training: the LightningModule (module), `train(cfg)` (run) and its steps (settings, start, setup,
-summary), uptraining, and stopping on signals (interrupt). The only layer of the model's path that
-imports Lightning; import its modules directly."""
+"""Training: the LightningModule (module), its optimizers and learning-rate schedules (optim, muon),
+`train(cfg)` (run) and its steps (settings, start, setup, summary), uptraining, and stopping on
+signals (interrupt). The only layer of the model's path that imports Lightning; import its modules
+directly."""

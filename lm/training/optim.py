@@ -124,7 +124,7 @@ def require_decay(name: str, value) -> None:
 def model_layer_declarations(module: nn.Module) -> tuple[tuple[str, ...], dict[str, tuple[int, ...]]]:
     """What the model's own layers would declare, as the attention kinds' layers do for themselves."""
     if isinstance(module, Transformer):
-        return ("embed.weight", "head.weight"), {}  # tokens in and out: AdamW, as in every Muon recipe
+        return ("embed.weight", "head.weight"), {}  # tokens in and out: AdamW, as Jordan et al. and Liu et al. do
     if isinstance(module, ShortConv):
         return ("weight",), {}  # (C, taps): convolution taps, one small filter per channel
     if isinstance(module, SwiGLU):
