@@ -158,17 +158,14 @@ def scatter_at(buffer: torch.Tensor, pos: torch.Tensor, new: torch.Tensor, dim: 
 
 def visibility_mask(context: CacheContext, q_slots: torch.Tensor, k_slots: torch.Tensor,
                     visible: torch.Tensor) -> torch.Tensor:
-    """The boolean SDPA mask for queries at q_slots (T,) over keys at k_slots (K,) or (B, K).
+    """The boolean SDPA mask for queries at q_slots (T,) over keys at k_slots (K,).
 
-    `visible` (T, K) or (B, T, K) is the kind's own rule (causal, a window ...). With padded rows,
-    padding keys are hidden too, giving (B, 1, T, K); a padding query still sees itself, so no row
-    of the mask is empty (an all-masked softmax row is NaN, and 0 x NaN would leak into real rows).
-    Per-row key slots (B, K) give (B, 1, T, K) in any case."""
-    per_row = k_slots.dim() == 2
+    `visible` (T, K) is the kind's own rule (causal, a window ...). With padded rows, padding
+    keys are hidden too, giving (B, 1, T, K); a padding query still sees itself, so no row of
+    the mask is empty (an all-masked softmax row is NaN, and 0 x NaN would leak into real rows).
+    """
     if not context.has_padding:
-        return visible[:, None] if per_row else visible
-    k_slots = k_slots if per_row else k_slots[None]  # (B or 1, K)
-    visible = visible if per_row else visible[None]  # (B or 1, T, K)
-    real_keys = k_slots[:, None, :] >= context.pad[:, None, None]  # (B, 1, K)
-    itself = k_slots[:, None, :] == q_slots[None, :, None]  # (B or 1, T, K)
-    return ((visible & real_keys) | itself)[:, None]  # (B, 1, T, K)
+        return visible
+    real_keys = k_slots[None, None, :] >= context.pad[:, None, None]  # (B, 1, K)
+    itself = k_slots[None, :] == q_slots[:, None]  # (T, K)
+    return ((visible[None] & real_keys) | itself[None])[:, None]  # (B, 1, T, K)
