@@ -10,7 +10,7 @@ import lm
 
 PACKAGE = Path(lm.__file__).parent
 # From the ground up; a module may import from its own layer and the layers before it.
-LAYERS = ["util", "attention", "model", "data", "formats", "generation", "config", "training", "studies"]
+LAYERS = ["util", "attention", "model", "data", "formats", "generation", "config", "serving", "training", "studies"]
 
 
 def module_name(path: Path) -> str:

@@ -107,22 +107,47 @@ def generate_text(cfg: DictConfig, out: TextIO | None = None, err: TextIO | None
 
 
 def _stream_one(run: Generation, prompt: str, n_prompt: int, tokenizer, stop: list[str], out: TextIO) -> str:
-    """Write the prompt, then the continuation as it decodes. Text that could still turn into a
-    stop string, or that ends in half a UTF-8 character, waits until it is settled."""
+    """Write the prompt, then the continuation as it decodes (only text that is settled)."""
     out.write(prompt)
     out.flush()
-    shown = 0
-    hold = max(map(len, stop), default=1) - 1
+    text = StreamedText(tokenizer, stop)
     for _ in run:
-        text, stopped = cut_at_stop(tokenizer.decode(run.tokens[0][n_prompt:]), stop)
-        settled = len(text) if stopped else max(shown, len(text) - hold)
-        if text[shown:settled] and not text[:settled].endswith("\ufffd"):
-            out.write(text[shown:settled])
+        settled, _ = text.update(run.tokens[0][n_prompt:])
+        if settled:
+            out.write(settled)
             out.flush()
-            shown = settled
-    text, _ = cut_at_stop(tokenizer.decode(run.tokens[0][n_prompt:]), stop)
-    out.write(text[shown:] + "\n")
-    return prompt + text
+    rest = text.finish(run.tokens[0][n_prompt:])
+    out.write(rest + "\n")
+    return prompt + text.text
+
+
+class StreamedText:
+    """A continuation's text as its tokens arrive, given out piece by piece as it settles.
+
+    Text that could still turn into a stop string, or that ends in half a UTF-8 character (the
+    tokenizer decodes it as U+FFFD until the rest arrives), waits until it is settled; a stop
+    string ends the text before it. `text` is everything given out so far."""
+
+    def __init__(self, tokenizer, stop: list[str]):
+        self.tokenizer, self.stop = tokenizer, stop
+        self.hold = max(map(len, stop), default=1) - 1  # characters that may be the start of a stop string
+        self.text = ""
+
+    def update(self, ids: list[int]) -> tuple[str, bool]:
+        """The newly settled text of the continuation `ids` (all its tokens so far), and whether it
+        has reached a stop string (then nothing after it is ever given out)."""
+        text, stopped = cut_at_stop(self.tokenizer.decode(ids), self.stop)
+        settled = len(text) if stopped else max(len(self.text), len(text) - self.hold)
+        if stopped or (settled > len(self.text) and not text[:settled].endswith("\ufffd")):
+            piece, self.text = text[len(self.text):settled], text[:settled]
+            return piece, stopped
+        return "", False
+
+    def finish(self, ids: list[int]) -> str:
+        """The rest of the text once the continuation is complete, held-back characters included."""
+        text, _ = cut_at_stop(self.tokenizer.decode(ids), self.stop)
+        piece, self.text = text[len(self.text):], text
+        return piece
 
 
 def _int8_note(model) -> str:
@@ -147,4 +172,4 @@ def _print_stats(run: Generation, err: TextIO) -> None:
                   "(later runs of the same shapes in this process reuse the graphs)\n")
 
 
-__all__ = ["generate_text"]
+__all__ = ["StreamedText", "cut_at_stop", "generate_text"]

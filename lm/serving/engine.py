@@ -1,0 +1,312 @@
+"""Continuous batching: one decoding loop over a fixed number of rows, requests joining and leaving
+row by row.
+
+The engine owns one GenerationCache of `max_batch` rows and runs its loop on a thread of its own:
+
+1. it admits waiting requests into free rows: `cache.prefill_row(row, prompt)` runs a prompt through a
+   fresh single-row cache and copies it into the row while the other rows keep their state (the
+   attention contract's row operations, so no kind needs code here); the prompt's last logits give
+   the request's first token;
+2. it runs one decoding step over every row (`model.decode_step`, fixed shapes, so one compiled graph
+   serves every step), each row at its own slot (`cache.lengths`);
+3. it picks each running request's next token with that request's own sampling, hands the request its
+   newly settled text, and frees the row of a request that has finished or was cancelled.
+
+A request joins at the step after its prefill and leaves as soon as it ends, so a long generation
+never holds a short one back. Free rows ride along in the step (the shapes stay fixed); what they
+hold is never read, and an admission replaces it whole.
+
+Requests reach the engine from other threads (`submit`); what the engine produces for a request goes
+to the request's `sink`, a callable taking each event, called on the engine's thread.
+
+Shapes: B max_batch rows, T prompt tokens, V vocab size.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import sys
+import threading
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from lm.generation.decode import EagerPastRecompileLimit, Sampling
+from lm.generation.text import StreamedText
+from lm.model.generation_cache import GenerationCache
+from lm.model.transformer import Transformer
+
+GREEDY = Sampling()
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What one request asks for: a continuation of `prompt` (token ids) of at most `max_tokens`
+    tokens, ending early at the end-of-text token or once its text holds a `stop` string."""
+
+    prompt: list[int]
+    max_tokens: int
+    sampling: Sampling = field(default_factory=Sampling)  # greedy
+    stop: Sequence[str] = ()
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Newly settled text of a running request."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A request's end. reason: "stop" (end of text or a stop string), "length" (max_tokens) or
+    "cancelled"; `tokens` the new token ids, `text` their whole text, cut before a stop string."""
+
+    reason: str
+    prompt_tokens: int
+    tokens: list[int]
+    text: str
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The request could not be decoded (an error inside the model); the engine goes on serving."""
+
+    message: str
+
+
+Event = Piece | Finished | Failed
+
+
+class Busy(Exception):
+    """Every row is taken and the waiting queue is full."""
+
+
+class Ticket:
+    """A submitted request: what it asks for, where its events go, and a way to withdraw it."""
+
+    _ids = itertools.count()
+
+    def __init__(self, completion: Completion, sink: Callable[[Event], None]):
+        self.completion, self.sink = completion, sink
+        self.id = next(self._ids)
+        self.cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        """Withdraw the request: a waiting one is never admitted, a running one frees its row at the next step."""
+        self.cancelled.set()
+
+    def send(self, event: Event) -> None:
+        try:
+            self.sink(event)
+        except Exception:  # the receiver is gone (its event loop closed): nobody waits for the rest
+            self.cancelled.set()
+
+
+@dataclass
+class Running:
+    """A request in a row: the tokens it has so far and the text it has been given."""
+
+    ticket: Ticket
+    text: StreamedText
+    generator: torch.Generator | None
+    tokens: list[int] = field(default_factory=list)
+
+
+class Engine:
+    """Continuous batching over `max_batch` rows of one model. `start()` runs the loop on its own thread;
+    `submit` hands it requests from any thread; `stop()` ends it once the running requests have finished."""
+
+    def __init__(self, model: Transformer, tokenizer, max_batch: int, max_queue: int, eos_id: int | None,
+                 compile: bool = False):
+        self.model, self.tokenizer, self.eos_id = model, tokenizer, eos_id
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.device = next(model.parameters()).device
+        # Full attention reaches back at most max_seq_len positions, so that is each row's length; the other
+        # kinds' caches hold a ring or a state of fixed size and never read max_len.
+        self.max_len = model.config.max_seq_len
+        self.cache = self._empty_cache()
+        self.rows: list[Running | None] = [None] * max_batch
+        self.next_ids = [0] * max_batch  # each row's last token: the next step's input
+        self.waiting: collections.deque[Ticket] = collections.deque()
+        self.lock = threading.Condition()
+        self.stopping = False
+        self.thread: threading.Thread | None = None
+        self.step_fn = model.decode_step
+        if compile:
+            step = torch.compile(model.decode_step, fullgraph=True,
+                                 mode="reduce-overhead" if self.device.type == "cuda" else None)
+            self.step_fn = EagerPastRecompileLimit(step, model.decode_step)
+        self.steps = 0
+
+    def _empty_cache(self) -> GenerationCache:
+        pad = torch.zeros(self.max_batch, dtype=torch.long, device=self.device)
+        return GenerationCache(self.model, pad=pad, max_len=self.max_len)
+
+    # ------------------------------------------------------------------ the outside: any thread
+
+    def room(self, prompt_tokens: int, max_tokens: int) -> str | None:
+        """Why a request of this size cannot be decoded, or None when it can."""
+        if self.model.context_limited and prompt_tokens + max_tokens > self.max_len:
+            return (f"the prompt's {prompt_tokens} tokens + max_tokens={max_tokens} exceed the model's context of "
+                    f"{self.max_len} tokens (max_seq_len, full attention)")
+        return None
+
+    def submit(self, completions: Sequence[Completion], sink_for: Callable[[int], Callable[[Event], None]]
+               ) -> list[Ticket]:
+        """Queue the completions as one unit (all or none); `sink_for(i)` receives completion i's events.
+        Raises Busy when they do not fit beside the rows taken and the requests already waiting."""
+        for c in completions:
+            why = self.room(len(c.prompt), c.max_tokens)
+            if why:
+                raise ValueError(why)
+            if not c.prompt:
+                raise ValueError("the prompt is empty: give at least one token")
+        tickets = [Ticket(c, sink_for(i)) for i, c in enumerate(completions)]
+        with self.lock:
+            if self.stopping:
+                raise Busy("the server is shutting down")
+            taken = sum(r is not None for r in self.rows) + len(self.waiting)
+            if taken + len(tickets) > self.max_batch + self.max_queue:
+                raise Busy(f"all {self.max_batch} slots are busy and {len(self.waiting)} requests are waiting")
+            self.waiting.extend(tickets)
+            self.lock.notify()
+        return tickets
+
+    def load(self) -> dict:
+        """Rows in use, requests waiting, and steps run: what /health reports."""
+        with self.lock:
+            return {"running": sum(r is not None for r in self.rows), "waiting": len(self.waiting),
+                    "slots": self.max_batch, "steps": self.steps}
+
+    def start(self) -> Engine:
+        self.thread = threading.Thread(target=self._loop, name="lm-engine", daemon=True)
+        self.thread.start()
+        return self
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Let the running and waiting requests finish, then end the loop; past `timeout` seconds the
+        ones still running are cancelled."""
+        with self.lock:
+            self.stopping = True
+            self.lock.notify()
+        if self.thread is None:
+            return
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            with self.lock:
+                for ticket in [*self.waiting, *(r.ticket for r in self.rows if r is not None)]:
+                    ticket.cancel()
+            self.thread.join()
+
+    # ------------------------------------------------------------------ the loop: the engine's thread
+
+    def _loop(self) -> None:
+        while True:
+            with self.lock:
+                while not self.waiting and not any(self.rows) and not self.stopping:
+                    self.lock.wait()
+                if self.stopping and not self.waiting and not any(self.rows):
+                    return
+                free = [r for r, run in enumerate(self.rows) if run is None]
+                admitted = [(free.pop(0), self.waiting.popleft()) for _ in range(min(len(free), len(self.waiting)))]
+            with torch.inference_mode():
+                for row, ticket in admitted:
+                    self._admit(row, ticket)
+                self._drop_cancelled()
+                if any(self.rows):
+                    self._step()
+
+    def _admit(self, row: int, ticket: Ticket) -> None:
+        if ticket.cancelled.is_set():
+            return
+        c = ticket.completion
+        try:
+            logits = self.cache.prefill_row(row, torch.tensor(c.prompt, dtype=torch.long))[-1:]  # (1, V)
+        except Exception as error:  # this request only: the other rows were not touched
+            self._report(error)
+            ticket.send(Failed(f"the prompt could not be decoded: {error}"))
+            return
+        generator = None
+        if c.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(c.seed)
+        self.rows[row] = Running(ticket, StreamedText(self.tokenizer, list(c.stop)), generator)
+        self._take(row, self._pick([row], logits)[0])
+
+    def _step(self) -> None:
+        """One token for every running row, at each row's own slot."""
+        ids = torch.tensor(self.next_ids, dtype=torch.long, device=self.device)[:, None]  # (B, 1)
+        try:
+            logits = self.step_fn(ids, self.cache, self.cache.lengths.clone())  # (B, V)
+        except Exception as error:  # the whole batch is lost: its requests fail, the loop goes on
+            self._report(error)
+            for row, run in enumerate(self.rows):
+                if run is not None:
+                    run.ticket.send(Failed(f"decoding failed: {error}"))
+                    self.rows[row] = None
+            self.cache = self._empty_cache()
+            return
+        self.cache.advance(1)
+        self.steps += 1
+        running = [r for r, run in enumerate(self.rows) if run is not None]
+        for row, token in zip(running, self._pick(running, logits[running]), strict=True):
+            self._take(row, token)
+        if self.model.context_limited:
+            # A free row's slots still advance with the batch; before they run out it starts again empty.
+            for row, run in enumerate(self.rows):
+                if run is None and self.cache.row_slots[row] >= self.max_len - 1:
+                    self.cache.reset_row(row)
+
+    def _pick(self, rows: list[int], logits: torch.Tensor) -> list[int]:
+        """The next token of each of `rows`, from their logits (len(rows), V): greedy rows in one argmax,
+        sampled rows each with its own settings and generator. One read of the device per call."""
+        unseen = torch.zeros(1, logits.shape[-1], dtype=torch.bool, device=logits.device)  # no repetition penalty
+        greedy = [i for i, r in enumerate(rows) if self.rows[r].ticket.completion.sampling.temperature == 0]
+        sampled = sorted(set(range(len(rows))) - set(greedy))
+        picks = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        if greedy:
+            picks[greedy] = GREEDY.pick(logits[greedy], unseen.expand(len(greedy), -1), None)
+        for i in sampled:
+            run = self.rows[rows[i]]
+            picks[i] = run.ticket.completion.sampling.pick(logits[i:i + 1], unseen, run.generator)[0]
+        return picks.tolist()
+
+    def _take(self, row: int, token: int) -> None:
+        """Row `row`'s request gets `token`: its settled text now, and its end if it has come."""
+        run = self.rows[row]
+        if token == self.eos_id:
+            return self._finish(row, "stop")
+        run.tokens.append(token)
+        piece, stopped = run.text.update(run.tokens)
+        if piece:
+            run.ticket.send(Piece(piece))
+        if stopped:
+            return self._finish(row, "stop")
+        if len(run.tokens) >= run.ticket.completion.max_tokens:
+            return self._finish(row, "length")
+        self.next_ids[row] = token
+
+    def _finish(self, row: int, reason: str) -> None:
+        run = self.rows[row]
+        rest = run.text.finish(run.tokens)
+        if rest and reason != "cancelled":
+            run.ticket.send(Piece(rest))
+        run.ticket.send(Finished(reason, len(run.ticket.completion.prompt), run.tokens, run.text.text))
+        with self.lock:
+            self.rows[row] = None
+
+    def _drop_cancelled(self) -> None:
+        for row, run in enumerate(self.rows):
+            if run is not None and run.ticket.cancelled.is_set():
+                self._finish(row, "cancelled")
+
+    @staticmethod
+    def _report(error: Exception) -> None:
+        traceback.print_exception(error, file=sys.stderr)
+
+
+__all__ = ["Busy", "Completion", "Engine", "Event", "Failed", "Finished", "Piece", "Ticket"]
