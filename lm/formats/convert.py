@@ -6,6 +6,13 @@ the key and value projection heads of each group, then continue pre-training bri
 r = current n_kv_head / new n_kv_head. Pooling the projection weights is exact for RoPE
 models: the rotation is the same linear map for every head, so it commutes with the mean.
 
+Gated DeltaNet layers hold more per K/V head than the fused Q/K/V rows: the short convolution's
+taps over the K and V channels, the decay's and write strength's projection rows (W_a, W_b) and the
+per-head A_log and dt_bias. Each follows its K/V head: a group's mean under "mean" (and "random",
+which draws only the K/V projection rows afresh: a head's forgetting is not what it stores), its first
+head's under "first". A kind holding any other tensor whose shape depends on the K/V heads has no
+grouped form here and is refused in one line (`check_convertible`) before any weight is touched.
+
 `align_heads` ("aligned" init, after arXiv 2412.20677): heads that compute the same thing in
 rotated coordinates average to something worse than either, so before pooling each head of a
 group is rotated to agree with the group's first head on calibration activations, the inverse
@@ -25,10 +32,18 @@ import torch
 
 from lm.formats.weights import split_qkv
 from lm.model.config import ModelConfig
+from lm.model.transformer import Transformer
 from lm.util.errors import ConfigError
 
 INITS = ("mean", "first", "random", "aligned")
 QKV_WEIGHT = re.compile(r"^blocks\.\d+\.attn\.qkv\.weight$")
+# Per kind, the layer's tensors beside qkv.weight that hold one slice per K/V head, and their layout:
+# "qkv" rows (channels) laid out as the fused [Q heads | K heads | V heads], or ("heads", parts): dim 0
+# is `parts` consecutive blocks of one entry (row) per K/V head. Kinds not named hold none.
+PER_HEAD_TENSORS: dict[str, dict[str, str | tuple[str, int]]] = {
+    "gated_delta": {"conv": "qkv", "decay_and_write.weight": ("heads", 2), "A_log": ("heads", 1),
+                    "dt_bias": ("heads", 1)},
+}
 # Kinds whose keys meet queries only through q.k after rotate-half RoPE, which a rotation of each
 # frequency pair of both leaves unchanged.
 ALIGNABLE = ("softmax", "sliding")
@@ -43,7 +58,7 @@ def to_grouped(state_dict: dict[str, torch.Tensor], config: ModelConfig, n_kv_he
     `align_heads` on `layer_inputs` (which then also changes Q and O, without changing the parent's function)."""
     if init not in INITS:
         raise ConfigError(f"init={init!r} is not one of {list(INITS)}")
-    check_target(config, n_kv_head)
+    check_convertible(config, n_kv_head, init)
     without = [i for i in range(config.n_layer) if f"blocks.{i}.attn.qkv.weight" not in state_dict]
     if without:  # e.g. MLA, whose keys and values come from a latent: there are no K/V heads to pool
         raise ConfigError(f"layer {without[0]} ({config.attention[without[0]].describe()}) has no per-head K/V "
@@ -53,12 +68,49 @@ def to_grouped(state_dict: dict[str, torch.Tensor], config: ModelConfig, n_kv_he
         init = "mean"
     new_config = dataclasses.replace(config, n_kv_head=n_kv_head)
     generator = torch.Generator().manual_seed(seed)
+    per_head = per_head_tensors(config)
     converted = {}
     for name, tensor in state_dict.items():
         if QKV_WEIGHT.match(name):
             tensor = _group_qkv(tensor, config, n_kv_head, init, generator)
+        elif name in per_head:
+            tensor = _group_per_head(tensor, per_head[name], config, n_kv_head, "mean" if init == "random" else init)
         converted[name] = tensor.clone()
     return converted, new_config
+
+
+def per_head_tensors(config: ModelConfig) -> dict[str, str | tuple[str, int]]:
+    """Full state-dict name -> layout of each tensor beside qkv.weight that holds one slice per K/V head."""
+    return {f"blocks.{i}.attn.{name}": layout for i, spec in enumerate(config.attention)
+            for name, layout in PER_HEAD_TENSORS.get(spec.kind, {}).items()}
+
+
+def check_convertible(config: ModelConfig, n_kv_head: int, init: str = "mean") -> None:
+    """One ConfigError line, before any weight is read or pooled, unless every layer of `config` has a
+    grouped form with `n_kv_head` K/V heads under `init`: each tensor whose shape follows the K/V heads
+    is the fused Q/K/V weight or one PER_HEAD_TENSORS names (compared on the meta device, no memory)."""
+    check_target(config, n_kv_head)
+    if init == "aligned":
+        for i, spec in enumerate(config.attention):
+            if spec.kind not in ALIGNABLE:
+                raise ConfigError(f"layer {i} is of kind {spec.kind!r}; aligned init supports {list(ALIGNABLE)}")
+    if n_kv_head == config.n_kv_head:
+        return
+    known = {f"blocks.{i}.attn.qkv.weight" for i in range(config.n_layer)} | set(per_head_tensors(config))
+    before = _meta_shapes(config)
+    after = _meta_shapes(dataclasses.replace(config, n_kv_head=n_kv_head))
+    for name, shape in before.items():
+        if name not in known and (name not in after or after[name] != shape):
+            layer = int(name.split(".")[1]) if name.startswith("blocks.") else None
+            kind = config.attention[layer].kind if layer is not None else "the model"
+            raise ConfigError(f"{name} (kind {kind!r}, shape {tuple(shape)}) changes shape with the K/V heads and "
+                              f"has no grouped form: the checkpoint cannot be converted to n_kv_head={n_kv_head}")
+
+
+def _meta_shapes(config: ModelConfig) -> dict[str, torch.Size]:
+    """Every tensor's shape of the model `config` builds, on the meta device (no memory, no values)."""
+    with torch.device("meta"):
+        return {name: tensor.shape for name, tensor in Transformer(config).state_dict().items()}
 
 
 def check_target(config: ModelConfig, n_kv_head: int) -> None:
@@ -84,7 +136,20 @@ def _group_qkv(weight: torch.Tensor, config: ModelConfig, m: int, init: str,
                       _pool(v, nkv, m, hs, init, generator, config.init_std)))
 
 
-def _pool(rows: torch.Tensor, nkv: int, m: int, hs: int, init: str, generator: torch.Generator,
+def _group_per_head(tensor: torch.Tensor, layout: str | tuple[str, int], config: ModelConfig, m: int,
+                    init: str) -> torch.Tensor:
+    """A per-K/V-head tensor beside qkv.weight reduced to m heads, each group's "mean" or "first"."""
+    nkv, hs = config.n_kv_head, config.head_dim
+    if layout == "qkv":  # channels in the fused layout, e.g. gated delta's convolution (channels, taps)
+        q, k, v = split_qkv(tensor, config.n_head, nkv, hs)
+        return torch.cat((q, _pool(k, nkv, m, hs, init, None, 0.0), _pool(v, nkv, m, hs, init, None, 0.0)))
+    _, parts = layout
+    blocks = tensor.reshape(parts, nkv, -1)  # (parts, nkv, rest): one row per K/V head in each block
+    pooled = torch.cat([_pool(block, nkv, m, 1, init, None, 0.0) for block in blocks])  # (parts*m, rest)
+    return pooled.reshape(parts * m, *tensor.shape[1:])
+
+
+def _pool(rows: torch.Tensor, nkv: int, m: int, hs: int, init: str, generator: torch.Generator | None,
           std: float) -> torch.Tensor:
     C = rows.shape[1]
     heads = rows.view(m, nkv // m, hs, C)  # (m, r, hs, C): group g holds heads g*r .. g*r+r-1

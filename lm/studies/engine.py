@@ -91,6 +91,7 @@ ADDED_SINCE_RECORDS = {
     "optim.name": "adamw",  # before optim=muon every run trained with AdamW ...
     "optim.schedule": "cosine",  # ... and a linear warm-up then cosine decay
     "optim.decay_fraction": 0.2,  # read by schedule=wsd only
+    "resume": False,  # an uptraining arm's settings hold it since uptrain.py continues interrupted runs
 }
 
 

@@ -4,6 +4,10 @@ on the source run's data and tokenizer with a fresh optimizer, optionally distil
 parent's next-token distribution into it.
 
 `uptrain(cfg)` is what scripts/uptrain.py runs; lm.studies.uptrain_ablation runs the ablation with it.
+A run stopped by SIGINT or SIGTERM keeps its last.ckpt and prints the command that continues it
+(the same one with resume=true): the conversion is redone (deterministic), the checkpoint's
+weights, optimizer, schedule and step replace it, and the settings that decide the run (uptrain.*,
+the target, the seed, the source) must be the ones it started with.
 """
 
 from __future__ import annotations
@@ -11,7 +15,9 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import shlex
 from dataclasses import dataclass
+from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -25,14 +31,22 @@ from lm.formats.checkpoint import (
     save_checkpoint,
     stored_model_config,
 )
-from lm.formats.convert import INITS, to_grouped
+from lm.formats.convert import INITS, check_convertible, to_grouped
 from lm.formats.to_latent import check_parent, to_latent
 from lm.model.config import ModelConfig
 from lm.model.transformer import Transformer
 from lm.training.module import check_distillation, evaluate_loss, inputs_and_targets
 from lm.training.run import train
-from lm.util.checks import require_choice, require_in_interval, require_int, require_positive, require_seed
-from lm.util.errors import ConfigError
+from lm.util.checks import (
+    require_bool,
+    require_choice,
+    require_in_interval,
+    require_int,
+    require_positive,
+    require_seed,
+)
+from lm.util.errors import ConfigError, RunInterrupted
+from lm.util.files import run_folder
 from lm.util.paths import resolve_path
 
 
@@ -95,6 +109,14 @@ def check_uptrain_settings(cfg: DictConfig) -> None:
     require_seed("seed", cfg.seed)
     if cfg.get("sample_tokens") is not None:
         require_int("sample_tokens", cfg.sample_tokens, minimum=0)
+    resume = cfg.get("resume", False)
+    require_bool("resume", resume)
+    if resume and cfg.get("study"):
+        raise ConfigError("resume=true continues one uptraining run; a study continues its own arms when the same "
+                          "command runs again")
+    if resume and u.steps == 0:
+        raise ConfigError("resume=true continues an uptraining run; uptrain.steps=0 converts only, with no run "
+                          "to continue")
 
 
 def budget(cfg: DictConfig, source_steps: int) -> int:
@@ -113,7 +135,7 @@ def continued_run_config(source_run: dict, cfg: DictConfig, steps: int, target: 
     with open_dict(run):
         run.run_name = run_name
         run.seed = cfg.seed
-        run.resume, run.ckpt_path = False, None
+        run.resume, run.ckpt_path = bool(cfg.get("resume", False)), None
         run.checkpoint_dir = cfg.checkpoint_dir
         if isinstance(target, int):
             target = Target(n_kv_head=target)
@@ -174,26 +196,36 @@ def convert(parent: Transformer, source_state: dict, target: Target, cfg: DictCo
 
 
 def uptrain(cfg: DictConfig) -> dict:
-    """Convert `cfg.ckpt` to the `cfg.attn` target and uptrain it; returns train()'s result plus the
-    val loss right after conversion, the parent's and the provenance."""
+    """Convert `cfg.ckpt` to the `cfg.attn` target and uptrain it (or, with resume=true, continue the
+    run a signal stopped); returns train()'s result plus the val loss right after conversion, the
+    parent's and the provenance."""
     check_uptrain_settings(cfg)
     source_path = resolve_path(cfg.ckpt)
     source = read_checkpoint(source_path)
     what = f"checkpoint {str(source_path)!r}"
     source_state = model_state_dict(source)
     source_config = stored_model_config(source["lm"], source_state, what)
+    target = conversion_target(cfg)
+    if target.latent is None:  # a kind with per-head tensors of no grouped form: one line, before any work
+        check_convertible(source_config, target.n_kv_head, cfg.uptrain.init)
     parent = build_checked(source_config, source_state, what)  # names, shapes and finite values, before converting
-    target = conversion_target(cfg).at(source_config.head_dim)
-    steps = budget(cfg, int(source.get("global_step", 0)))
+    target = target.at(source_config.head_dim)
+    source_steps = int(source.get("global_step", 0))
+    steps = budget(cfg, source_steps)
     check_distillation(cfg.uptrain.get("distill", 0.0), cfg.uptrain.get("temperature", 1.0), parent)
     tokenizer_json = source["lm"]["tokenizer"]
     source_run = source["lm"].get("run_config") or {}
     if (steps or target.latent is not None or cfg.uptrain.init == "aligned") and not source_run.get("data"):
         raise ConfigError(f"checkpoint {str(cfg.ckpt)!r} records no training run to continue or calibrate on "
                           "(no run_config.data)")
+    run = None
+    if steps:
+        run_name = cfg.run_name or f"{source_run.get('run_name', 'source')}-{target.name}-{cfg.uptrain.init}"
+        run = continued_run_config(source_run, cfg, steps, target, run_name)
+        if cfg.get("resume", False):
+            check_resumable(run, cfg)
     calibration = functools.cache(lambda: Calibration(source_run, tokenizer_json, cfg))  # read only if needed
     state, config = convert(parent, source_state, target, cfg, calibration)
-    source_steps = int(source.get("global_step", 0))
     provenance = {"source": str(cfg.ckpt), "source_step": source_steps, "init": cfg.uptrain.init,
                   "fraction": cfg.uptrain.fraction if cfg.uptrain.steps is None else None, "steps": steps,
                   "n_kv_head_from": source_config.n_kv_head, "n_kv_head_to": target.n_kv_head,
@@ -201,24 +233,88 @@ def uptrain(cfg: DictConfig) -> dict:
     if target.latent is not None:
         provenance["rope_pairs"] = [list(spec.rope_pairs) for spec in config.attention]
     if steps == 0:
-        if not cfg.out:
-            raise ConfigError("uptrain.steps=0 converts only: give out=<folder> for the converted checkpoint")
-        out = resolve_path(cfg.out)
-        path = save_checkpoint(out / "last.ckpt", state, config, tokenizer_json, source_run, provenance)
-        (out / "tokenizer.json").write_text(tokenizer_json)
-        print(f"converted {source_config.describe_attention()} -> {target.name} ({cfg.uptrain.init}): {path}")
-        return {"last": str(path), "provenance": provenance, "steps": 0}
-    run_name = cfg.run_name or f"{source_run.get('run_name', 'source')}-{target.name}-{cfg.uptrain.init}"
-    run = continued_run_config(source_run, cfg, steps, target, run_name)
+        return converted_only(cfg, state, config, tokenizer_json, source_run, provenance,
+                              f"{source_config.describe_attention()} -> {target.name} ({cfg.uptrain.init})")
     parent_loss = calibration().val_loss(parent)
     provenance["parent_val_loss"] = parent_loss
-    print(f"uptraining {source_config.n_kv_head} K/V heads -> {target.name} ({cfg.uptrain.init} init) for {steps} "
-          f"steps ({steps / max(1, source_steps):.1%} of the source run's {source_steps}); the parent's val loss "
-          f"{parent_loss:.4f}, the converted model's is measured at step 0")
+    resuming = bool(run.resume)
+    print(f"{'continuing the uptraining' if resuming else 'uptraining'} {source_config.n_kv_head} K/V heads -> "
+          f"{target.name} ({cfg.uptrain.init} init) for {steps} steps ({steps / max(1, source_steps):.1%} of the "
+          f"source run's {source_steps}); the parent's val loss {parent_loss:.4f}"
+          + ("" if resuming else ", the converted model's is measured at step 0"))
     distilling = cfg.uptrain.get("distill", 0.0)
-    result = train(run, model_config=config, init_state=state, tokenizer_json=tokenizer_json,
-                   provenance=provenance, validate_first=True, teacher=parent if distilling else None)
+    try:
+        result = train(run, model_config=config, init_state=state, tokenizer_json=tokenizer_json,
+                       provenance=provenance, validate_first=not resuming, teacher=parent if distilling else None)
+    except RunInterrupted as e:
+        raise RunInterrupted(e.signum, e.step, e.saved, f"{resume_command()} continues the run") from None
+    if resuming:  # the converted weights were scored at step 0 of the run's first part
+        result["val_loss_before"] = result["val_history"][0][1]
     result["provenance"] = provenance
     result["parent_val_loss"] = parent_loss
     return result
 
+
+def converted_only(cfg: DictConfig, state: dict, config: ModelConfig, tokenizer_json: str, source_run: dict,
+                   provenance: dict, conversion: str) -> dict:
+    """uptrain.steps=0: the converted checkpoint in `out`, written only once the converted weights
+    have built their model (a checkpoint that would not load is never written)."""
+    if not cfg.out:
+        raise ConfigError("uptrain.steps=0 converts only: give out=<folder> for the converted checkpoint")
+    build_checked(config, state, f"the converted model ({conversion})")
+    out = resolve_path(cfg.out)
+    path = save_checkpoint(out / "last.ckpt", state, config, tokenizer_json, source_run, provenance)
+    (out / "tokenizer.json").write_text(tokenizer_json)
+    print(f"converted {conversion}: {path}")
+    return {"last": str(path), "provenance": provenance, "steps": 0}
+
+
+# What decides an uptraining run besides its source: a resumed run must have them as they were.
+RESUME_FIXED = ("seed", "attn", "uptrain")
+
+
+def check_resumable(run: DictConfig, cfg: DictConfig) -> None:
+    """One line unless the run folder holds a last.ckpt of this uptraining (same source, target,
+    uptrain.* and seed) to continue; read before any data or conversion work."""
+    last = run_folder(resolve_path(cfg.checkpoint_dir), run.run_name) / "last.ckpt"
+    if not last.is_file():
+        raise ConfigError(f"resume=true but run {run.run_name!r} has no checkpoint at {last}")
+    stored = read_checkpoint(last)["lm"].get("run_config") or {}
+    now = OmegaConf.to_container(run, resolve=True)
+    stored_source, source = (stored.get("uptrain") or {}).get("source"), now["uptrain"]["source"]
+    if not isinstance(stored_source, str) or resolve_path(stored_source) != resolve_path(source):
+        raise ConfigError(f"resume=true: {last} continues an uptraining of {stored_source!r}, not ckpt={source!r}")
+    changed = [f"{key}={now_value!r} (checkpoint: {was!r})"
+               for key, was, now_value in changed_values(stored, now, RESUME_FIXED) if key != "uptrain.source"]
+    if changed:
+        raise ConfigError(f"resume=true continues the uptraining as it started; {', '.join(changed[:3])}"
+                          + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+                          + "; start afresh (resume=false or another run_name) to change them")
+
+
+def changed_values(stored: dict, now: dict, keys: tuple[str, ...]) -> list[tuple[str, object, object]]:
+    """(dotted key, stored value, value now) for each setting under `keys` that differs."""
+    def flat(value, prefix):
+        if isinstance(value, dict):
+            return {k: v for key, item in value.items() for k, v in flat(item, f"{prefix}.{key}").items()}
+        return {prefix: value}
+
+    before = {k: v for key in keys for k, v in flat(stored.get(key), key).items()}
+    after = {k: v for key in keys for k, v in flat(now.get(key), key).items()}
+    missing = None
+    return [(k, before.get(k, missing), after.get(k, missing)) for k in sorted(before.keys() | after.keys())
+            if before.get(k, missing) != after.get(k, missing)]
+
+
+def resume_command() -> str:
+    """The command that continues this run: scripts/uptrain.py with the overrides it was given and
+    resume=true, or, outside the script, words saying so."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return "the same settings with resume=true"
+    hydra = HydraConfig.get()
+    overrides = [o for o in hydra.overrides.task if o.split("=", 1)[0].lstrip("+~") != "resume"]
+    name = [] if hydra.job.config_name == "uptrain" else ["--config-name", hydra.job.config_name]
+    script = Path("scripts") / "uptrain.py"
+    return f"`python {shlex.join([str(script), *name, *overrides, 'resume=true'])}`"
