@@ -59,10 +59,12 @@ class TokenCache:
         their times recorded, so the next open is cheap."""
         try:
             meta = self.meta
-            recorded = {name: (int(size), str(checksum)) for name, (size, checksum) in meta["files"].items()}
             times = {str(name): int(mtime) for name, mtime in meta.get("file_mtimes_ns", {}).items()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return "meta.json is unreadable or from an older cache format"
+        recorded = manifest(meta)
+        if isinstance(recorded, str):
+            return recorded
         verified_times = {}
         for name, (size, checksum) in recorded.items():
             path = self.path / name
@@ -86,6 +88,38 @@ class TokenCache:
         except CheckpointError:  # a read-only cache still opens; its files are hashed again next time
             say(f"note: cannot record the verified file times in {self.path / 'meta.json'}; "
                 "the next run hashes those files again")
+
+
+def manifest(meta) -> dict[str, tuple[int, str]] | str:
+    """meta.json's file list as {name: (size, SHA-256)}, or what is wrong with it. It must name every
+    file a cache is read from (CACHE_FILES) and nothing else, each a plain name inside the folder
+    with a non-negative integer size and a SHA-256 in hex: a check of an empty or partial list, or
+    of files elsewhere, would pass while the files read went unchecked."""
+    files = meta.get("files") if isinstance(meta, dict) else None
+    if not isinstance(files, dict):
+        return "meta.json has no file list"
+    for name in files:
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            return f"meta.json names {name!r}, which is not a file inside the cache folder"
+    missing = [name for name in CACHE_FILES if name not in files]
+    if missing:
+        return f"meta.json's file list does not name {', '.join(missing)}, which the cache is read from"
+    unknown = sorted(set(files) - set(CACHE_FILES))
+    if unknown:
+        return f"meta.json names {', '.join(unknown)}, which a cache does not hold"
+    recorded = {}
+    for name, entry in files.items():
+        size, checksum = entry if isinstance(entry, list) and len(entry) == 2 else (None, None)
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0 or not is_sha256(checksum):
+            return f"meta.json's entry for {name} is {entry!r}, not [size in bytes, SHA-256]"
+        recorded[name] = (size, checksum)
+    if meta.get("dtype") not in ("uint16", "uint32"):
+        return f"meta.json's dtype {meta.get('dtype')!r} is not uint16 or uint32"
+    return recorded
+
+
+def is_sha256(text) -> bool:
+    return isinstance(text, str) and len(text) == 64 and all(c in "0123456789abcdef" for c in text)
 
 
 def verify_token_cache(folder: str | Path) -> TokenCache:
