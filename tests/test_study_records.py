@@ -5,6 +5,7 @@ value that does what they did (lm.studies.engine.ADDED_SINCE_RECORDS)."""
 import json
 from pathlib import Path
 
+import pytest
 from hydra import compose, initialize_config_dir
 
 from lm.studies.engine import ADDED_SINCE_RECORDS, Arm, as_json_data, import_records, same_settings
@@ -32,9 +33,10 @@ def test_every_added_setting_is_one_the_run_config_has():
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = compose("train")
     for key, value in ADDED_SINCE_RECORDS.items():
-        group, name = key.split(".")
-        assert name in cfg[group], f"{key} is not a setting of conf/train.yaml"
-        assert cfg[group][name] == value, f"{key}: its default is not the value records without it ran with"
+        group, _, name = key.rpartition(".")
+        node = cfg[group] if group else cfg
+        assert name in node, f"{key} is not a setting of conf/train.yaml"
+        assert node[name] == value, f"{key}: its default is not the value records without it ran with"
 
 
 def test_the_committed_comparisons_recall_arms_are_taken_by_todays_plan(tmp_path):
@@ -63,3 +65,83 @@ def test_an_arm_takes_a_record_written_before_a_setting_was_added(tmp_path):
     planned = as_json_data({**RECORDED, "attn": {**RECORDED["attn"], "global_every": None}})
     arm = Arm(name="a", settings=planned, run=lambda resume: {})
     assert "1 finished arms taken" in import_records([arm], tmp_path / "records", source)
+
+
+# ------------------------------------------------------------- records are data, checked when read
+
+GOOD = {"arm": "a", "kind": "mha", "steps": 100, "val_loss": 2.5, "val_accuracy": 0.25, "seconds": 3.0,
+        "history": [[50, 3.0, 0.1, 1.5], [100, 2.5, 0.25, 3.0]], "train_tokens_per_s": None,
+        "decode": [{"batch": 1, "context": 64, "tokens_per_s": 900.0}], "settings": RECORDED}
+HOSTILE = [  # (the field rewritten, its value, how the line names it)
+    ("val_accuracy", "high", "val_accuracy='high' is not a number"),
+    ("val_accuracy", None, "val_accuracy=None is not a number"),
+    ("val_accuracy", float("nan"), "val_accuracy=nan is not a finite number"),
+    ("val_accuracy", -5, "val_accuracy=-5 is outside [0, 1]"),
+    ("val_accuracy", 1e308, "val_accuracy=1e+308 is outside [0, 1]"),
+    ("val_loss", float("inf"), "val_loss=inf is not a finite number"),
+    ("val_loss", 1e308, "val_loss=1e+308 is outside [0, 10000]"),
+    ("val_loss", -1.0, "val_loss=-1.0 is outside [0, 10000]"),
+    ("val_loss", None, "val_loss=None is not a number"),
+    ("val_loss", [1, 2], "val_loss=[1, 2] is not a number"),
+    ("steps", -3, "steps=-3 is not a non-negative integer"),
+    ("steps", 2.5, "steps=2.5 is not a non-negative integer"),
+    ("steps", True, "steps=True is not a number"),
+    ("steps", "100", "steps='100' is not a number"),
+    ("seconds", -1.0, "seconds=-1.0 is negative"),
+    ("history", [[10, float("nan"), 0.1, 1.0]], "history[0][1]=nan is not a finite number"),
+    ("history", [[-10, 2.0, 0.1, 1.0]], "history[0][0]=-10 is not a non-negative integer"),
+    ("history", [[10, 2.0, 7, 1.0]], "history[0][2]=7 is outside [0, 1]"),
+    ("history", [5], "history[0]=5 is not [step, loss, ...]"),
+    ("decode", [{"tokens_per_s": -900.0}], "decode[0].tokens_per_s=-900.0 is negative"),
+    ("decode", [{"tokens_per_s": "fast"}], "decode[0].tokens_per_s='fast' is not a number"),
+    ("settings", ["lr", 0.003], "settings=['lr', 0.003] is not a mapping"),
+    ("kind", float("nan"), "kind=nan is not a finite number"),
+]
+
+
+def test_the_committed_records_are_all_good_data():
+    """The checks' reference: every sealed record of docs/*/results.json passes them."""
+    from lm.studies.engine import bad_value, is_sealed
+
+    records = [r for path in ROOT.glob("docs/**/results.json")
+               for r in json.loads(path.read_text())["records"] if is_sealed(r)]
+    assert len(records) > 400
+    assert [(r["arm"], bad_value(r)) for r in records if bad_value(r) is not None] == []
+
+
+@pytest.mark.parametrize("key, value, named", HOSTILE, ids=[f"{k}={v!r}" for k, v, _ in HOSTILE])
+def test_a_record_of_bad_values_is_named_and_never_imported(tmp_path, key, value, named):
+    from lm.studies.engine import bad_value, sealed
+
+    assert bad_value(sealed(GOOD)) is None
+    hostile = sealed({**GOOD, "arm": "b", key: value})  # its digest re-sealed: only its values can betray it
+    source = tmp_path / "results.json"
+    source.write_text(json.dumps({"records": [sealed(GOOD), hostile]}))
+    arms = [Arm(name=name, settings=RECORDED, run=lambda resume=False: {}) for name in ("a", "b")]
+    said = import_records(arms, tmp_path / "records", source)
+    assert "\n" not in said and said.startswith(f"records_from={source}: 1 finished arms taken; left out: "
+                                                "1 with values of no meaning; set aside: "), said
+    assert named in said, said
+    assert sorted(p.name for p in (tmp_path / "records").iterdir()) == ["a.json"]  # never copied
+
+
+def test_a_study_folder_holding_a_bad_record_sets_it_aside_and_runs_the_arm_again(tmp_path, capsys):
+    from lm.studies.engine import run_arms, sealed, write_record
+
+    records = tmp_path / "records"
+    records.mkdir()
+    write_record(records / "b.json", {**GOOD, "arm": "b", "val_accuracy": float("nan")})
+    write_record(records / "a.json", GOOD)
+    ran = []
+
+    def run(name):
+        return lambda resume=False: ran.append(name) or {"steps": 100, "val_loss": 2.0, "val_accuracy": 0.5}
+
+    arms = [Arm(name=name, settings=RECORDED, run=run(name)) for name in ("a", "b")]
+    done = run_arms(arms, records, describe=lambda r: f"{r['arm']} {r['val_accuracy']}")
+    assert ran == ["b"] and [r["arm"] for r in done] == ["a", "b"] and done[1]["val_accuracy"] == 0.5
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "[1/2] a 0.25  (done before)"
+    assert lines[1] == ("[2/2] b: its record b.json is set aside (val_accuracy=nan is not a finite number); "
+                        "running it again")
+    assert json.loads((records / "b.json").read_text()) == done[1] == sealed(done[1])

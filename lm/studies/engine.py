@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import platform
 import signal
@@ -73,14 +74,97 @@ def is_sealed(record) -> bool:
     return isinstance(record, dict) and isinstance(record.get("digest"), str) and sealed(record) == record
 
 
+LOSS_LIMIT = 1e4  # no model's cross-entropy in nats (or bits per byte) comes near; 1e308 in a record is not data
+
+
+def bad_value(record: dict) -> str | None:
+    """What makes a sealed record's figures unusable as data, in a few words naming the field and the
+    value as stored; None when every field has its type and range: accuracies in [0, 1], losses and
+    bits per byte finite in [0, LOSS_LIMIT], steps and counts non-negative integers, seconds and rates
+    finite and non-negative, settings a mapping, and no NaN or infinity anywhere. A digest proves a
+    record unedited since it was sealed, not that whoever sealed it wrote numbers."""
+    if not isinstance(record.get("arm"), str) or not record["arm"]:
+        return f"arm={record.get('arm')!r} is not a name"
+    if not isinstance(record.get("settings"), dict):
+        return f"settings={record.get('settings')!r} is not a mapping"
+    if "error" in record or record.get("interrupted"):
+        return None if isinstance(record.get("error", ""), str) else f"error={record['error']!r} is not text"
+    for key, value in record.items():
+        if key != "settings":
+            problem = _bad_field(key, value)
+            if problem:
+                return problem
+    return None
+
+
+def _bad_field(key: str, value, path: str | None = None) -> str | None:
+    """The first problem of one field (recursing into lists and mappings), named as `path`."""
+    path = path or key
+    if isinstance(value, (dict, list)) and _is_scored(key) and key != "history":
+        return f"{path}={value!r} is not a number"
+    if isinstance(value, dict):
+        return next(filter(None, (_bad_field(str(k), v, f"{path}.{k}") for k, v in value.items())), None)
+    if isinstance(value, list):
+        if key == "history":  # [[step, loss, accuracy, seconds...], ...]
+            return next(filter(None, (_bad_history_row(row, f"{path}[{i}]") for i, row in enumerate(value))), None)
+        return next(filter(None, (_bad_field(key, v, f"{path}[{i}]") for i, v in enumerate(value))), None)
+    if value is None:  # a figure a run may lack (a rate of no steps); never a score or a count of what ran
+        return f"{path}=None is not a number" if _is_scored(key) else None
+    if isinstance(value, str):
+        return f"{path}={value!r} is not a number" if _is_figure(key) or key in COUNTS else None
+    number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    if isinstance(value, bool):
+        return f"{path}={value!r} is not a number" if _is_figure(key) or key in COUNTS else None
+    if number is None or not math.isfinite(number):
+        return f"{path}={value!r} is not a finite number"
+    if "accuracy" in key and not 0 <= number <= 1:
+        return f"{path}={value!r} is outside [0, 1]"
+    if ("loss" in key or "bits_per_byte" in key) and not 0 <= number <= LOSS_LIMIT:
+        return f"{path}={value!r} is outside [0, {LOSS_LIMIT:g}]"
+    if key == "fraction" and not 0 <= number <= 1:
+        return f"{path}={value!r} is outside [0, 1]"
+    if key == "lr" and number <= 0:
+        return f"{path}={value!r} is not positive"
+    if key in COUNTS and (not isinstance(number, int) or number < 0):
+        return f"{path}={value!r} is not a non-negative integer"
+    if (key in COUNTS or _is_figure(key)) and number < 0:
+        return f"{path}={value!r} is negative"
+    return None
+
+
+# Fields that count (steps, tokens, parameters): non-negative integers wherever a record holds them.
+COUNTS = ("steps", "params", "eval_bytes", "eval_tokens", "batch", "context", "tokens", "new_tokens", "seed",
+          "pairs", "width")
+
+
+def _is_scored(key: str) -> bool:
+    """A score or a count of what ran: every finished record holds it as a number."""
+    return any(word in key for word in ("loss", "accuracy", "bits_per_byte")) or key in ("seconds", "steps")
+
+
+def _is_figure(key: str) -> bool:
+    """A measured figure: a number (or null), never text."""
+    return any(word in key for word in ("loss", "accuracy", "bits_per_byte", "seconds", "per_s", "bytes", "_s"))
+
+
+def _bad_history_row(row, path: str) -> str | None:
+    if not isinstance(row, list) or len(row) < 2:
+        return f"{path}={row!r} is not [step, loss, ...]"
+    # as LitLM.val_history holds them: step, loss, accuracy, training seconds so far
+    names = ("steps", "val_loss", "val_accuracy", *("seconds",) * (len(row) - 3))[:len(row)]
+    return next(filter(None, (_bad_field(name, v, f"{path}[{i}]")
+                              for i, (name, v) in enumerate(zip(names, row, strict=True)))), None)
+
+
 @dataclass
 class Stored:
-    """What <records>/<name>.json says of an arm: `state` is one of absent, damaged, failed,
-    interrupted, changed, done; `record` is the reusable record when done."""
+    """What <records>/<name>.json says of an arm: `state` is one of absent, damaged, invalid (sealed,
+    but a value of no meaning: `bad_value`), failed, interrupted, changed, done; `record` is the
+    reusable record when done."""
 
     state: str
     record: dict | None = None
-    changes: list[str] = field(default_factory=list)  # the settings that differ, when changed
+    changes: list[str] = field(default_factory=list)  # the settings that differ, or the bad value
 
 
 # Settings the run config gained after records were written, each with the value that does what a
@@ -113,8 +197,11 @@ def stored_record(path: Path, settings: dict) -> Stored:
         return Stored("absent")
     except (OSError, ValueError, RecursionError):  # unreadable, half a file, or nested past what json reads
         return Stored("damaged")
-    if not is_sealed(record) or not isinstance(record.get("settings"), dict):
+    if not is_sealed(record):
         return Stored("damaged")
+    problem = bad_value(record)
+    if problem is not None:
+        return Stored("invalid", changes=[problem])
     if not same_settings(record["settings"], as_json_data(settings)):
         return Stored("changed", changes=changed_settings(record["settings"], as_json_data(settings)))
     if "error" in record:
@@ -148,6 +235,8 @@ def rerun_note(stored: Stored, path: Path) -> str | None:
         return f"its settings changed ({shown}); running it again"
     if stored.state == "failed":
         return "it failed last time; running it again"
+    if stored.state == "invalid":
+        return f"its record {path.name} is set aside ({stored.changes[0]}); running it again"
     return None
 
 
@@ -251,15 +340,20 @@ def import_records(arms: list[Arm], records: Path, source: Path,
     planned = {arm.name: arm for arm in arms}
     here = machine()
     counts = dict.fromkeys(("taken", "finished here already", "of other settings", "unfinished",
-                            "timed on another machine", "not in this study", "given twice", "edited or damaged"), 0)
-    taken = set()
+                            "timed on another machine", "not in this study", "given twice", "edited or damaged",
+                            "with values of no meaning"), 0)
+    taken, set_aside = set(), []
     for record in given:
-        if not is_sealed(record) or not isinstance(record.get("settings"), dict):
+        if not is_sealed(record):
             counts["edited or damaged"] += 1
             continue
         arm = planned.get(record.get("arm")) if isinstance(record.get("arm"), str) else None
+        problem = bad_value(record) if arm is not None else None
         if arm is None:
             counts["not in this study"] += 1
+        elif problem is not None:  # named, never copied: a later plain run would read it as a finished arm
+            counts["with values of no meaning"] += 1
+            set_aside.append(f"{arm.name}: {problem}")
         elif arm.name in taken:
             counts["given twice"] += 1
         elif not same_settings(record["settings"], as_json_data(arm.settings)):
@@ -276,7 +370,10 @@ def import_records(arms: list[Arm], records: Path, source: Path,
             taken.add(arm.name)
             counts["taken"] += 1
     left = ", ".join(f"{n} {why}" for why, n in counts.items() if n and why != "taken")
-    return f"records_from={source}: {counts['taken']} finished arms taken" + (f"; left out: {left}" if left else "")
+    named = "; set aside: " + "; ".join(set_aside[:3]) + (f" and {len(set_aside) - 3} more" if len(set_aside) > 3
+                                                           else "") if set_aside else ""
+    return (f"records_from={source}: {counts['taken']} finished arms taken" + (f"; left out: {left}" if left else "")
+            + named)
 
 
 def _run_each(arms: list[Arm], records: Path, describe: Callable[[dict], str], only: int | None) -> list[dict]:
