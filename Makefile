@@ -15,11 +15,11 @@ XDIST = -n $(WORKERS) --dist worksteal
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
-install: $(STAMP) ## build .venv: CPU torch pinned by constraints.txt, lm editable, dev + hf + gguf + eval extras
+install: $(STAMP) ## build .venv: CPU torch pinned by constraints.txt, lm editable, dev + hf + gguf + eval + serve extras
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev,hf,gguf,eval]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,hf,gguf,eval,serve]'
 	touch $(STAMP)
 
 train: install ## train the default model (tiny MHA) on the standard-library corpus

@@ -1,0 +1,93 @@
+"""`serve(cfg)`: what scripts/serve.py runs. Checks the settings, loads the checkpoint, binds the port,
+then serves with uvicorn until SIGINT or SIGTERM: the listening socket closes, the running requests
+get `drain_s` seconds to finish, then the engine stops."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import TextIO
+
+from omegaconf import DictConfig
+
+from lm.config.serve import ServeSettings
+from lm.config.settings import check_settings
+from lm.data.tokenizer import EOT
+from lm.formats.checkpoint import checkpoint_file, load
+from lm.generation.quantize import KERNELS, quantize_int8
+from lm.serving.chat import ChatTemplate, read_chat_template
+from lm.serving.engine import Engine
+from lm.util.checks import check_device
+from lm.util.errors import ConfigError
+from lm.util.paths import resolve_path
+
+API_KEY_VARIABLE = "LM_API_KEY"
+
+
+def check_run_settings(cfg: DictConfig) -> None:
+    check_settings(cfg, ServeSettings)
+    check_device(cfg.device)
+    if cfg.int8_kernel not in KERNELS:
+        raise ConfigError(f"int8_kernel={cfg.int8_kernel!r} must be one of {list(KERNELS)}")
+    if cfg.model_name is not None and not str(cfg.model_name).strip():
+        raise ConfigError("model_name='' is empty: give a name or null")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads, so a port in use is one line, not a traceback."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        raise ConfigError(f"cannot listen on host={host} port={port}: {e.strerror or e}") from None
+    return sock
+
+
+def model_name_of(cfg: DictConfig, checkpoint: Path) -> str:
+    """The name clients pass as `model`: the setting, else the run folder's (checkpoints/<run>/last.ckpt)."""
+    if cfg.model_name is not None:
+        return str(cfg.model_name)
+    return checkpoint.name if checkpoint.is_dir() else checkpoint.parent.name or checkpoint.stem
+
+
+def serve(cfg: DictConfig, out: TextIO | None = None) -> None:
+    """Serve until SIGINT or SIGTERM."""
+    server, sock = prepare(cfg, out or sys.stderr)
+    server.run(sockets=[sock])
+
+
+def prepare(cfg: DictConfig, out: TextIO):
+    """(uvicorn server, bound socket), the engine started: `server.run(sockets=[sock])` serves."""
+    try:
+        import uvicorn
+
+        from lm.serving.app import Limits, Server, build_app
+    except ModuleNotFoundError as e:
+        raise ConfigError(f"serving needs {e.name}, which is not installed: pip install -e '.[serve]'") from None
+    check_run_settings(cfg)
+    checkpoint = checkpoint_file(resolve_path(cfg.ckpt))
+    template_source = read_chat_template(cfg.chat_template, checkpoint)
+    api_key = cfg.api_key if cfg.api_key is not None else os.environ.get(API_KEY_VARIABLE) or None
+    sock = bind(cfg.host, cfg.port)
+    model, tokenizer = load(checkpoint, device=cfg.device)
+    if cfg.quantize is not None:
+        model = quantize_int8(model, cfg.int8_kernel)
+    chat_template = ChatTemplate(template_source, EOT) if template_source is not None else None
+    engine = Engine(model, tokenizer, cfg.max_batch, cfg.max_queue, tokenizer.token_to_id(EOT), cfg.compile)
+    name = model_name_of(cfg, checkpoint)
+    server = Server(engine, tokenizer, name, Limits(cfg.max_new_tokens, cfg.max_prompt_tokens), chat_template)
+    app = build_app(server, api_key, on_shutdown=lambda: engine.stop(timeout=0))
+    host, port = sock.getsockname()[:2]
+    out.write(f"serving {name!r} ({model.config.describe_attention()}; {model.num_params():,} parameters) at "
+              f"http://{host}:{port}/v1 with {cfg.max_batch} slots{'; API key required' if api_key else ''}\n")
+    out.flush()
+    engine.start()
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=cfg.drain_s, access_log=False)
+    return uvicorn.Server(config), sock
+
+
+__all__ = ["API_KEY_VARIABLE", "bind", "prepare", "serve"]

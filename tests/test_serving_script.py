@@ -1,0 +1,107 @@
+"""scripts/serve.py: settings refused in one line before anything loads, a checkpoint served as the
+script serves it, and SIGTERM letting the running requests finish before the process exits."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")  # the serve and dev extras (`make install`)
+pytest.importorskip("fastapi")
+from conftest import compose_config  # noqa: E402
+from serving import CHAT_TEMPLATE, greedy_text, model, tokenizer, write_checkpoint  # noqa: E402
+
+from lm.serving.run import prepare  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("run") / "tiny-run"
+    folder.mkdir()
+    return write_checkpoint(folder / "last.ckpt", model("gated_delta", n_kv_head=4), tokenizer())
+
+
+def run_script(*args, env=None):
+    return subprocess.run([sys.executable, str(ROOT / "scripts/serve.py"), *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=120)
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["port=70000"], "port=70000 must be an integer from 0 to 65535"),
+    (["max_batch=0"], "max_batch=0 must be an integer >= 1"),
+    (["quantize=int4"], "quantize='int4' is not one of ['int8']"),
+    (["chat_template=/nonexistent.jinja"], "chat_template='/nonexistent.jinja' is not a file"),
+    (["device=tpu"], "device"),
+    (["ckpt=/nonexistent.ckpt"], "does not exist"),
+    (["compile=maybe"], "compile"),
+])
+def test_bad_settings_are_one_line_and_exit_2(checkpoint, args, words):
+    result = run_script(f"ckpt={checkpoint}", *args)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and words in result.stderr
+
+
+def test_a_port_in_use_is_one_line(checkpoint):
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        result = run_script(f"ckpt={checkpoint}", f"port={taken.getsockname()[1]}")
+    finally:
+        taken.close()
+    assert result.returncode == 2 and result.stderr.startswith("error: cannot listen on host=127.0.0.1")
+
+
+def test_a_checkpoint_served_as_the_script_serves_it(checkpoint, tmp_path):
+    """The settings composed from conf/serve.yaml, the checkpoint loaded, its run folder the model's name."""
+    template = tmp_path / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    cfg = compose_config("serve", [f"ckpt={checkpoint}", "port=0", "max_batch=2", f"chat_template={template}"])
+    server, sock = prepare(cfg, open(os.devnull, "w"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        while not server.started:
+            thread.join(0.01)
+        assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "tiny-run"
+        reply = httpx.post(f"{url}/v1/chat/completions", json={
+            "model": "tiny-run", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0})
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] <= 5
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+@pytest.mark.slow
+def test_sigterm_lets_the_running_requests_finish_then_exits(checkpoint):
+    from lm import load
+
+    process = subprocess.Popen([sys.executable, str(ROOT / "scripts/serve.py"), f"ckpt={checkpoint}", "port=0",
+                                "drain_s=60"], stderr=subprocess.PIPE, text=True)
+    try:
+        banner = process.stderr.readline()
+        url = banner.split(" at ")[1].split()[0].removesuffix("/v1")
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={
+                "model": "tiny-run", "prompt": "def f(", "max_tokens": 200, "temperature": 0, "stream": True}) as reply:
+            lines = reply.iter_lines()
+            first = next(lines)
+            process.send_signal(signal.SIGTERM)  # mid-stream: the request goes on to its end
+            rest = [line for line in lines if line]
+        # Drained, it ends as SIGTERM ends a process (a shell reports 143), so a supervisor sees why.
+        assert process.wait(60) == -signal.SIGTERM
+    finally:
+        process.kill()
+    chunks = [json.loads(line[6:]) for line in [first, *rest] if line != "data: [DONE]"]
+    assert rest[-1] == "data: [DONE]" and chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    net, tok = load(checkpoint)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == greedy_text(net, tok, "def f(", 200)
