@@ -1,14 +1,14 @@
 """The scripts' settings as schemas Hydra composes against, derived from where each setting is
 declared: the `attn` group's keys from the attention registry (lm.config.attn), and each script's
-run-side settings from a dataclass of them (lm.config.settings; lm.config.generate, .train, .export).
+run-side settings from a dataclass of them (lm.config.settings; one module per script).
 
 Importing this package registers the schemas in Hydra's ConfigStore. The scripts import it; the
-primary configs that compose them (conf/train.yaml, uptrain.yaml, generate.yaml, export.yaml) name
-it in `hydra.searchpath` as pkg://lm.config, so Hydra imports it before it reads any group, for
-every other composition too (tests, notebooks: hydra.compose).
+primary configs that compose them (conf/train.yaml, uptrain.yaml, generate.yaml, ...) name it in
+`hydra.searchpath` as pkg://lm.config, so Hydra imports it before it reads any group, for every
+other composition too (tests, notebooks: hydra.compose).
 """
 
-from lm.config import export, generate, train  # noqa: F401  store export_settings, generate_settings, ...
+from lm.config import compare, eval, export, generate, import_hf, serve, train  # noqa: F401  each stores its settings
 from lm.config.attn import register_attn_schemas
 
 register_attn_schemas()
