@@ -105,3 +105,29 @@ def test_sigterm_lets_the_running_requests_finish_then_exits(checkpoint):
     assert rest[-1] == "data: [DONE]" and chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
     net, tok = load(checkpoint)
     assert "".join(c["choices"][0]["text"] for c in chunks) == greedy_text(net, tok, "def f(", 200)
+
+
+@pytest.mark.slow
+def test_bench_serve_measures_each_kind_at_each_concurrency(tmp_path):
+    out = tmp_path / "results.json"
+    result = subprocess.run([sys.executable, str(ROOT / "scripts/bench.py"), "serve", "--kinds", "softmax-gqa",
+                             "linear", "--int8", "softmax-gqa", "--clients", "1", "3", "--slots", "2", "--requests",
+                             "1", "--prompt-tokens", "8", "--new-tokens", "6", "--out", str(tmp_path), "--json",
+                             str(out)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    kinds = json.loads(out.read_text())["kinds"]
+    assert list(kinds) == ["softmax-gqa", "linear", "softmax-gqa int8"]
+    for rows in kinds.values():
+        assert [(r["clients"], r["slots"], r["requests"]) for r in rows] == [(1, 1, 1), (3, 2, 3)]
+        # random weights may end a completion at the end-of-text token; most run to --new-tokens
+        assert all(0 < r["tokens"] <= 6 * r["requests"] and r["tokens_per_s"] > 0 for r in rows)
+        assert all(r["ttft_p50"] <= r["ttft_p95"] for r in rows)
+    assert (tmp_path / "serve.png").stat().st_size > 0
+
+
+def test_bench_serve_refuses_an_unknown_kind_before_serving(capsys):
+    from lm.studies.bench import main
+
+    with pytest.raises(SystemExit) as exit_code:
+        main(["serve", "--kinds", "nope"])
+    assert exit_code.value.code == 2 and "--kinds holds 'nope'" in capsys.readouterr().err

@@ -42,6 +42,7 @@ def bind(host: str, port: int) -> socket.socket:
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
+        sock.listen(2048)  # from now on connections wait in the backlog, even while the model loads
     except OSError as e:
         raise ConfigError(f"cannot listen on host={host} port={port}: {e.strerror or e}") from None
     return sock

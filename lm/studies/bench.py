@@ -7,6 +7,7 @@
                                         # ragged batches (lm.studies.decode_bench)
     python scripts/bench.py kernels     # one decoding matmul through every int8/int4 kernel (lm.studies.kernel_bench)
     python scripts/bench.py int8 --ckpt ...  # int8 against fp32 on a trained model
+    python scripts/bench.py serve       # the server under 1 to 64 concurrent clients, per kind (lm.studies.serve_bench)
 
 The machine may be shared and noisy, so the contenders run in alternating rounds and each
 reports its median step time; compare the ratio, not a single absolute figure. `--json PATH`
@@ -26,6 +27,7 @@ from lm.studies.decode_bench import LONG_CONTEXT_KINDS, bench_decode
 from lm.studies.generate_bench import bench_generate
 from lm.studies.int8_bench import bench_int8
 from lm.studies.kernel_bench import bench_kernels
+from lm.studies.serve_bench import SERVE_KINDS, bench_serve
 from lm.studies.train_bench import bench_train, checked_variant, model_shapes, train_step_fn
 
 __all__ = ["build_parser", "main", "train_step_fn"]  # train_step_fn: the comparison times its steps with it
@@ -98,6 +100,17 @@ def build_parser() -> argparse.ArgumentParser:
     q8.add_argument("--tokens", type=int, default=50_000, help="validation tokens scored")
     q8.add_argument("--int8-kernel", choices=KERNELS, default="dynamic")
     q8.set_defaults(run=bench_int8)
+    serve = sub.add_parser("serve", help="scripts/serve.py under concurrent streaming clients, per kind")
+    serve.add_argument("--kinds", nargs="+", default=SERVE_KINDS, help="kinds (bench.py attention's names) or "
+                                                                       "hybrid-gated_delta-softmax")
+    serve.add_argument("--int8", nargs="*", default=["softmax-gqa"], help="kinds also served with quantize=int8")
+    serve.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32, 64])
+    serve.add_argument("--slots", type=int, default=32, help="the server's max_batch: the clients, up to this")
+    serve.add_argument("--requests", type=int, default=2, help="completions each client sends in turn")
+    serve.add_argument("--prompt-tokens", type=int, default=64)
+    serve.add_argument("--new-tokens", type=int, default=128)
+    serve.add_argument("--out", default="bench", help="folder for serve.png")
+    serve.set_defaults(run=bench_serve)
     for command in sub.choices.values():
         add_json_argument(command)
     return parser
