@@ -5,6 +5,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
+import lm.config  # noqa: F401  the settings' schemas, also where hydra.searchpath=... replaces conf's
 from lm.util.cli import exit_on_user_error, run_script
 
 

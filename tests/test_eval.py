@@ -73,7 +73,7 @@ def test_eval_script_writes_one_line_and_a_record(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("args, message", [
-    (["split=test"], "error: split='test' is not one of ['val', 'train', 'all']"),
+    (["split=test"], "error: split='test' is not one of ['all', 'train', 'val']"),
     ([f"ckpt={ROOT / 'nope.ckpt'}"], "does not exist"),
 ])
 def test_eval_script_bad_input_is_one_line(args, message, tmp_path):

@@ -22,9 +22,12 @@ from omegaconf import OmegaConf
 
 from lm.attention import available_kinds, option_names, spec_class
 from lm.config.attn import PER_LAYER, attn_schema
+from lm.config.compare import CompareSettings
+from lm.config.eval import EvalSettings
 from lm.config.export import ExportSettings
 from lm.config.generate import GenerateSettings
-from lm.config.settings import SCHEMAS, check_settings, default_of, defaults, is_group, shown
+from lm.config.import_hf import ImportHFSettings
+from lm.config.settings import SCHEMAS, check_settings, defaults, described, each, integer, is_group
 from lm.config.train import TrainSettings, check_train_settings
 from lm.util.cli import run_script
 from lm.util.errors import ConfigError
@@ -205,15 +208,51 @@ def test_every_settings_schema_documents_each_setting_and_its_defaults_pass_its_
         check_settings({}, cls)  # every default within its bound
 
 
-@pytest.mark.parametrize("config, cls", [("generate", GenerateSettings), ("export", ExportSettings)])
+SCRIPT_SETTINGS = [("generate", GenerateSettings), ("export", ExportSettings), ("eval", EvalSettings),
+                   ("import_hf", ImportHFSettings), ("compare", CompareSettings)]
+
+
+@pytest.mark.parametrize("config, cls", SCRIPT_SETTINGS, ids=[config for config, _ in SCRIPT_SETTINGS])
 def test_a_scripts_settings_come_from_its_dataclass_and_its_help_lists_them(config, cls):
     assert set(yaml.safe_load((ROOT / "conf" / f"{config}.yaml").read_text())) == {"defaults", "hydra"}
-    assert OmegaConf.to_container(compose_config(config, [])) == defaults(cls)
+    composed = OmegaConf.to_container(compose_config(config, []))
+    assert {key: value for key, value in composed.items() if key != "data"} == defaults(cls)  # data: a group
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         template = compose(config_name=config, return_hydra_config=True).hydra.help.template
-    for f in dataclasses.fields(cls):
-        line = next(line for line in template.splitlines() if line.split()[:1] == [f.name])
-        assert f.metadata["help"] in line and line.endswith(f"({shown(default_of(f))})")
+    for name, words in described(cls):  # what it means, its bound and its default, groups' settings dotted
+        line = next(line for line in template.splitlines() if line.split()[:1] == [name])
+        assert line.split(maxsplit=1)[1] == words
+
+
+PRESETS = sorted((ROOT / "conf" / "preset").glob("*.yaml"))
+
+
+def leaves(values: dict, prefix: str = "") -> dict:
+    return {k: v for key, value in values.items()
+            for k, v in (leaves(value, f"{prefix}{key}.") if isinstance(value, dict) and key != "per_kind"
+                         else {f"{prefix}{key}": value}).items()}
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=[p.stem for p in PRESETS])
+def test_a_comparison_preset_holds_only_what_it_changes(path):
+    values = leaves(yaml.safe_load(path.read_text()) or {})
+    declared = leaves(defaults(CompareSettings))
+    for key, value in values.items():
+        assert key in declared, f"{path.name}: {key} is not a setting of CompareSettings"
+        assert value != declared[key], f"{path.name}: {key}={value!r} is CompareSettings's own default"
+
+
+@pytest.mark.parametrize("value, line", [
+    ([], "mqar.widths=[] is empty: give at least one value"),
+    (0, "mqar.widths=0 must be an integer >= 1"),  # typed bare: named as the setting
+    ([4, 0], "mqar.widths entry=0 must be an integer >= 1"),
+    ({"a": 1}, "mqar.widths={'a': 1} must be a list, e.g. mqar.widths=[a,b]"),
+])
+def test_a_list_settings_bound_checks_every_entry(value, line):
+    with pytest.raises(ConfigError) as refused:
+        each(integer())("mqar.widths", value)
+    assert str(refused.value) == line
+    each(integer(), at_least_one=False)("speed.train_contexts", [])
 
 
 def test_export_refuses_a_format_it_does_not_write_before_reading_the_checkpoint():

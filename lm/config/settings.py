@@ -24,7 +24,16 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from lm.util.checks import require_bool, require_choice, require_fraction, require_in_interval, require_int
+from lm.util.checks import (
+    as_list,
+    require_bool,
+    require_choice,
+    require_fraction,
+    require_in_interval,
+    require_int,
+    require_positive,
+)
+from lm.util.errors import ConfigError
 
 SCHEMAS: dict[str, type] = {}  # the name a primary config's defaults list uses -> its dataclass
 
@@ -56,13 +65,34 @@ def fraction(nullable: bool = False) -> Bound:
 
 
 def number(low: float, high: float = math.inf, open_low: bool = False, nullable: bool = False) -> Bound:
-    words = f"a finite number {'>' if open_low else '>='} {low}" if high == math.inf else f"a number in [{low}, {high}]"
+    words = (f"a finite number {'>' if open_low else '>='} {low}" if high == math.inf
+             else f"a number in {'(' if open_low else '['}{low}, {high}]")
     return Bound(words, lambda n, v: require_in_interval(n, v, low, high, open_low=open_low,
                                                          open_high=high == math.inf), nullable)
 
 
+def positive() -> Bound:
+    return Bound("a positive number", require_positive)
+
+
 def choice(choices: Collection[str]) -> Bound:
     return Bound(" | ".join(choices), lambda n, v: require_choice(n, v, choices))
+
+
+def each(bound: Bound, at_least_one: bool = True) -> Bound:
+    """A list whose every entry is within `bound`. A value typed without brackets (`tasks=mqar`,
+    `lm.lr=0.002`) is a list of that one value, and its error names the setting itself; an entry of
+    a list is named `<setting> entry`."""
+
+    def check(name: str, value: Any) -> None:
+        values = as_list(name, value)
+        if at_least_one and not values:
+            raise ConfigError(f"{name}=[] is empty: give at least one value")
+        typed_bare = len(values) == 1 and values[0] is value
+        for entry in values:
+            bound(name if typed_bare else f"{name} entry", entry)
+
+    return Bound(f"{'one value or a list' if at_least_one else 'a list'}, each {bound.words}", check)
 
 
 def setting(default: Any = MISSING, help: str = "", bound: Bound | None = None,
@@ -106,8 +136,13 @@ def store(name: str, cls: type) -> None:
 
 
 def shown(value: Any) -> str:
-    if value is MISSING or value == "???":
+    """A default as it is typed on the command line: `[mqar, lm]`, `{name: x, qk_norm: true}`, `null`."""
+    if value is MISSING or (isinstance(value, str) and value == "???"):
         return "required"
+    if isinstance(value, list):
+        return f"[{', '.join(shown(v) for v in value)}]"
+    if isinstance(value, dict):
+        return f"{{{', '.join(f'{k}: {shown(v)}' for k, v in value.items())}}}"
     if isinstance(value, str) and value != value.strip():
         return repr(value)
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
@@ -154,5 +189,5 @@ def settings_help(name: str) -> str:
 # `${settings_help:generate_settings}` in a help template: the options part of --help, from the dataclass.
 OmegaConf.register_new_resolver("settings_help", settings_help, replace=True)
 
-__all__ = ["Bound", "boolean", "check_settings", "choice", "fraction", "group", "integer", "number",
-           "options_help", "setting", "store"]
+__all__ = ["Bound", "boolean", "check_settings", "choice", "each", "fraction", "group", "integer", "number",
+           "options_help", "positive", "setting", "store"]

@@ -50,7 +50,7 @@ def corpus_key(cfg: DictConfig) -> str:
     identity), checked to leave the evaluation some text: the language-modelling records are keyed
     by it, so rewritten files rerun the arms they feed."""
     corpus = build_corpus(cfg.data)
-    val_fraction = cfg.data.get("val_fraction")
+    val_fraction = cfg.data.val_fraction
     if not any(text.strip() for text in split_documents(corpus, "val", float(val_fraction))):
         raise DataError(f"data.val_fraction={val_fraction} leaves no document of the corpus for validation and "
                         "evaluation: give more documents or a larger fraction")

@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from lm.attention import available_kinds
 from lm.data.mqar import RecallTask
 from lm.studies.compare_runs import language_run, recall_run, speed_figures, unless_diverged
-from lm.studies.compare_settings import learning_rates, recall_lengths, speed_settings
+from lm.studies.compare_settings import recall_lengths, speed_settings
 from lm.studies.engine import Arm, recorded_settings
 from lm.training.settings import model_config_from
 from lm.util.checks import as_list
@@ -112,7 +112,7 @@ def recall_arms(cfg: DictConfig, entry: Entry, seeds: list[int], common: dict, r
     lengths = recall_lengths(m)
     arms = []
     for width, pairs, lr, seed in itertools.product(as_list("mqar.widths", m.widths), as_list("mqar.pairs", m.pairs),
-                                                    learning_rates("mqar.lr", m.lr), seeds):
+                                                    as_list("mqar.lr", m.lr), seeds):
         name = f"mqar-{entry.name}-d{width}-p{pairs}-{lr_tag(lr)}-s{seed}"
         values = {**common, "seed": seed, "run_name": name,
                   "model": {"name": f"mqar-d{width}", "n_layer": m.n_layer, "d_model": width, "n_head": m.n_head,
@@ -144,7 +144,7 @@ def language_config(cfg: DictConfig, entry: Entry, lr: float, seed: int, common:
 def language_arms(cfg: DictConfig, entry: Entry, seeds: list[int], common: dict, runs: Path,
                   fingerprint: str) -> list[Arm]:
     arms = []
-    for lr, seed in itertools.product(learning_rates("lm.lr", cfg.lm.lr), seeds):
+    for lr, seed in itertools.product(as_list("lm.lr", cfg.lm.lr), seeds):
         name = f"lm-{entry.name}-{lr_tag(lr)}-s{seed}"
         run_cfg = language_config(cfg, entry, lr, seed, common, name)
         check_run(name, run_cfg, recall=False)

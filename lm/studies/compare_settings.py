@@ -1,114 +1,45 @@
-"""The attention comparison's settings (conf/compare.yaml, conf/preset/*.yaml), checked as typed
-before any arm is planned, and read per kind (`per_kind`). Every default is the YAML's, composed
-by Hydra: the code reads the keys and restates none of them."""
+"""The attention comparison's settings, checked as typed before any arm is planned, and read per
+kind (`per_kind`). Each setting's default, meaning and bound are declared once, in CompareSettings
+(lm/config/compare.py); here is what no single setting's bound can say: the `data` group's, the
+settings that bound each other, and the MQAR fillers lm.data.mqar writes."""
 
 from __future__ import annotations
 
 from omegaconf import DictConfig, OmegaConf
 
+from lm.config.compare import TASKS, CompareSettings
+from lm.config.settings import check_settings
 from lm.data.mqar import FILLERS
-from lm.util.checks import (
-    as_list,
-    require_bool,
-    require_choice,
-    require_fraction,
-    require_in_interval,
-    require_int,
-    require_positive,
-)
+from lm.util.checks import as_list, require_choice, require_fraction
 from lm.util.errors import ConfigError
-
-TASKS = ("mqar", "lm", "speed")
 
 
 def study_tasks(cfg: DictConfig) -> list[str]:
     """`tasks`, in the study's order: mqar (recall), lm (language modelling), speed (decoding)."""
     tasks = as_list("tasks", cfg.tasks)
-    if not tasks:
-        raise ConfigError(f"tasks=[] is empty: give one or more of {', '.join(TASKS)}")
-    for task in tasks:
-        if task not in TASKS:
-            raise ConfigError(f"tasks entry {task!r} is not one of {', '.join(TASKS)}")
     return [task for task in TASKS if task in tasks]
-
-
-def learning_rates(name: str, value) -> list[float]:
-    """The swept learning rates of `mqar.lr` or `lm.lr`: one value, or a list."""
-    lrs = as_list(name, value)
-    if not lrs:
-        raise ConfigError(f"{name}=[] is empty: give at least one learning rate")
-    for lr in lrs:
-        require_positive(name if len(lrs) == 1 else f"{name} entry", lr)
-    if len(set(lrs)) < len(lrs):
-        raise ConfigError(f"{name}={lrs} names a learning rate more than once")
-    return lrs
 
 
 def study_seeds(cfg: DictConfig) -> list[int]:
     """seed, seed + 1, ...: `seeds` of them, so `seed=<n>` reruns every cell with other seeds."""
-    count = cfg.seeds
-    require_int("seed", cfg.seed, minimum=0)
-    require_int("seeds", count)
-    return list(range(cfg.seed, cfg.seed + count))
+    return list(range(cfg.seed, cfg.seed + cfg.seeds))
 
 
 def check_study_settings(cfg: DictConfig) -> None:
-    """Every number of the study, named as the user types it, before any arm is planned: an arm's
+    """Every setting of the study, named as the user types it, before any arm is planned: an arm's
     own check would name its internal key (trainer.max_steps for lm.steps) after others trained."""
-    if cfg.data.get("source") == "mqar":
+    if cfg.data.source == "mqar":
         raise ConfigError("data=mqar: the study's `data` is the language-modelling corpus (pystdlib, text or hf); "
                           "the recall runs are set under mqar.*")
-    study_tasks(cfg)
-    study_seeds(cfg)
-    require_bool("report_only", cfg.report_only)
-    require_fraction("data.val_fraction", cfg.data.get("val_fraction"))
-    m, lm, speed = cfg.mqar, cfg.lm, cfg.speed
-    for key in ("widths", "pairs"):
-        values = as_list(f"mqar.{key}", m[key])
-        if not values:
-            raise ConfigError(f"mqar.{key}=[] is empty: give at least one value, or tasks without mqar")
-        for value in values:
-            require_int(f"mqar.{key} entry", value)
-    recall_lengths(m)
-    for group, name, keys in (("mqar", m, ("vocab_size", "n_layer", "n_head", "ff_mult", "steps",
-                                           "val_every", "batch_size", "val_examples")),
-                              ("lm", lm, ("steps", "val_every", "batch_size"))):
-        for key in keys:
-            require_int(f"{group}.{key}", name[key])
-    if m.examples is not None:
-        require_int("mqar.examples", m.examples)
-    require_int("mqar.short_conv", m.short_conv, minimum=0)
-    require_choice("mqar.filler", m.filler, FILLERS)
-    require_in_interval("mqar.query_power", m.query_power, 0, 1, open_low=True)
-    if m.stop_at_accuracy is not None:
-        require_fraction("mqar.stop_at_accuracy", m.stop_at_accuracy)
-    if lm.val_batches is not None:
-        require_int("lm.val_batches", lm.val_batches)
-    for group, name in (("mqar", m), ("lm", lm)):
-        learning_rates(f"{group}.lr", name.lr)
-        require_int(f"{group}.warmup_steps", name.warmup_steps, minimum=0)
-    require_int("speed.new_tokens", speed.new_tokens, minimum=3)  # the first step is not timed (decode_speed)
-    batches = as_list("speed.batches", speed.batches)
-    if not batches:
-        raise ConfigError("speed.batches=[] is empty: give at least one batch size to decode at")
-    for batch in batches:
-        require_int("speed.batches entry", batch)
-    contexts = as_list("speed.contexts", speed.contexts)
-    if not contexts:
-        raise ConfigError("speed.contexts=[] is empty: give at least one context length to decode at")
-    for context in contexts:
-        if not isinstance(context, int) or isinstance(context, bool) or context <= speed.new_tokens:
+    check_settings(cfg, CompareSettings)
+    require_fraction("data.val_fraction", cfg.data.val_fraction)  # every text corpus's data config holds it
+    require_choice("mqar.filler", cfg.mqar.filler, FILLERS)
+    recall_lengths(cfg.mqar)
+    speed = cfg.speed
+    for context in as_list("speed.contexts", speed.contexts):
+        if context <= speed.new_tokens:
             raise ConfigError(f"speed.contexts entry {context!r} must be an integer above "
                               f"speed.new_tokens={speed.new_tokens}")
-    if speed.max_batch_tokens is not None:
-        require_int("speed.max_batch_tokens", speed.max_batch_tokens)
-    require_bool("speed.compile", speed.compile)
-    train_contexts = as_list("speed.train_contexts", speed.train_contexts)
-    for context in train_contexts:
-        require_int("speed.train_contexts entry", context)
-    if train_contexts:
-        require_int("speed.train_tokens", speed.train_tokens)
-        require_int("speed.train_steps", speed.train_steps)
 
 
 PER_KIND_KEYS = ("mqar", "lm", "speed", "seeds")
@@ -148,14 +79,11 @@ def recall_lengths(m: DictConfig) -> dict[int, int]:
     """pairs -> sequence length: `mqar.seq_len` is one length for every number of pairs, or a list
     with one per entry of `mqar.pairs` (Zoology's Figure 2 grows the sequence with the pairs)."""
     pairs = as_list("mqar.pairs", m.pairs)
-    if isinstance(m.seq_len, int) and not isinstance(m.seq_len, bool):
-        require_int("mqar.seq_len", m.seq_len)
+    if isinstance(m.seq_len, int):
         return dict.fromkeys(pairs, m.seq_len)
     lengths = as_list("mqar.seq_len", m.seq_len)
     if len(lengths) != len(pairs):
         raise ConfigError(f"mqar.seq_len={lengths} must be one length, or one per entry of mqar.pairs={pairs}")
-    for length in lengths:
-        require_int("mqar.seq_len entry", length)
     return dict(zip(pairs, lengths, strict=True))
 
 

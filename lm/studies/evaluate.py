@@ -29,12 +29,12 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from tqdm.auto import tqdm
 
+from lm.config.eval import SPLITS, EvalSettings
+from lm.config.settings import check_settings
 from lm.data.corpora import Corpus, is_validation
 from lm.data.tokenizer import EOT
 from lm.model.transformer import Transformer
 from lm.util.errors import DataError
-
-SPLITS = ("val", "train", "all")
 
 
 @dataclass
@@ -138,18 +138,16 @@ def evaluate(cfg) -> dict:
 
     from lm.data.corpora import build_corpus
     from lm.formats.checkpoint import load
-    from lm.util.checks import check_device, require_fraction, require_int
+    from lm.util.checks import check_device, require_fraction
     from lm.util.files import write_atomically
     from lm.util.paths import resolve_path
 
-    if cfg.split not in SPLITS:
-        raise DataError(f"split={cfg.split!r} is not one of {list(SPLITS)}")
-    if cfg.data.get("source") == "mqar":
+    check_settings(cfg, EvalSettings)
+    if cfg.data.source == "mqar":
         raise DataError("data=mqar has no text to score: eval.py scores a text corpus (data=pystdlib, text or hf); "
                         "recall on data=mqar is measured by training (train.py data=mqar reports val/accuracy) and "
                         "by compare.py")
-    require_int("batch_size", cfg.batch_size)
-    val_fraction = cfg.data.get("val_fraction", 0.05)
+    val_fraction = cfg.data.val_fraction  # every text corpus's data config holds it
     require_fraction("data.val_fraction", val_fraction)
     check_device(cfg.device)
     corpus = build_corpus(cfg.data)  # lists the files only: a data.paths mistake is refused before loading

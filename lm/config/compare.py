@@ -1,0 +1,162 @@
+"""scripts/compare.py's settings: each one's default, meaning and bound, declared once here.
+
+The defaults are the study's default preset: every cell with a learning-rate sweep and 2 seeds,
+about 9-11 hours on a 2-core CPU for its 14 kinds (docs/studies.md, "What the default preset
+costs"). conf/compare.yaml composes them (`compare_settings`) with the `data` group (the
+language-modelling corpus) and a preset (conf/preset/: quick, zoology) on top; its --help lists
+them. lm.studies.compare_settings checks them before any arm is planned, with what no single
+setting's bound can say: the settings of the `data` group, `mqar.seq_len` against `mqar.pairs`,
+`speed.contexts` against `speed.new_tokens`, and the MQAR fillers lm.data.mqar writes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lm.config.settings import Bound, boolean, choice, each, fraction, group, integer, number, positive, setting, store
+from lm.util.checks import as_list
+from lm.util.errors import ConfigError
+
+TASKS = ("mqar", "lm", "speed")  # recall, language modelling, decoding speed and cache size, in the study's order
+
+
+def learning_rates() -> Bound:
+    """One learning rate or a sweep of them, each run as arms of its own: a rate named twice would
+    be the same arm twice."""
+    each_positive = each(positive())
+
+    def check(name: str, value: Any) -> None:
+        each_positive(name, value)
+        rates = as_list(name, value)
+        if len(set(rates)) < len(rates):
+            raise ConfigError(f"{name}={rates} names a learning rate more than once")
+
+    return Bound("a positive number, or a list of different ones", check)
+
+
+@dataclass(kw_only=True)
+class RecallSettings:
+    """Zoology's recall task (lm/data/mqar.py) with the recipe that learns on a CPU budget."""
+
+    # Zoology: recurrent kinds need a wider model (a bigger state) to recall as well.
+    widths: list[int] = setting(help="model widths, one cell each", bound=each(integer()), factory=lambda: [64, 128])
+    pairs: list[int] = setting(help="key-value pairs per example, one cell each", bound=each(integer()),
+                               factory=lambda: [4, 8])
+    seq_len: int | list[int] = setting(64, "one sequence length, or one per entry of pairs (Zoology's Figure 2 "
+                                           "grows the sequence with the pairs)", each(integer()))
+    vocab_size: int = setting(256, "keys 1..127, values 128..255 at 256 (Zoology: 8192; preset=zoology)", integer())
+    filler: str = setting("pad", "the query region between the queries: pad (token 0, Zoology's Figure 2) or "
+                                 "random tokens")
+    query_power: float = setting(0.01, "a of the power law placing the queries, most of them close to the pairs; "
+                                       "1: uniform", number(0, 1, open_low=True))
+    n_layer: int = setting(2, "layers", integer())
+    n_head: int = setting(4, "heads", integer())
+    ff_mult: int = setting(3, "d_ff = ff_mult x width", integer())
+    # Without the convolution softmax attention stays on the 1/pairs plateau at this budget (docs/studies.md).
+    short_conv: int = setting(4, "taps of the causal convolution before every attention layer, every kind alike "
+                                 "(0: none)", integer(0))
+    steps: int = setting(1000, "training steps at most: a cell stops once it passes stop_at_accuracy", integer())
+    stop_at_accuracy: float | None = setting(0.99, "a cell stops once its held-out accuracy passes it; null: "
+                                                          "every cell runs all its steps", fraction(nullable=True))
+    val_every: int = setting(100, "steps between held-out accuracies", integer())
+    batch_size: int = setting(64, "examples per step", integer())
+    # A model memorises a small set and stays on the plateau: fresh examples until it could have solved the task.
+    examples: int | None = setting(None, "training examples; null: steps x batch_size fresh ones, none seen twice",
+                                   integer(nullable=True))
+    val_examples: int = setting(1000, "held-out examples", integer())
+    # 1e-3 was never the best for softmax and ran every step of its cells (docs/studies.md).
+    lr: float | list[float] = setting(help="swept per cell: every rate recorded, the best reported",
+                                      bound=learning_rates(), factory=lambda: [0.003, 0.01, 0.03])
+    warmup_steps: int = setting(50, "linear warm-up steps", integer(0))
+
+
+@dataclass(kw_only=True)
+class ModelShape:
+    """The language-modelling model, the same for every kind (ModelConfig checks it)."""
+
+    n_layer: int = setting(2, "layers")
+    d_model: int = setting(128, "width")
+    n_head: int = setting(4, "heads")
+    d_ff: int = setting(384, "the MLP's hidden width")
+    max_seq_len: int = setting(256, "the training context")
+
+
+@dataclass(kw_only=True)
+class LanguageSettings:
+    """Language modelling on the `data` corpus: 1250 x 16 x 256 = 5.12M training tokens per kind and seed."""
+
+    model: ModelShape = group(ModelShape, "the model's shape, every kind alike")
+    steps: int = setting(1250, "training steps", integer())
+    val_every: int = setting(125, "steps between validations", integer())
+    val_batches: int | None = setting(10, "batches per validation; null: the whole split", integer(nullable=True))
+    batch_size: int = setting(16, "sequences per step", integer())
+    lr: float | list[float] = setting(0.002, "one rate, or a list swept as mqar.lr is", learning_rates())
+    warmup_steps: int = setting(100, "linear warm-up steps", integer(0))
+
+
+@dataclass(kw_only=True)
+class SpeedSettings:
+    """Decoding and training speed of the language-modelling shape, freshly initialised."""
+
+    contexts: list[int] = setting(help="decode tokens/s and cache bytes at these context lengths (each above "
+                                       "new_tokens)", bound=each(integer()), factory=lambda: [1024, 8192, 32768])
+    batches: list[int] = setting(help="and at these batch sizes (the same prompt in every row)",
+                                 bound=each(integer()), factory=lambda: [1, 16])
+    max_batch_tokens: int | None = setting(131072, "rows of batch x context above it are left out (16 x 32k: 16 "
+                                                   "prefills of 32k); null: none", integer(nullable=True))
+    new_tokens: int = setting(64, "tokens decoded per row (the first step is not timed)", integer(3))
+    # It won or tied eager at every row measured on the 2-core CPU (docs/studies.md).
+    compile: bool = setting(True, "the decoding step through torch.compile", boolean())
+    train_contexts: list[int] = setting(help="training tokens/s at these sequence lengths ([]: none)",
+                                        bound=each(integer(), at_least_one=False), factory=lambda: [256, 4096])
+    train_tokens: int = setting(16384, "tokens per timed training step: batch = train_tokens / context", integer())
+    train_steps: int = setting(3, "timed training steps (the median), after one untimed", integer())
+
+
+def default_extra_kinds() -> list[dict]:
+    return [{"name": "mha-gated-qk-norm", "attn": "mha", "gate": "elementwise", "qk_norm": True},  # Qwen3-Next's layer
+            {"name": "sliding-softcap", "attn": "sliding", "softcap": 30},  # Gemma 2's cap
+            {"name": "linear-taylor", "attn": "linear", "feature_map": "taylor"},  # Based's feature map
+            {"name": "sliding-w16", "attn": "sliding", "window": 16}]  # shorter than the recall distance
+
+
+def default_per_kind() -> dict:
+    # Bahdanau's pairwise tanh scores: a training step costs 13x MHA's at width 64, and a 32k prefill or
+    # a 4k training step would take minutes (O(T^2 hs) tanh evaluations); its 5.12M-token language-modelling
+    # run alone takes about an hour (1.5k tokens/s).
+    return {"additive": {"seeds": 1, "mqar": {"widths": [64], "pairs": [4]},
+                         "speed": {"contexts": [1024, 8192], "max_batch_tokens": 16384, "train_contexts": [256]}}}
+
+
+@dataclass(kw_only=True)
+class CompareSettings:
+    kinds: list[str] | None = setting(None, "attn configs (conf/attn/) and registered kinds; null: mha, mqa, gqa, "
+                                            "then every other registered kind at its defaults")
+    extra_kinds: list[Any] = setting(help="more, with options: [{name: linear-taylor, attn: linear, "
+                                          "feature_map: taylor}]", factory=default_extra_kinds)
+    out: str = setting("checkpoints/compare", "results.json, results.md, mqar_accuracy.png, lm_loss.png, records/, "
+                                              "runs/")
+    tasks: list[str] = setting(help="which parts run: mqar (recall), lm (language modelling), speed (decoding "
+                                    "speed and cache size)", bound=each(choice(TASKS)),
+                               factory=lambda: list(TASKS))
+    seed: int = setting(0, "the first seed of every cell; seed=<n> reruns the cells with seeds n, n+1, ...",
+                        integer(0))
+    seeds: int = setting(2, "seeds per cell: the tables show their mean and spread", integer())
+    per_kind: dict[str, Any] | None = setting(help="a kind's own mqar, lm, speed or seeds on top (the tables say "
+                                                   "so); null: none", factory=default_per_kind)
+    arm: int | None = setting(None, "an arm's index: run it alone and write its record, as a launcher's job does",
+                              integer(0, nullable=True))
+    report_only: bool = setting(False, "run no arm, render the finished ones (a cell shows once all its arms have)",
+                                boolean())
+    records_from: str | None = setting(None, "a study's results.json (docs/compare/results.json): its finished "
+                                             "arms of equal settings are taken instead of run again")
+    mqar: RecallSettings = group(RecallSettings, "recall")
+    lm: LanguageSettings = group(LanguageSettings, "language modelling")
+    speed: SpeedSettings = group(SpeedSettings, "decoding and training speed")
+
+
+store("compare_settings", CompareSettings)
+
+__all__ = ["TASKS", "CompareSettings", "LanguageSettings", "ModelShape", "RecallSettings", "SpeedSettings",
+           "learning_rates"]

@@ -1,0 +1,32 @@
+"""scripts/eval.py's settings: each one's default, meaning and bound, declared once here.
+
+conf/eval.yaml composes them (`eval_settings`) beside the `data` group (the corpus, as training
+reads it), its --help lists them, and lm.studies.evaluate checks them before the checkpoint is
+read. `device` is checked by lm.util.checks.check_device, which knows what this torch can reach.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lm.config.settings import boolean, choice, integer, setting, store
+
+# val: the documents training held out (the same hash of the document id, lm.data.corpora); train: the
+# others; all: every document.
+SPLITS = ("val", "train", "all")
+
+
+@dataclass(kw_only=True)
+class EvalSettings:
+    ckpt: str = setting(help="a training checkpoint, an exported folder, or a transformers Llama/Mistral folder")
+    split: str = setting("val", "the documents training held out (val), the others (train) or every one (all)",
+                         choice(SPLITS))
+    batch_size: int = setting(8, "windows of max_seq_len + 1 tokens scored at once", integer(1))
+    device: str = setting("cpu", "cpu, cuda[:n] or mps")
+    out: str | None = setting(None, "the JSON record; null: eval-<corpus>-<split>.json beside the checkpoint")
+    progress_bar: bool = setting(True, "a progress bar over the batches on stderr", boolean())
+
+
+store("eval_settings", EvalSettings)
+
+__all__ = ["SPLITS", "EvalSettings"]
