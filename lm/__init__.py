@@ -3,7 +3,7 @@
     from lm import ModelConfig, Transformer, load, generate, stream, quantize_int8
 
 The package is layered; each folder imports only from the ones before it:
-util -> attention -> model -> data -> formats -> generation -> training -> studies.
+util -> attention -> model -> data -> formats -> generation -> config -> serving -> training -> studies.
 """
 
 from lm.formats.checkpoint import load
