@@ -82,11 +82,12 @@ def test_the_installed_setuptools_builds_metadata_with_the_licence_and_the_torch
 
 # ------------------------------------------------------------------ optimiser defaults
 
-def test_the_optim_yaml_states_exactly_the_dataclass_defaults():
-    """OptimConfig holds the defaults; conf/optim/adamw.yaml repeats them for the command line and
-    must not say anything else, or a run and a LitLM built in code would train differently."""
+def test_the_optim_yaml_composes_the_dataclass_and_states_no_value():
+    """OptimConfig (lm/config/optim.py) holds the defaults; conf/optim/adamw.yaml composes them and
+    restates none, so a run and a LitLM built in code train alike."""
     stated = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "optim" / "adamw.yaml"))
-    assert stated == dataclasses.asdict(OptimConfig())
+    assert stated == {"defaults": [{"/optim/settings@_here_": "adamw"}]}
+    assert OmegaConf.to_container(compose_config("train", []).optim) == dataclasses.asdict(OptimConfig())
 
 
 def test_the_composed_training_config_trains_with_the_dataclass_defaults():

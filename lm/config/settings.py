@@ -129,10 +129,11 @@ def defaults(cls: type) -> dict:
             else default_of(f) for f in dataclasses.fields(cls)}
 
 
-def store(name: str, cls: type) -> None:
-    """Register `cls`'s defaults as the config `name` (a primary config's first defaults entry)."""
-    SCHEMAS[name] = cls
-    ConfigStore.instance().store(name=name, node=defaults(cls))
+def store(name: str, cls: type, group: str | None = None) -> None:
+    """Register `cls`'s defaults as the config `name` (a primary config's first defaults entry), or
+    as an option of `group` that a group's YAML composes (`- /optim/settings@_here_: adamw`)."""
+    SCHEMAS[f"{group}/{name}" if group else name] = cls
+    ConfigStore.instance().store(group=group, name=name, node=defaults(cls))
 
 
 def shown(value: Any) -> str:

@@ -1,4 +1,4 @@
-"""What a run optimises with: the `optim` group's settings (`optim=adamw`, the default, or
+"""What a run optimises with: the `optim` group's settings (lm.config.optim: `optim=adamw`, the default, or
 `optim=muon`), their checks, which optimizer each parameter goes to, and the learning-rate schedule.
 
 `optim=adamw`: AdamW for every parameter; weight decay on the matrices, not on norms, biases or
@@ -25,53 +25,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from lm.config.optim import CONFIGS, MuonConfig, OptimConfig
+from lm.config.settings import check_settings
 from lm.model.layers import SwiGLU
 from lm.model.short_conv import ShortConv
 from lm.model.transformer import Transformer
 from lm.training.muon import MuonAdamW, SplitMuon
-from lm.util.checks import is_real, require_bool, require_choice, require_in_interval, require_int, require_positive
+from lm.util.checks import require_choice
 from lm.util.errors import ConfigError
-
-SCHEDULES = ("cosine", "wsd", "linear")
-ADJUST_LR = ("original", "match_rms_adamw")  # torch.optim.Muon's adjust_lr_fn
-
-
-@dataclass
-class OptimConfig:
-    """`optim=adamw`: AdamW for every parameter. The defaults are the only ones: conf/optim/adamw.yaml
-    states the same values for the command line (tests/test_packaging.py fails when they differ).
-    A run config written before a key existed takes its default here (an old run meant adamw, cosine)."""
-
-    name: str = "adamw"
-    lr: float = 2e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 50
-    schedule: str = "cosine"
-    decay_fraction: float = 0.2
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    fused: bool = True
-
-
-@dataclass
-class MuonConfig(OptimConfig):
-    """`optim=muon`: `lr` and `weight_decay` are Muon's, for the hidden matrices; `adamw_lr` and
-    `adamw_weight_decay`, with beta1, beta2 and fused, are AdamW's, for the rest. conf/optim/muon.yaml
-    states these defaults (tests/test_optim.py fails when they differ)."""
-
-    name: str = "muon"
-    lr: float = 0.02
-    weight_decay: float = 0.01
-    momentum: float = 0.95
-    nesterov: bool = True
-    ns_steps: int = 5
-    adjust_lr: str = "original"
-    adamw_lr: float = 2e-3
-    adamw_weight_decay: float = 0.1
-
-
-CONFIGS: dict[str, type[OptimConfig]] = {"adamw": OptimConfig, "muon": MuonConfig}
 
 
 def optim_config(settings: Mapping) -> OptimConfig:
@@ -90,32 +51,12 @@ def optim_config(settings: Mapping) -> OptimConfig:
 
 
 def check_optim_settings(o: OptimConfig, strategy: str = "auto") -> None:
-    """One ConfigError line naming the key, for any value the run cannot train with."""
-    require_positive("optim.lr", o.lr)
-    require_int("optim.warmup_steps", o.warmup_steps, minimum=0)
-    require_choice("optim.schedule", o.schedule, SCHEDULES)
-    require_in_interval("optim.decay_fraction", o.decay_fraction, 0, 1, open_low=True)
-    for name in ("beta1", "beta2", "min_lr_ratio"):
-        value = getattr(o, name)
-        if not is_real(value) or not 0 <= value <= 1:
-            raise ConfigError(f"optim.{name}={value!r} must be a number from 0 to 1")
-    require_decay("optim.weight_decay", o.weight_decay)
-    require_bool("optim.fused", o.fused)
-    if isinstance(o, MuonConfig):
-        require_positive("optim.adamw_lr", o.adamw_lr)
-        require_decay("optim.adamw_weight_decay", o.adamw_weight_decay)
-        require_in_interval("optim.momentum", o.momentum, 0, 1, open_high=True)
-        require_bool("optim.nesterov", o.nesterov)
-        require_int("optim.ns_steps", o.ns_steps, minimum=1, maximum=99)
-        require_choice("optim.adjust_lr", o.adjust_lr, ADJUST_LR)
-        if "fsdp" in str(strategy).lower():
-            raise ConfigError(f"optim=muon cannot train under trainer.strategy={strategy}: Newton-Schulz needs each "
-                              "whole matrix and FSDP shards them across devices; use trainer=ddp")
-
-
-def require_decay(name: str, value) -> None:
-    if not is_real(value) or not value >= 0:
-        raise ConfigError(f"{name}={value!r} must be a number >= 0")
+    """One ConfigError line naming the key, for any value the run cannot train with: each setting's
+    bound (lm.config.optim), then what depends on the trainer."""
+    check_settings(dataclasses.asdict(o), type(o), "optim.")
+    if isinstance(o, MuonConfig) and "fsdp" in str(strategy).lower():
+        raise ConfigError(f"optim=muon cannot train under trainer.strategy={strategy}: Newton-Schulz needs each "
+                          "whole matrix and FSDP shards them across devices; use trainer=ddp")
 
 
 # ---------------------------------------------------------------------------- which optimizer

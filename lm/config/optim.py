@@ -1,0 +1,75 @@
+"""The `optim` group's settings: each optimizer's defaults, meanings and bounds, declared once here.
+
+conf/optim/adamw.yaml and muon.yaml compose them (`- /optim/settings@_here_: <name>`) and state no
+value; lm.training.optim builds the optimizer and the schedule from them and checks them
+(`check_optim_settings`: these bounds, then what depends on the trainer). A run config written
+before a setting existed takes its default here (an old run meant adamw with a cosine schedule).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lm.config.settings import Bound, boolean, choice, integer, number, positive, setting, store
+from lm.util.checks import require_in_interval, require_int
+
+SCHEDULES = ("cosine", "wsd", "linear")
+ADJUST_LR = ("original", "match_rms_adamw")  # torch.optim.Muon's adjust_lr_fn
+
+UNIT = number(0, 1)
+DECAY = number(0)
+MOMENTUM = Bound("a number in [0, 1)", lambda n, v: require_in_interval(n, v, 0, 1, open_high=True))
+NS_STEPS = Bound("an integer from 1 to 99", lambda n, v: require_int(n, v, minimum=1, maximum=99))
+
+
+@dataclass
+class OptimConfig:
+    """`optim=adamw`: AdamW for every parameter, then a learning-rate schedule over trainer.max_steps."""
+
+    name: str = setting("adamw", "the optimizer: adamw | muon (optim=muon chooses its group)")
+    lr: float = setting(2e-3, "peak learning rate, reached when warm-up ends", positive())
+    min_lr_ratio: float = setting(0.1, "the learning rate at trainer.max_steps, as a fraction of the peak (every "
+                                       "schedule ends there)", UNIT)
+    warmup_steps: int = setting(50, "linear warm-up from lr / warmup_steps to lr over these optimizer steps",
+                                integer(0))
+    schedule: str = setting("cosine", "after warm-up: cosine, linear (decay over all the steps left) or wsd "
+                                      "(constant at lr, then linear decay over the last decay_fraction of "
+                                      "trainer.max_steps)", choice(SCHEDULES))
+    decay_fraction: float = setting(0.2, "wsd only: the share of trainer.max_steps its final decay takes",
+                                    number(0, 1, open_low=True))
+    weight_decay: float = setting(0.1, "decoupled; on matrices only, not on norms or embeddings", DECAY)
+    beta1: float = setting(0.9, "AdamW's first-moment decay", UNIT)
+    beta2: float = setting(0.95, "AdamW's second-moment decay", UNIT)
+    fused: bool = setting(True, "torch's fused AdamW kernel", boolean())
+
+
+@dataclass
+class MuonConfig(OptimConfig):
+    """`optim=muon`: Muon for the hidden matrices (the blocks' nn.Linear weights; fused Q/K/V and
+    gate/up per matrix), AdamW for the rest (embeddings, the head, norms, convolution taps, per-head
+    vectors); one schedule scales both. `lr` and `weight_decay` are Muon's; `adamw_lr` and
+    `adamw_weight_decay`, with beta1, beta2 and fused, are AdamW's."""
+
+    name: str = setting("muon", "the optimizer: adamw | muon (optim=adamw chooses its group)")
+    lr: float = setting(0.02, "Muon's peak learning rate, for the hidden matrices", positive())
+    weight_decay: float = setting(0.01, "Muon's decoupled weight decay: each step multiplies the matrices by "
+                                        "1 - lr * weight_decay", DECAY)
+    momentum: float = setting(0.95, "Muon's momentum", MOMENTUM)
+    nesterov: bool = setting(True, "Nesterov momentum", boolean())
+    ns_steps: int = setting(5, "Newton-Schulz iterations per update", NS_STEPS)
+    # original: sqrt(max(1, rows/cols)), Jordan et al.; match_rms_adamw: 0.2 sqrt(max(rows, cols)), Liu et al.
+    # 2025, which lets lr take AdamW's value.
+    adjust_lr: str = setting("original", "the matrix shape's scaling of lr: original | match_rms_adamw",
+                             choice(ADJUST_LR))
+    adamw_lr: float = setting(2e-3, "AdamW's peak learning rate, for everything that is not a hidden matrix",
+                              positive())
+    adamw_weight_decay: float = setting(0.1, "AdamW's weight decay, on its 2-D parameters but the embedding "
+                                             "(never norms, biases)", DECAY)
+
+
+CONFIGS: dict[str, type[OptimConfig]] = {"adamw": OptimConfig, "muon": MuonConfig}
+
+for _name, _cls in CONFIGS.items():
+    store(_name, _cls, group="optim/settings")
+
+__all__ = ["ADJUST_LR", "CONFIGS", "SCHEDULES", "MuonConfig", "OptimConfig"]
