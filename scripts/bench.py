@@ -1,6 +1,41 @@
-"""Benchmarks: python scripts/bench.py {train,attention,generate,decode,int8} [options] (lm.studies.bench)."""
+"""Benchmarks: python scripts/bench.py {train,attention,generate,decode,kernels,int8} [options] (lm.studies.bench).
 
-from lm.studies.bench import main
+A count, size or length that cannot be measured (zero, negative), or a width the heads do not divide,
+is one line on stderr and exit code 2 before anything is built or timed, as every script's mistakes are."""
+
+import sys
+
+from lm.studies.bench import build_parser, main
+from lm.util.cli import exit_on_user_error
+from lm.util.errors import ConfigError
+
+ZERO_TAKES_MEANING = {"warmup", "positions"}  # no warm-up steps; a latency taken at the first position
+
+
+def check_arguments(argv: list[str]) -> None:
+    """Every integer option (or each entry of a list of them) at least 1 (0 where it means something),
+    and attention's --d-model split by --heads into an even head size (RoPE rotates pairs)."""
+    args = build_parser().parse_args(argv)
+    for key, value in vars(args).items():
+        for entry in value if isinstance(value, list) else [value]:
+            minimum = 0 if key in ZERO_TAKES_MEANING else 1
+            if isinstance(entry, int) and not isinstance(entry, bool) and entry < minimum:
+                raise ConfigError(f"--{key.replace('_', '-')} {entry} must be at least {minimum}")
+    if args.what == "attention":
+        if args.d_model % args.heads:
+            raise ConfigError(f"--d-model {args.d_model} is not divisible by --heads {args.heads}")
+        if (args.d_model // args.heads) % 2:
+            raise ConfigError(f"--d-model {args.d_model} over --heads {args.heads} is a head size of "
+                              f"{args.d_model // args.heads}; RoPE needs an even head size")
+
+
+def run(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    with exit_on_user_error():
+        check_arguments(argv)
+    main(argv)  # its own exit_on_user_error around the measuring
+    return 0
+
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run())

@@ -18,6 +18,18 @@ ROOT = Path(__file__).resolve().parents[1]
 ATTN_OPTIONS = sorted(p.stem for p in (ROOT / "conf" / "attn").glob("*.yaml"))  # the attn group's options
 
 
+@pytest.fixture(autouse=True, params=[None, "0"], ids=["HYDRA_FULL_ERROR-unset", "HYDRA_FULL_ERROR=0"])
+def hydra_full_error(request, monkeypatch):
+    """Every test here twice: in a clean environment and with HYDRA_FULL_ERROR=0 (a common setting, which
+    makes Hydra print its own short form of an error); the scripts' one line must not depend on it."""
+    if request.param is None:
+        monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    else:
+        monkeypatch.setenv("HYDRA_FULL_ERROR", request.param)
+    yield
+    assert os.environ.get("HYDRA_FULL_ERROR") == request.param  # run_script puts the user's value back
+
+
 def run(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], capture_output=True, text=True,
                           cwd=cwd, timeout=300)

@@ -101,6 +101,7 @@ UPTRAIN = [
     ("uptrain.warmup_fraction=2", "uptrain.warmup_fraction"), ("uptrain.evaluations=0", "uptrain.evaluations"),
     ("uptrain.val_every_n_steps=-1", "uptrain.val_every_n_steps"), ("seed=-1", "seed"),
     (("attn=mla", "attn.kv_rank=-4"), "kv_rank"), (("attn=mla", "attn.rope_dim=3"), "rope_dim"),
+    ("resume=maybe", "resume"), ("resume=true", "resume=true"),  # the latter: no interrupted run to continue
 ]
 
 if not torch.cuda.is_available():  # this torch has no CUDA: the device check must say so before loading
@@ -183,3 +184,54 @@ def test_a_bad_setting_is_one_line_naming_it_exit_2_and_nothing_written(script, 
     assert key in lines[0], lines[0]
     assert "Traceback" not in err
     assert not written.exists() or not any(written.rglob("*")), sorted(written.rglob("*"))
+
+
+BENCH = [  # scripts/bench.py (argparse): a size that cannot be measured, named as typed
+    (["attention", "--lengths", "0"], "--lengths 0"), (["attention", "--repeats", "0"], "--repeats 0"),
+    (["attention", "--d-model", "30", "--heads", "4"], "--d-model 30"),
+    (["attention", "--d-model", "36", "--heads", "4"], "--d-model 36"),
+    (["generate", "--prompt", "-5"], "--prompt -5"), (["generate", "--new-tokens", "8", "0"], "--new-tokens 0"),
+    (["train", "--steps", "0"], "--steps 0"), (["train", "--warmup", "-1"], "--warmup -1"),
+    (["decode", "--batches", "-2"], "--batches -2"), (["kernels", "--rows", "0"], "--rows 0"),
+    (["int8", "--ckpt", "{empty}/none.ckpt"], "none.ckpt"),
+]
+
+
+@pytest.mark.parametrize(("args", "key"), BENCH, ids=[" ".join(args) for args, _ in BENCH])
+def test_a_bad_benchmark_option_is_one_line_naming_it_exit_2_and_nothing_written(args, key, tmp_path, capsys):
+    out = tmp_path / "written"
+    module = importlib.util.module_from_spec(spec := importlib.util.spec_from_file_location(
+        "lm_script_bench", ROOT / "scripts" / "bench.py"))
+    spec.loader.exec_module(module)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as done:
+        module.run([*(fill(a, tmp_path) for a in args), "--json", str(out / "results.json")])
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert done.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
+    assert key in lines[0] and "Traceback" not in err
+    assert not out.exists() or not any(out.rglob("*"))  # at most the --json folder, made before measuring
+
+
+VERIFY_CACHE = [  # scripts/verify_cache.py over a cache whose meta.json was rewritten: what the line names
+    ({}, "does not name tokenizer.json, train.bin, val.bin"),
+    ({"tokenizer.json": None, "train.bin": None}, "does not name val.bin"),
+    ({"../train.bin": [4, "0" * 64]}, "'../train.bin'"),
+]
+
+
+@pytest.mark.parametrize(("files", "named"), VERIFY_CACHE, ids=[str(files) for files, _ in VERIFY_CACHE])
+def test_a_cache_manifest_that_checks_nothing_is_one_line_exit_2(files, named, tmp_path, capsys):
+    import json
+    import runpy
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    for name in ("tokenizer.json", "train.bin", "val.bin"):
+        (cache / name).write_bytes(b"\0" * 4)
+    (cache / "meta.json").write_text(json.dumps({"dtype": "uint16", "files": files}))
+    main = runpy.run_path(str(ROOT / "scripts" / "verify_cache.py"))["main"]
+    with pytest.raises(SystemExit) as done:
+        main([str(cache)])
+    out, err = capsys.readouterr()
+    assert done.value.code == 2 and out == "" and len(err.strip().splitlines()) == 1 and named in err, err

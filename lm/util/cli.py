@@ -111,7 +111,11 @@ def run_script(main) -> int:
     """Run a `@hydra.main` function. Hydra's own errors (an unknown key or group option, an
     override it cannot parse) become one line naming the close matches, and exit code 2; a
     -m sweep runs every arm and lists the ones that failed at the end."""
-    os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # let Hydra's exceptions reach us instead of a printed trace
+    # Hydra's exceptions must reach us, not its own printed trace or short form: forced whatever the
+    # user's environment says (HYDRA_FULL_ERROR=0, a common setting, would print three lines or fail
+    # while formatting), and put back afterwards. Either way the user sees one line.
+    previous = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         main()
     except HydraException as e:
@@ -121,6 +125,11 @@ def run_script(main) -> int:
         refused = user_error_behind(e)
         sys.stderr.write(f"error: {refused if refused is not None else str(e).strip().splitlines()[0]}\n")
         return 2
+    finally:
+        if previous is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = previous
     if FAILED_ARMS:
         sys.stderr.write(f"error: {len(FAILED_ARMS)} arm(s) of the sweep failed: {'; '.join(FAILED_ARMS)}\n")
         return 2
