@@ -62,7 +62,7 @@ def test_every_request_decodes_as_it_would_alone_while_others_join_and_leave(nam
     """7 requests over 3 rows: later ones join rows freed by shorter ones while the rest decode."""
     model, tokenizer = make_model(name), word_tokenizer()
     g = torch.Generator().manual_seed(2)
-    lengths, budgets = (5, 17, 1, 9, 30, 2, 12), (3, 20, 11, 1, 7, 16, 9)
+    lengths, budgets = (5, 17, 1, 9, 30, 2, 12), (3, 12, 8, 1, 6, 10, 7)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
     engine = Engine(model, tokenizer, max_batch=3, max_queue=8, eos_id=None).start()
     try:
@@ -86,17 +86,17 @@ def test_seeded_sampling_and_stop_strings_match_generate(name):
     sampling = Sampling(temperature=0.9, top_k=20, top_p=0.95)
     engine = Engine(model, tokenizer, max_batch=2, max_queue=4, eos_id=7).start()
     try:
-        sampled = run_all(engine, [Completion(p, 25, sampling, seed=100 + i) for i, p in enumerate(prompts)])
+        sampled = run_all(engine, [Completion(p, 16, sampling, seed=100 + i) for i, p in enumerate(prompts)])
         stop = [tokenizer.decode([t]) for t in generate(model, [prompts[1]], 6)[0][-2:]]  # words it will reach
-        stopped = run_all(engine, [Completion(p, 25, stop=stop) for p in prompts])
+        stopped = run_all(engine, [Completion(p, 16, stop=stop) for p in prompts])
     finally:
         engine.stop()
     for i, (prompt, events) in enumerate(zip(prompts, sampled, strict=True)):
-        expected = generate(model, [prompt], 25, temperature=0.9, top_k=20, top_p=0.95, seed=100 + i, eos_id=7)[0]
+        expected = generate(model, [prompt], 16, temperature=0.9, top_k=20, top_p=0.95, seed=100 + i, eos_id=7)[0]
         assert prompt + events[-1].tokens == expected
-        assert events[-1].reason == ("stop" if len(expected) < len(prompt) + 25 else "length")
+        assert events[-1].reason == ("stop" if len(expected) < len(prompt) + 16 else "length")
     for prompt, events in zip(prompts, stopped, strict=True):
-        expected = generate(model, [prompt], 25, stop=stop, tokenizer=tokenizer, eos_id=7)[0]
+        expected = generate(model, [prompt], 16, stop=stop, tokenizer=tokenizer, eos_id=7)[0]
         assert prompt + events[-1].tokens == expected
     assert stopped[1][-1].reason == "stop" and not any(s in stopped[1][-1].text for s in stop)
 
