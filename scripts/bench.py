@@ -1,4 +1,5 @@
-"""Benchmarks: python scripts/bench.py {train,attention,generate,decode,kernels,int8} [options] (lm.studies.bench).
+"""Benchmarks: python scripts/bench.py {train,attention,generate,decode,kernels,int8,serve,recipe} [options]
+(lm.studies.bench).
 
 A count, size or length that cannot be measured (zero, negative), or a width the heads do not divide,
 is one line on stderr and exit code 2 before anything is built or timed, as every script's mistakes are."""

@@ -8,6 +8,7 @@
     python scripts/bench.py kernels     # one decoding matmul through every int8/int4 kernel (lm.studies.kernel_bench)
     python scripts/bench.py int8 --ckpt ...  # int8 against fp32 on a trained model
     python scripts/bench.py serve       # the server under 1 to 64 concurrent clients, per kind (lm.studies.serve_bench)
+    python scripts/bench.py recipe      # two training recipes in turns: time to a held-out bits per byte
 
 The machine may be shared and noisy, so the contenders run in alternating rounds and each
 reports its median step time; compare the ratio, not a single absolute figure. `--json PATH`
@@ -27,6 +28,7 @@ from lm.studies.decode_bench import LONG_CONTEXT_KINDS, bench_decode
 from lm.studies.generate_bench import bench_generate
 from lm.studies.int8_bench import bench_int8
 from lm.studies.kernel_bench import bench_kernels
+from lm.studies.recipe_bench import BASELINE, CANDIDATE, bench_recipe
 from lm.studies.serve_bench import SERVE_KINDS, bench_serve
 from lm.studies.train_bench import bench_train, checked_variant, model_shapes, train_step_fn
 
@@ -111,6 +113,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--new-tokens", type=int, default=128)
     serve.add_argument("--out", default="bench", help="folder for serve.png")
     serve.set_defaults(run=bench_serve)
+    recipe = sub.add_parser("recipe", help="two training recipes in turns: tokens and seconds to held-out bits "
+                                           "per byte")
+    recipe.add_argument("--a", default=BASELINE, help="the first recipe's train.py overrides (default: none, today's "
+                                                      "default recipe)")
+    recipe.add_argument("--b", default=CANDIDATE, help=f"the second recipe's overrides (default: {CANDIDATE})")
+    recipe.add_argument("--eval-every", type=int, default=200_000, help="training tokens between evaluations")
+    recipe.add_argument("--held-out-tokens", type=int, default=60_000,
+                        help="tokens of data=pystdlib_tests' validation split each evaluation scores")
+    recipe.add_argument("--targets", type=float, nargs="*", default=None,
+                        help="bits per byte to time (default: a's scores at 1/2, 3/4 and the end of its run)")
+    recipe.add_argument("--out", default="bench", help="folder for recipe.png")
+    recipe.set_defaults(run=bench_recipe)
     for command in sub.choices.values():
         add_json_argument(command)
     return parser

@@ -143,19 +143,10 @@ def percentile(values: list[float], q: int) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
-def check_args(args) -> None:
-    for name in ("clients", "slots", "requests", "prompt_tokens", "new_tokens"):
-        values = getattr(args, name)
-        for v in values if isinstance(values, list) else [values]:
-            if v < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} {v} must be at least 1")
-
-
 def bench_serve(args) -> dict:
     """Prints a table per kind; returns every cell unrounded (--json)."""
     from lm.formats.checkpoint import save_checkpoint
 
-    check_args(args)
     max_seq_len = args.prompt_tokens + args.new_tokens
     models = {name: kind_model(name, max_seq_len) for name in args.kinds}  # every name checked before any run
     tokenizer = reference_tokenizer()

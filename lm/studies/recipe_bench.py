@@ -1,0 +1,250 @@
+"""`scripts/bench.py recipe`: two training recipes side by side, measured as time to a held-out score.
+
+    python scripts/bench.py recipe                                             # today's default vs Muon + wsd
+    python scripts/bench.py recipe --a "optim=adamw" --b "optim=muon optim.lr=0.04 optim.schedule=wsd"
+
+Each contender is a training run composed from conf/train.yaml with its own overrides (any Hydra
+overrides: optimizer, schedule, model shape, batch, vocabulary ...), built from the pieces `train(cfg)`
+uses: the data module, the model config, LitLM's optimizer and schedule, gradient clipping and the
+precision `trainer.precision` resolves to. The two take turns, one optimizer step each, so load from
+elsewhere on the machine slows both alike. Every `--eval-every` training tokens a contender's model
+is scored on held-out text, the validation split of data=pystdlib_tests (the standard library's test
+suites, which data=pystdlib never trains on), in **bits per byte**, which does not depend on the
+tokenizer, so recipes with different vocabularies compare. Scoring is not counted in a contender's
+seconds. The report gives, for each target bits per byte (by default the first contender's scores
+at half, three quarters and all of its run), the tokens and seconds each contender took to reach it
+(the first evaluation at or below it) and the ratio of their seconds, with a plot of bits per byte
+against tokens and against seconds.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import shlex
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+BASELINE = ""  # today's default recipe: conf/train.yaml as it is
+CANDIDATE = "optim=muon optim.lr=0.04 optim.schedule=wsd"
+
+
+def compose(name: str, overrides: list[str]):
+    """conf/train.yaml with the overrides; one that does not compose is one line naming the recipe."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+
+    import lm.config  # noqa: F401  the schemas conf/train.yaml composes
+    from lm.util.errors import ConfigError
+
+    try:
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            return hydra_compose(config_name="train", overrides=[*overrides, "logger=none"])
+    except HydraException as e:
+        raise ConfigError(f"--{name} {' '.join(overrides)!r}: {str(e).strip().splitlines()[0]}") from None
+
+
+@dataclass
+class Contender:
+    """One recipe's run: its model, optimizer and data, and what it has done so far."""
+
+    name: str
+    overrides: list[str]
+    max_steps: int = 0
+    steps: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    curve: list[dict] = field(default_factory=list)  # {tokens, seconds, bits_per_byte} per evaluation
+
+    def configure(self) -> Contender:
+        """The run's config, composed and checked: both recipes are, before either builds anything."""
+        from lm.training.settings import check_run_settings
+
+        self.cfg = compose(self.name, self.overrides)
+        check_run_settings(self.cfg)
+        self.max_steps = int(self.cfg.trainer.max_steps)
+        return self
+
+    def build(self, held_out_tokens: int) -> Contender:
+        from lm.data.modules import make_data_module
+        from lm.model.transformer import Transformer
+        from lm.training.module import LitLM
+        from lm.training.optim import optim_config
+        from lm.training.settings import model_config_from
+        from lm.training.setup import pick_precision
+
+        cfg = self.cfg
+        data = make_data_module(cfg.data, cfg.model.max_seq_len, cfg.seed)
+        data.prepare_data()
+        data.setup("fit")
+        torch.manual_seed(cfg.seed)
+        self.model = Transformer(model_config_from(cfg, data.tokenizer.get_vocab_size())).train()
+        self.forward = torch.compile(self.model) if cfg.compile else self.model
+        module = LitLM(self.model, optim_config(cfg.optim), total_steps=self.max_steps)
+        optimizers = module.configure_optimizers()
+        self.optimizer, self.schedule = optimizers["optimizer"], optimizers["lr_scheduler"]["scheduler"]
+        self.clip = cfg.trainer.gradient_clip_val
+        self.precision = pick_precision(cfg.trainer)
+        self.batches = itertools.chain.from_iterable(iter(data.train_dataloader()) for _ in itertools.count())
+        self.held_out = held_out_text(data.tokenizer, held_out_tokens)
+        return self
+
+    @property
+    def done(self) -> bool:
+        return self.steps >= self.max_steps
+
+    def autocast(self):
+        dtype = torch.bfloat16 if self.precision.startswith("bf16") else None
+        return torch.autocast("cpu", dtype=dtype, enabled=dtype is not None)
+
+    def step(self) -> None:
+        """One optimizer step, as training takes it: the batch, forward and loss, backward, clipping,
+        the optimizer and the schedule; its seconds counted."""
+        from lm.training.module import next_token_loss
+
+        started = time.perf_counter()
+        batch = next(self.batches)  # (B, T + 1)
+        with self.autocast():
+            loss, _ = next_token_loss(self.forward, batch)
+        loss.backward()
+        if self.clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        self.optimizer.step()
+        self.schedule.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if not math.isfinite(float(loss.detach())):
+            raise ValueError(f"{self.name}: the loss is {float(loss.detach())} at step {self.steps + 1}")
+        self.seconds += time.perf_counter() - started
+        self.steps += 1
+        self.tokens += batch[:, 1:].numel()
+
+    def evaluate(self) -> float:
+        from lm.studies.evaluate import score
+
+        self.model.eval()
+        with self.autocast():
+            bpb = score(self.model, *self.held_out, progress=False).bits_per_byte
+        self.model.train()
+        self.curve.append({"steps": self.steps, "tokens": self.tokens, "seconds": self.seconds,
+                           "bits_per_byte": bpb})
+        return bpb
+
+    def reached(self, target: float) -> dict | None:
+        """The first evaluation at or below `target` bits per byte."""
+        return next((point for point in self.curve if point["bits_per_byte"] <= target), None)
+
+
+def held_out_text(tokenizer, tokens: int):
+    """(ids, counted, bytes, documents) of data=pystdlib_tests' validation split, whole documents
+    until at least `tokens` tokens: the text every evaluation scores."""
+    from omegaconf import OmegaConf
+
+    from lm.data.corpora import build_corpus
+    from lm.studies.evaluate import split_documents, token_stream
+
+    data_cfg = OmegaConf.load(ROOT / "conf" / "data" / "pystdlib_tests.yaml")
+    texts, count = [], 0
+    for text in split_documents(build_corpus(data_cfg), "val", float(data_cfg.val_fraction)):
+        texts.append(text)
+        count += len(tokenizer.encode(text).ids)
+        if count >= tokens:
+            break
+    return token_stream(iter(texts), tokenizer)
+
+
+def bench_recipe(args) -> dict:
+    """Trains both contenders in turns; prints the time to each target and returns every figure (--json)."""
+    from lm.util.errors import ConfigError
+
+    if args.eval_every < 1 or args.held_out_tokens < 1:
+        raise ConfigError("--eval-every and --held-out-tokens must be at least 1")
+    contenders = [Contender("a", shlex.split(args.a)).configure(), Contender("b", shlex.split(args.b)).configure()]
+    for c in contenders:
+        print(f"{c.name}: {' '.join(c.overrides) or '(the default recipe)'}")
+        c.build(args.held_out_tokens)
+    print(f"held-out: {contenders[0].held_out[2]:,} bytes of data=pystdlib_tests' validation split; "
+          f"an evaluation every {args.eval_every:,} training tokens; precision {contenders[0].precision}")
+    marks = {c.name: args.eval_every for c in contenders}
+    for c in contenders:
+        c.evaluate()
+    while not all(c.done for c in contenders):
+        for c in contenders:  # one step each, in turn
+            if c.done:
+                continue
+            c.step()
+            if c.tokens >= marks[c.name] or c.done:
+                bpb = c.evaluate()
+                marks[c.name] = (c.tokens // args.eval_every + 1) * args.eval_every
+                print(f"{c.name} step {c.steps:>5}/{c.max_steps}  {c.tokens:>11,} tokens  {c.seconds:8.1f} s  "
+                      f"held-out {bpb:.4f} bits per byte", flush=True)
+    targets = args.targets or default_targets(contenders[0])
+    rows = [time_to(target, contenders) for target in targets]
+    print_report(contenders, rows)
+    if args.out:
+        plot(contenders, Path(args.out))
+    return {"contenders": {c.name: {"overrides": c.overrides, "steps": c.steps, "tokens": c.tokens,
+                                    "seconds": c.seconds, "curve": c.curve} for c in contenders},
+            "targets": rows}
+
+
+def default_targets(baseline: Contender) -> list[float]:
+    """The baseline's scores at half, three quarters and all of its run."""
+    curve = baseline.curve[1:]  # after step 0
+    picks = {curve[max(0, math.ceil(len(curve) * f) - 1)]["bits_per_byte"] for f in (0.5, 0.75, 1.0)}
+    return sorted(picks, reverse=True)
+
+
+def time_to(target: float, contenders: list[Contender]) -> dict:
+    row = {"target": target}
+    for c in contenders:
+        point = c.reached(target)
+        row[c.name] = None if point is None else {"tokens": point["tokens"], "seconds": point["seconds"]}
+    a, b = row["a"], row["b"]
+    row["seconds_ratio"] = a["seconds"] / b["seconds"] if a and b and b["seconds"] > 0 else None
+    return row
+
+
+def print_report(contenders: list[Contender], rows: list[dict]) -> None:
+    print("\nfinal: " + "; ".join(f"{c.name} {c.curve[-1]['bits_per_byte']:.4f} bits per byte after "
+                                  f"{c.tokens:,} tokens, {c.seconds:.1f} s" for c in contenders))
+    print(f"{'target bpb':>10} {'a tokens':>12} {'a seconds':>10} {'b tokens':>12} {'b seconds':>10} {'a/b time':>9}")
+
+    def cell(reached, key, fmt):
+        return format(reached[key], fmt) if reached else "not reached"
+
+    for r in rows:
+        ratio = f"{r['seconds_ratio']:.2f}x" if r["seconds_ratio"] else "-"
+        print(f"{r['target']:>10.4f} {cell(r['a'], 'tokens', ',d'):>12} {cell(r['a'], 'seconds', '.1f'):>10} "
+              f"{cell(r['b'], 'tokens', ',d'):>12} {cell(r['b'], 'seconds', '.1f'):>10} {ratio:>9}")
+
+
+def plot(contenders: list[Contender], folder: Path) -> None:
+    """recipe.png: held-out bits per byte against training tokens and against training seconds."""
+    from lm.studies.plotting import line_style, pyplot, save_figure
+    from lm.util.files import make_folder
+
+    make_folder(folder)
+    plt = pyplot()
+    figure, (by_tokens, by_seconds) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for i, c in enumerate(contenders):
+        label = f"{c.name}: {' '.join(c.overrides) or 'default'}"
+        curve = c.curve[1:]  # step 0's score (the vocabulary's size, in bits) would flatten the rest
+        by_tokens.plot([p["tokens"] for p in curve], [p["bits_per_byte"] for p in curve], label=label,
+                       **line_style(i))
+        by_seconds.plot([p["seconds"] for p in curve], [p["bits_per_byte"] for p in curve], label=label,
+                        **line_style(i))
+    by_tokens.set_xlabel("training tokens")
+    by_seconds.set_xlabel("training seconds (scoring excluded)")
+    for axis in (by_tokens, by_seconds):
+        axis.set_ylabel("held-out bits per byte (pystdlib_tests val)")
+    by_tokens.legend()
+    save_figure(figure, folder / "recipe.png")
+    print(f"wrote {folder / 'recipe.png'}")
+
+
+__all__ = ["BASELINE", "CANDIDATE", "bench_recipe"]

@@ -1,0 +1,44 @@
+"""bench.py recipe: two recipes trained in turns, each scored on held-out text in bits per byte, and the
+time each took to the targets, read from its --json results."""
+
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_two_recipes_in_turns_give_their_curves_and_time_to_each_target(tmp_path, small_corpus):
+    tiny = (f"data=text data.paths=[{small_corpus}/*.py] data.vocab_size=300 data.cache_dir={tmp_path}/cache "
+            "model.n_layer=1 model.d_model=32 model.n_head=2 model.d_ff=64 model.max_seq_len=32 data.batch_size=4 "
+            "trainer.max_steps=12")
+    out = tmp_path / "results.json"
+    result = subprocess.run([sys.executable, str(ROOT / "scripts/bench.py"), "recipe", "--a", tiny, "--b",
+                             f"{tiny} optim=muon optim.lr=0.02 optim.schedule=wsd", "--eval-every", "128",
+                             "--held-out-tokens", "2000", "--targets", "99", "0.001", "--out", str(tmp_path),
+                             "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    results = json.loads(out.read_text())
+    for name in ("a", "b"):
+        run = results["contenders"][name]
+        assert run["steps"] == 12 and run["tokens"] == 12 * 4 * 32
+        # step 0, then every 128 tokens (one step of 4 x 32): 13 evaluations, seconds never going back
+        assert [p["steps"] for p in run["curve"]] == list(range(13))
+        assert all(a["seconds"] <= b["seconds"] for a, b in itertools.pairwise(run["curve"]))
+        assert run["curve"][-1]["bits_per_byte"] < run["curve"][0]["bits_per_byte"]
+    reached, unreachable = results["targets"]
+    assert reached["a"] == reached["b"] == {"tokens": 0, "seconds": 0.0}  # 99 bits per byte: before training
+    assert reached["seconds_ratio"] is None  # no ratio of two zeros
+    assert unreachable["a"] is None and unreachable["b"] is None and unreachable["seconds_ratio"] is None
+    assert "not reached" in result.stdout and (tmp_path / "recipe.png").stat().st_size > 0
+
+
+def test_a_recipe_override_that_does_not_compose_is_one_line(tmp_path):
+    result = subprocess.run([sys.executable, str(ROOT / "scripts/bench.py"), "recipe", "--b", "optim=nope"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and "optim" in result.stderr
