@@ -101,7 +101,8 @@ HOSTILE = [  # (the field rewritten, its value, how the line names it)
 
 def test_the_committed_records_are_all_good_data():
     """The checks' reference: every sealed record of docs/*/results.json passes them."""
-    from lm.studies.engine import bad_value, is_sealed
+    from lm.studies.engine import is_sealed
+    from lm.studies.records import bad_value
 
     records = [r for path in ROOT.glob("docs/**/results.json")
                for r in json.loads(path.read_text())["records"] if is_sealed(r)]
@@ -111,7 +112,8 @@ def test_the_committed_records_are_all_good_data():
 
 @pytest.mark.parametrize("key, value, named", HOSTILE, ids=[f"{k}={v!r}" for k, v, _ in HOSTILE])
 def test_a_record_of_bad_values_is_named_and_never_imported(tmp_path, key, value, named):
-    from lm.studies.engine import bad_value, sealed
+    from lm.studies.engine import sealed
+    from lm.studies.records import bad_value
 
     assert bad_value(sealed(GOOD)) is None
     hostile = sealed({**GOOD, "arm": "b", key: value})  # its digest re-sealed: only its values can betray it
