@@ -115,6 +115,12 @@ def test_a_cancelled_request_frees_its_row_for_the_next():
         cancelled = collector.wait(0)
         assert cancelled[-1].reason == "cancelled" and len(cancelled[-1].tokens) < 500
         assert collector.wait(1)[-1].tokens == generate(model, [[4, 5]], 3)[0][2:]
+        # withdrawn while it waits: it ends without ever taking a row
+        [first, waiting] = engine.submit([Completion([1], 300), Completion([2], 3)], collector.sink_for)
+        waiting.cancel()
+        assert collector.wait(1)[-1] == Finished("cancelled", 1, [], "")
+        first.cancel()
+        assert collector.wait(0)[-1].reason == "cancelled"
     finally:
         engine.stop()
 

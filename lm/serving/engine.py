@@ -222,7 +222,8 @@ class Engine:
                     self._step()
 
     def _admit(self, row: int, ticket: Ticket) -> None:
-        if ticket.cancelled.is_set():
+        if ticket.cancelled.is_set():  # withdrawn while it waited: it ends without a row
+            ticket.send(Finished("cancelled", len(ticket.completion.prompt), [], ""))
             return
         c = ticket.completion
         try:
@@ -300,9 +301,16 @@ class Engine:
             self.rows[row] = None
 
     def _drop_cancelled(self) -> None:
+        """Cancelled requests leave: a running one frees its row, a waiting one the queue."""
         for row, run in enumerate(self.rows):
             if run is not None and run.ticket.cancelled.is_set():
                 self._finish(row, "cancelled")
+        with self.lock:
+            withdrawn = [t for t in self.waiting if t.cancelled.is_set()]
+            for ticket in withdrawn:
+                self.waiting.remove(ticket)
+        for ticket in withdrawn:
+            ticket.send(Finished("cancelled", len(ticket.completion.prompt), [], ""))
 
     @staticmethod
     def _report(error: Exception) -> None:
