@@ -6,28 +6,23 @@ import queue
 
 import pytest
 import torch
-from kinds import model_rows
+from test_generation import KINDS, VOCAB
+from test_generation import make_model as generation_model
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 
-from lm import ModelConfig, Transformer, generate
+from lm import generate
 from lm.generation.decode import Sampling
 from lm.serving.engine import Busy, Completion, Engine, Failed, Finished, Piece
 
-KINDS = model_rows()
-VOCAB = 53
 WITH_CONV = ["softmax-gqa+conv", "gated_delta+conv", "mla+conv"]
 
 
 def make_model(name, max_seq_len=64):
-    kind, _, conv = name.partition("+")
-    attention, n_kv_head = KINDS[kind]
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=VOCAB, n_layer=2, d_model=32, n_head=4, n_kv_head=n_kv_head, d_ff=64,
-                      max_seq_len=max_seq_len, attention=attention, init_std=0.1, short_conv=3 if conv else 0)
-    # float64: a row decoded in a batch of 3 and alone differ by rounding only, far below any gap between
-    # the two likeliest tokens, so greedy tokens are equal by construction, not by luck.
-    return Transformer(cfg).double().eval()
+    """The shared generation tests' model of the kind (2 layers, 4 heads), in float64: a row decoded in a
+    batch of 3 and alone differ by rounding only, far below any gap between the two likeliest tokens,
+    so greedy tokens are equal by construction, not by luck."""
+    return generation_model(name, max_seq_len).double()
 
 
 def word_tokenizer() -> Tokenizer:
