@@ -42,7 +42,7 @@ for _module in pkgutil.iter_modules(__path__):
 def load_outside_kinds() -> list[str]:
     """The kinds installed distributions declare (entry point group lm.attention_kinds), then those
     of the files LM_ATTENTION_KINDS names (deprecated); returns the kinds added."""
-    added = load_entry_points()
+    added = load_entry_points(strict=False)
     paths = os.environ.get("LM_ATTENTION_KINDS", "")
     if paths:
         warnings.warn(f"LM_ATTENTION_KINDS is deprecated and goes in the next release: declare the module of "

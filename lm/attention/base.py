@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
@@ -231,10 +232,14 @@ def load_kind_files(paths: str) -> list[str]:
 ENTRY_POINT_GROUP = "lm.attention_kinds"
 
 
-def load_entry_points(group: str = ENTRY_POINT_GROUP) -> list[str]:
+def load_entry_points(group: str = ENTRY_POINT_GROUP, strict: bool = True) -> list[str]:
     """Import the modules that installed distributions name in the entry point group
     `lm.attention_kinds` (a pyproject.toml's [project.entry-points."lm.attention_kinds"]); each
-    registers its kinds on import, as the built-in ones do. Returns the kinds it added."""
+    registers its kinds on import, as the built-in ones do. Returns the kinds it added.
+
+    A module that cannot be imported is one line naming the entry point: a ConfigError, or with
+    strict=False (what `import lm` does) a RuntimeWarning, the other kinds loading as usual, so one
+    broken plug-in does not stop every command; its kinds are then unknown, one line where used."""
     from importlib.metadata import entry_points
 
     before = set(_SPECS)
@@ -244,8 +249,11 @@ def load_entry_points(group: str = ENTRY_POINT_GROUP) -> list[str]:
         except Exception as error:  # whatever the module raised, said in one line naming the entry point
             dist = f" of {point.dist.name}" if getattr(point, "dist", None) is not None else ""
             said = (str(error).strip().splitlines() or [""])[0]
-            raise ConfigError(f"entry point {point.name} = {point.value}{dist} (group {group}) cannot be "
-                              f"loaded: {type(error).__name__}: {said}") from error
+            message = (f"entry point {point.name} = {point.value}{dist} (group {group}) cannot be loaded: "
+                       f"{type(error).__name__}: {said}")
+            if strict:
+                raise ConfigError(message) from error
+            warnings.warn(f"{message}; its kinds are not available", RuntimeWarning, stacklevel=2)
     return sorted(set(_SPECS) - before)
 
 
