@@ -10,8 +10,9 @@ from lm.formats.checkpoint import load
 from lm.generation.decode import generate, stream
 from lm.generation.quantize import quantize_int8
 from lm.model import ModelConfig, Transformer
-from lm.util.errors import ConfigError, GenerationError
+from lm.util.errors import CheckpointError, ConfigError, GenerationError
 
 __all__ = [
-    "ConfigError", "GenerationError", "ModelConfig", "Transformer", "generate", "load", "quantize_int8", "stream",
+    "CheckpointError", "ConfigError", "GenerationError", "ModelConfig", "Transformer", "generate", "load",
+    "quantize_int8", "stream",
 ]

@@ -44,11 +44,15 @@ TRAIN = [
     ("data=mqar", "data.filler=zeros"),
     ("data=mqar", "data.query_power=0"),
     ("seed=abc",),
+    ("attn=hybrid", "attn.pattern=[]"),
+    ("attn=mla", "attn.q_rank=100000"),  # a query bottleneck 1500x the width: 300x the model's weights
+    ("attn=mla", "attn.kv_rank=100000"),
+    ("attn=mla", "attn.rope_dim=64"),  # the head size of the default model (384 / 6)
 ]
 TRAIN_KEYS = ["data.examples", "data.examples", "data.pairs", "data.seq_len", "data.val_fraction",
               "data.val_fraction", "data.val_fraction", "data.paths", "optim.lr", "optim.lr", "trainer.max_steps",
               "data.batch_size", "short_conv", "short_conv", "trainer.stop_at_accuracy", "data.filler",
-              "data.query_power", "seed"]
+              "data.query_power", "seed", "pattern=[]", "attn.q_rank=100000", "kv_rank=100000", "rope_dim=64"]
 
 COMPARE = [
     ("lm.steps=0", "lm.steps"), ("lm.steps=abc", "lm.steps"), ("lm.steps=1.5", "lm.steps"),
@@ -70,6 +74,12 @@ COMPARE = [
     ("speed.compile=abc", "speed.compile"), ("speed.train_contexts=[nan]", "speed.train_contexts"),
     ("speed.train_tokens=0", "speed.train_tokens"), ("speed.train_steps=abc", "speed.train_steps"),
     ("per_kind=5", "per_kind"), ("++per_kind.mha={lm: {steps: 0}}", "per_kind.mha"),
+    ("++per_kind.nosuch={lm: {steps: 5}}", "per_kind.nosuch"),  # a misspelt kind, once ignored
+    # the mqa arms come first: every arm is checked before any trains
+    ("extra_kinds=[{name: wide, attn: mla, kv_rank: 100000}]", "kv_rank=100000"),
+    ("extra_kinds=[{name: wide, attn: mla, q_rank: 100000}]", "attn.q_rank=100000"),
+    (("hydra/launcher=joblib", "hydra.launcher.n_jobs=0"), "hydra.launcher.n_jobs=0"),
+    (("hydra/launcher=joblib", "hydra.launcher.timeout=-1"), "hydra.launcher.timeout"),
 ]
 
 EVAL = [
@@ -102,6 +112,11 @@ UPTRAIN = [
     ("uptrain.val_every_n_steps=-1", "uptrain.val_every_n_steps"), ("seed=-1", "seed"),
     (("attn=mla", "attn.kv_rank=-4"), "kv_rank"), (("attn=mla", "attn.rope_dim=3"), "rope_dim"),
     ("resume=maybe", "resume"), ("resume=true", "resume=true"),  # the latter: no interrupted run to continue
+    # floats checked in float32, where the loss uses them: 1e308 overflows, 1e-50 rounds to no distillation
+    ("uptrain.distill=1e308", "uptrain.distill=1e+308"), ("uptrain.distill=1e-50", "uptrain.distill=1e-50"),
+    ("uptrain.temperature=1e-300", "uptrain.temperature"), ("uptrain.temperature=1e300", "uptrain.temperature"),
+    ("trainer.skip_nonfinite=maybe", "trainer.skip_nonfinite"),  # the setting a non-finite loss's line advises
+    (("attn=mla", "attn.q_rank=100000"), "attn.q_rank=100000"), (("attn=mla", "attn.rope_dim=16"), "rope_dim=16"),
 ]
 
 if not torch.cuda.is_available():  # this torch has no CUDA: the device check must say so before loading
@@ -113,13 +128,21 @@ STUDY = [  # scripts/uptrain.py --config-name uptrain_study: the ablation's grid
     ("study.fractions=[]", "study.fractions"), ("study.inits=median", "study.inits"),
     ("study.kv_heads=[0]", "study.kv_heads"), ("study.decode_tokens=-1", "study.decode_tokens"),
     ("study.scratch=maybe", "study.scratch"), ("uptrain.distill=-1", "uptrain.distill"),
+    # every arm's conversion is checked against the teacher before the teacher's own arm runs
+    ("study.kv_heads=[3]", "study.kv_heads entry 3"), ("study.kv_heads=[8]", "study.kv_heads entry 8"),
+    ("study.methods=[{name: m, attn: {name: mla, kind: mla, rope_dim: 16}}]", "rope_dim=16"),
+    ("study.methods=[{name: m, attn: {name: mla, kind: mla, q_rank: 100000}}]", "attn.q_rank=100000"),
+    ("uptrain.distill=1e308", "uptrain.distill"),
+]
+METHODS = [  # --config-name uptrain_methods as committed: its MLA arms' rope_dim 16 is the tiny teacher's head size
+    ((), "study.methods entry 'mla-r176-svd': attn.rope_dim=16"),
 ]
 
 CASES = (
     [("train", list(args), key) for args, key in zip(TRAIN, TRAIN_KEYS, strict=True)]
     + [(script, [args] if isinstance(args, str) else list(args), key)
        for script, table in (("compare", COMPARE), ("eval", EVAL), ("generate", GENERATE), ("uptrain", UPTRAIN),
-                             ("uptrain_study", STUDY))
+                             ("uptrain_study", STUDY), ("uptrain_methods", METHODS))
        for args, key in table]
 )
 
@@ -166,6 +189,8 @@ def test_a_bad_setting_is_one_line_naming_it_exit_2_and_nothing_written(script, 
         "train": [f"checkpoint_dir={written}", "trainer.max_steps=2", "logger=none", f"hydra.run.dir={tmp_path}/hydra"],
         "uptrain_study": ["--config-name", "uptrain_study", f"ckpt={checkpoint}", f"study.out={written}",
                           f"hydra.run.dir={tmp_path}/hydra"],
+        "uptrain_methods": ["--config-name", "uptrain_methods", f"ckpt={checkpoint}", f"study.out={written}",
+                            f"hydra.run.dir={tmp_path}/hydra"],
         "uptrain": [f"ckpt={checkpoint}", "attn.n_kv_head=2", f"checkpoint_dir={written}", "logger=none",
                     "uptrain.steps=2",
                     f"hydra.run.dir={tmp_path}/hydra"],
@@ -235,3 +260,50 @@ def test_a_cache_manifest_that_checks_nothing_is_one_line_exit_2(files, named, t
         main([str(cache)])
     out, err = capsys.readouterr()
     assert done.value.code == 2 and out == "" and len(err.strip().splitlines()) == 1 and named in err, err
+
+
+def tiny_model():
+    import lm
+
+    torch.manual_seed(0)
+    return lm.Transformer(lm.ModelConfig(vocab_size=64, n_layer=1, d_model=32, n_head=4, d_ff=64, max_seq_len=16))
+
+
+API = [  # the Python API given what a user is likely to pass by mistake: (call, error class, what it says)
+    ("quantize_int8(None)", lambda lm, m: lm.quantize_int8(None), "GenerationError", "model is None"),
+    ("quantize_int8((model, tokenizer))", lambda lm, m: lm.quantize_int8((m, None)), "GenerationError",
+     "lm.load returns (model, tokenizer)"),
+    ("quantize_int8(model, 'int3')", lambda lm, m: lm.quantize_int8(m, "int3"), "GenerationError", "'int3'"),
+    ("quantize_int8(quantized, 'int3')", lambda lm, m: lm.quantize_int8(lm.quantize_int8(m), "int3"),
+     "GenerationError", "'int3'"),
+    ("load('/dev/null')", lambda lm, m: lm.load("/dev/null"), "CheckpointError", "'/dev/null' is not a regular file"),
+    ("load('<missing>')", lambda lm, m: lm.load("/nonexistent/none.ckpt"), "CheckpointError", "does not exist"),
+]
+
+
+@pytest.mark.parametrize(("call", "error", "named"), [(c, e, n) for c, _, e, n in API], ids=[c for c, *_ in API])
+def test_a_mistake_through_the_python_api_is_one_exported_error_naming_it(call, error, named):
+    import lm
+
+    run = next(f for c, f, _, _ in API if c == call)
+    assert error in lm.__all__  # every error the API raises can be caught as lm.<Error>
+    with pytest.raises(getattr(lm, error)) as raised:
+        run(lm, tiny_model())
+    assert named in str(raised.value) and "\n" not in str(raised.value), str(raised.value)
+
+
+def test_quantizing_a_quantized_model_takes_the_kernel_asked_for_and_keeps_its_weights():
+    import lm
+    from lm.generation.quantize import Int8Linear
+
+    model = tiny_model()
+    once = lm.quantize_int8(model, "dynamic")
+    twice = lm.quantize_int8(once, "dequant")
+    layers = [m for m in twice.modules() if isinstance(m, Int8Linear)]
+    assert layers and {m.kernel for m in layers} == {"dequant"}
+    assert {m.kernel for m in once.modules() if isinstance(m, Int8Linear)} == {"dynamic"}  # the original untouched
+    for a, b in zip(once.state_dict().values(), twice.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    idx = torch.randint(0, 64, (2, 8))
+    fresh = lm.quantize_int8(model, "dequant")  # what quantizing the float model with that kernel gives
+    assert torch.allclose(twice(idx), fresh(idx), atol=1e-5)

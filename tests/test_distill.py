@@ -117,11 +117,15 @@ def metrics(run_dir):
 
 
 @pytest.mark.parametrize("uptrain, message", [
-    ({"distill": -0.5}, r"^uptrain.distill=-0.5 must be a number >= 0$"),
-    ({"distill": True}, r"^uptrain.distill=True must be a number >= 0$"),
-    ({"distill": "lots"}, r"^uptrain.distill='lots' must be a number >= 0$"),
+    ({"distill": -0.5}, r"^uptrain.distill=-0.5 must be a finite number >= 0$"),
+    ({"distill": True}, r"^uptrain.distill=True must be a finite number >= 0$"),
+    ({"distill": "lots"}, r"^uptrain.distill='lots' must be a finite number >= 0$"),
     ({"temperature": 0}, r"^uptrain.temperature=0 must be a positive number$"),
     ({"temperature": False}, r"^uptrain.temperature=False must be a positive number$"),
+    # checked in float32, where the loss uses them
+    ({"distill": 1e308}, r"^uptrain.distill=1e\+308 overflows float32"),
+    ({"distill": 1e-50}, r"^uptrain.distill=1e-50 rounds to zero in float32"),
+    ({"distill": 1.0, "temperature": 1e-300}, r"^uptrain.temperature=1e-300 must be from 3e-35 to 2e\+17"),
 ])
 def test_bad_distillation_settings_fail_in_one_line(uptrain, message):
     with pytest.raises(ConfigError, match=message):

@@ -38,8 +38,10 @@ READABLE_VERSIONS = (1, 2)
 def read_checkpoint(path: str | Path) -> dict:
     """The checkpoint's contents, loaded with `weights_only=True` so no code in it can run."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
+    if not path.is_file():  # /dev/null, a pipe, a socket: nothing a checkpoint is stored in
+        raise CheckpointError(f"checkpoint {str(path)!r} is not a regular file")
     if not zipfile.is_zipfile(path):  # every torch.save since 1.6 writes a zip archive
         raise CheckpointError(f"checkpoint {str(path)!r} is not a readable torch file (not a torch zip archive)")
     damaged = first_damaged_record(path)

@@ -29,7 +29,7 @@ import torch
 from lm.attention.mla import LatentSpec
 from lm.attention.softmax import SoftmaxSpec
 from lm.formats.weights import split_qkv
-from lm.model.config import ModelConfig
+from lm.model.config import ModelConfig, check_query_rank
 from lm.util.errors import ConfigError
 
 
@@ -47,8 +47,7 @@ def check_parent(config: ModelConfig, spec: LatentSpec) -> None:
     if spec.kv_rank > widest:
         raise ConfigError(f"attn.kv_rank={spec.kv_rank} is more than the rank the checkpoint's keys and values can "
                           f"have, min(d_model={config.d_model}, n_head x (2 x {hs} - rope_dim)) = {widest}")
-    if spec.q_rank > config.d_model:
-        raise ConfigError(f"attn.q_rank={spec.q_rank} is more than d_model={config.d_model}")
+    check_query_rank(spec.q_rank, config.d_model)  # the bound training checks too
     if spec.rope_pairs is not None:
         raise ConfigError("attn.rope_pairs is chosen by the conversion (the 2-norm rule); leave it unset")
 

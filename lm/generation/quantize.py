@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lm.generation.decode import check_model
 from lm.util.errors import GenerationError
 
 KERNELS = ("dynamic", "dequant", "int8pack")
@@ -101,12 +102,20 @@ class Int8Linear(nn.Module):
 
 
 def quantize_int8(model: nn.Module, kernel: str = "dynamic") -> nn.Module:
-    """A copy of `model` whose every nn.Linear is an Int8Linear; the original is left untouched."""
+    """A copy of `model` whose every nn.Linear is an Int8Linear; the original is left untouched.
+
+    A model quantized already keeps its int8 weights (quantizing them again changes nothing) and
+    takes the kernel asked for."""
+    check_model(model)
+    if kernel not in KERNELS:
+        raise GenerationError(f"int8 kernel={kernel!r} must be one of {list(KERNELS)}")
     quantized = copy.deepcopy(model)
     for parent in list(quantized.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(parent, name, Int8Linear(child, kernel))
+            elif isinstance(child, Int8Linear):
+                child.kernel = kernel
     return quantized.eval()
 
 

@@ -107,6 +107,31 @@ class ModelConfig:
         return cls(**values)
 
 
+def check_layers_build(config: ModelConfig) -> None:
+    """One ConfigError line, before any data or training, unless every layer builds at the model's
+    shape: what a kind checks against the head size or width (MLA's kv_rank and rope_dim) is checked
+    by building each distinct layer on the meta device (no memory, no values)."""
+    import torch  # here, not at the top: the config stays importable without building anything
+
+    built = []  # compared by equality: a spec may hold a list, which hashes not
+    for i, spec in enumerate(config.attention):
+        if spec in built:
+            continue
+        check_query_rank(getattr(spec, "q_rank", 0) or 0, config.d_model)
+        with torch.device("meta"):
+            spec.build(config.layer_shape(i))
+        built.append(spec)
+
+
+def check_query_rank(q_rank: int, d_model: int) -> None:
+    """A query bottleneck (MLA's q_rank) is at most the width it compresses: wider, it compresses
+    nothing and only grows the model (q_rank=100000 at d_model=64 is 300 times the model's weights).
+    Training and uptraining refuse it alike."""
+    if q_rank > d_model:
+        raise ConfigError(f"attn.q_rank={q_rank} is more than d_model={d_model}: a query bottleneck wider than "
+                          "its input compresses nothing")
+
+
 def upgrade_from_format_1(values: dict) -> dict:
     """Format 1 named one kind plus its options; a hybrid named kinds in `pattern`, and sliding's
     `global_every` turned layers into softmax. Options no layer took were ignored then, so they
@@ -122,4 +147,4 @@ def upgrade_from_format_1(values: dict) -> dict:
     return values
 
 
-__all__ = ["AttentionSpec", "ConfigError", "ModelConfig"]
+__all__ = ["AttentionSpec", "ConfigError", "ModelConfig", "check_layers_build", "check_query_rank"]

@@ -27,15 +27,23 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from lm.attention import available_kinds
 from lm.data.corpora import build_corpus
-from lm.studies.compare_arms import COMPOSED, language_arms, recall_arms, speed_arm, study_entries
+from lm.studies.compare_arms import (
+    COMPOSED,
+    attn_configs,
+    language_arms,
+    recall_arms,
+    speed_arm,
+    study_entries,
+)
 from lm.studies.compare_plots import lm_loss_plot, mqar_plot
 from lm.studies.compare_runs import unless_diverged
 from lm.studies.compare_settings import check_per_kind, check_study_settings, for_kind, study_seeds, study_tasks
 from lm.studies.compare_tables import comparison_table
 from lm.studies.engine import Arm, finished_records, import_records, machine, run_arms
 from lm.studies.evaluate import split_documents
-from lm.studies.jobs import chosen_launcher, only_arm, run_as_jobs
+from lm.studies.jobs import check_launcher, chosen_launcher, only_arm, run_as_jobs
 from lm.studies.report import write_results
 from lm.util.checks import as_list
 from lm.util.errors import DataError
@@ -64,7 +72,7 @@ def plan(cfg: DictConfig) -> list[Arm]:
     check_study_settings(cfg)
     COMPOSED.clear()  # the config files may have changed since the last plan of this process
     entries = study_entries(cfg)
-    check_per_kind(cfg)
+    check_per_kind(cfg, sorted({*attn_configs(), *available_kinds(), *(e.name for e in entries)}))
     tasks = study_tasks(cfg)
     runs = resolve_path(cfg.out) / "runs"
     common = {"checkpoint_dir": str(runs), "resume": False, "checkpoint": {"every_n_steps": None},
@@ -125,6 +133,9 @@ def run_study(cfg: DictConfig) -> dict | None:
     launcher, lm.studies.jobs), then the outputs. `arm=<i>` runs that arm alone, as a job does,
     and writes no report (None); `report_only=true` runs no arm and reports the finished ones."""
     started = time.perf_counter()
+    launcher = chosen_launcher()
+    if launcher is not None:
+        check_launcher(launcher)
     arms = plan(cfg)
     out = resolve_path(cfg.out)
     if cfg.arm is not None:
@@ -137,7 +148,6 @@ def run_study(cfg: DictConfig) -> dict | None:
     if cfg.report_only:
         records, waiting, unfinished = reported_records(arms, out / "records")
     else:
-        launcher = chosen_launcher()
         if launcher is not None:
             run_as_jobs(arms, out / "records", launcher)
         records = run_arms(arms, out / "records", describe)

@@ -55,14 +55,19 @@ def for_kind(cfg: DictConfig, name: str) -> DictConfig:
     return OmegaConf.merge(cfg, own)
 
 
-def check_per_kind(cfg: DictConfig) -> None:
-    """`per_kind` gives only the keys a kind may change, each checked as the study's own settings are."""
+def check_per_kind(cfg: DictConfig, known: list[str]) -> None:
+    """`per_kind` names only kinds the study could compare (`known`: attn configs, registered kinds
+    and the `extra_kinds` names; a misspelt one would be ignored) and gives only the keys a kind may
+    change, each checked as the study's own settings are."""
     per_kind = cfg.per_kind
     if per_kind is None:
         return
     if not isinstance(per_kind, DictConfig):
         raise ConfigError(f"per_kind={per_kind!r} must be a mapping: {{<kind>: {{mqar: {{widths: [64]}}}}}}")
     for name, own in per_kind.items():
+        if name not in known:
+            raise ConfigError(f"per_kind.{name} names no kind this study could compare; the kinds are "
+                              f"{', '.join(sorted(known))}")
         if not isinstance(own, DictConfig):
             raise ConfigError(f"per_kind.{name}={own!r} must be a mapping of {', '.join(PER_KIND_KEYS)}")
         unknown = sorted(set(own) - set(PER_KIND_KEYS))

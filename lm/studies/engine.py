@@ -94,6 +94,7 @@ ADDED_SINCE_RECORDS = {
     "optim.schedule": "cosine",  # ... and a linear warm-up then cosine decay
     "optim.decay_fraction": 0.2,  # read by schedule=wsd only
     "resume": False,  # an uptraining arm's settings hold it since uptrain.py continues interrupted runs
+    "trainer.skip_nonfinite": False,  # an uptraining arm's settings hold it since uptrain.py takes it
 }
 
 

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from lm.studies.engine import Arm, finished_records
+from lm.util.checks import require_positive
 from lm.util.errors import ConfigError, TrainingError
 
 
@@ -32,6 +33,23 @@ def chosen_launcher() -> str | None:
         return None
     choice = HydraConfig.get().runtime.choices.get("hydra/launcher")
     return None if choice in (None, "basic") else choice
+
+
+def check_launcher(launcher: str) -> None:
+    """The chosen launcher's settings Hydra passes on unchecked, named as typed before any arm is
+    planned or launched: joblib's n_jobs (a count of workers: 0 is none; -1 all cores, -2 all but one)
+    and its timeout."""
+    from hydra.core.hydra_config import HydraConfig
+
+    settings = HydraConfig.get().launcher
+    if launcher == "joblib":
+        n_jobs = settings.get("n_jobs")
+        if n_jobs is not None and (isinstance(n_jobs, bool) or not isinstance(n_jobs, int) or n_jobs == 0):
+            raise ConfigError(f"hydra.launcher.n_jobs={n_jobs!r} must be a non-zero integer: the jobs at once "
+                              "(-1: one per core, -2: all cores but one)")
+        timeout = settings.get("timeout")
+        if timeout is not None:
+            require_positive("hydra.launcher.timeout", timeout)
 
 
 def unfinished(arms: list[Arm], records: Path) -> list[int]:
@@ -60,10 +78,12 @@ def run_as_jobs(arms: list[Arm], records: Path, launcher: str) -> None:
     command = [sys.executable, sys.argv[0], "--multirun", *overrides.task, *overrides.hydra,
                f"arm={','.join(str(i) for i in pending)}"]
     print(f"running {len(pending)} of {len(arms)} arms as jobs of hydra/launcher={launcher}", flush=True)
-    subprocess.run(command, check=False)  # each job prints its arm's line; failures are read from the records
+    done = subprocess.run(command, check=False)  # each job prints its arm's line; failures are read from the records
     failed = [arms[i].name for i in unfinished(arms, records) if i in pending]
     if failed:
         shown = ", ".join(failed[:3]) + (f" and {len(failed) - 3} more" if len(failed) > 3 else "")
-        raise TrainingError(f"{len(failed)} of the {len(pending)} arms launched did not finish ({shown}): their "
-                            f"records under {records} and logs under the runs folder say why; the same command "
-                            "launches those again")
+        why = (f"their records under {records} and logs under the runs folder say why" if records.is_dir() else
+               f"the launcher ended with exit code {done.returncode} before any arm wrote a record (its output "
+               "above says why)")
+        raise TrainingError(f"{len(failed)} of the {len(pending)} arms launched did not finish ({shown}): {why}; "
+                            "the same command launches those again")

@@ -21,8 +21,9 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lm.data.modules import TokenDataModule
-from lm.formats.checkpoint import load, read_checkpoint
+from lm.formats.checkpoint import load, model_state_dict, read_checkpoint, stored_model_config
 from lm.formats.convert import INITS
+from lm.model.config import ModelConfig
 from lm.model.transformer import Transformer
 from lm.studies.ablation_report import ablation_table, uptraining_plot
 from lm.studies.decode_speed import decode_speed
@@ -31,6 +32,8 @@ from lm.studies.report import write_results
 from lm.training.module import evaluate_loss
 from lm.training.run import train
 from lm.training.uptraining import (
+    Target,
+    check_conversion,
     check_uptrain_settings,
     continued_run_config,
     conversion_target,
@@ -102,6 +105,8 @@ def plan(cfg: DictConfig) -> list[Arm]:
     source = read_checkpoint(ckpt)
     source_run, tokenizer_json = source["lm"]["run_config"], source["lm"]["tokenizer"]
     source_steps = int(source["global_step"])
+    teacher = stored_model_config(source["lm"], model_state_dict(source), f"checkpoint {str(ckpt)!r}")
+    check_grid(cfg, teacher)  # every arm's conversion, before the first (the teacher's) runs
     out = resolve_path(cfg.study.out)
     runs = out / "runs"
     measuring = Measuring(source_run, tokenizer_json, cfg.uptrain.limit_val_batches, cfg.study.decode_tokens)
@@ -125,7 +130,7 @@ def plan(cfg: DictConfig) -> list[Arm]:
                                 log=runs / f"study-{name}" / "train.log"))
     for method in cfg.study.get("methods") or []:
         for fraction in as_list("study.fractions", cfg.study.fractions):
-            arms.append(method_arm(cfg, method, fraction, runs, measured_with, measuring))
+            arms.append(method_arm(cfg, method, fraction, runs, measured_with, measuring, teacher))
     if cfg.study.scratch:
         kv_heads = max(as_list("study.kv_heads", cfg.study.kv_heads))
         for fraction in as_list("study.fractions", cfg.study.fractions):
@@ -143,6 +148,17 @@ def plan(cfg: DictConfig) -> list[Arm]:
                                     "fraction": fraction},
                             log=runs / f"study-{name}" / "train.log"))
     return arms
+
+
+def check_grid(cfg: DictConfig, teacher: ModelConfig) -> None:
+    """One line naming the entry as typed unless the teacher converts to each `study.kv_heads` under
+    each `study.inits` (K/V heads that split its heads into groups)."""
+    for kv_heads in as_list("study.kv_heads", cfg.study.kv_heads):
+        for init in as_list("study.inits", cfg.study.inits):
+            try:
+                check_conversion(teacher, Target(n_kv_head=kv_heads), init)
+            except ConfigError as e:
+                raise ConfigError(f"study.kv_heads entry {kv_heads} (init {init}): {e}") from None
 
 
 def uptrained_arm_settings(arm_cfg: DictConfig) -> dict:
@@ -173,9 +189,10 @@ def check_study_settings(cfg: DictConfig) -> None:
 METHOD_KEYS = {"name", "attn", "init", "distill", "temperature"}
 
 
-def method_arm(cfg: DictConfig, method, fraction: float, runs: Path, measured_with: dict, measuring: Measuring) -> Arm:
+def method_arm(cfg: DictConfig, method, fraction: float, runs: Path, measured_with: dict, measuring: Measuring,
+               teacher: ModelConfig) -> Arm:
     """One `study.methods` entry at one fraction: {name, attn (the target's attn settings), init
-    (GQA/MQA pooling), distill, temperature}."""
+    (GQA/MQA pooling), distill, temperature}, checked against the `teacher`'s shape."""
     method = OmegaConf.to_container(method, resolve=True)
     unknown = sorted(set(method) - METHOD_KEYS) if isinstance(method, dict) else None
     if not isinstance(method, dict) or unknown or "name" not in method or "attn" not in method:
@@ -189,8 +206,12 @@ def method_arm(cfg: DictConfig, method, fraction: float, runs: Path, measured_wi
                                     "uptrain": {"init": method.get("init", "mean"), "distill": distill,
                                                 "temperature": method.get("temperature", 1.0),
                                                 "fraction": fraction, "steps": None}})
-    check_uptrain_settings(arm_cfg)
-    target = conversion_target(arm_cfg)
+    try:
+        check_uptrain_settings(arm_cfg)
+        target = conversion_target(arm_cfg)
+        check_conversion(teacher, target, arm_cfg.uptrain.init)
+    except ConfigError as e:
+        raise ConfigError(f"study.methods entry {method['name']!r}: {e}") from None
     init = "svd" if target.latent is not None else arm_cfg.uptrain.init
     kv_heads = target.n_kv_head if target.latent is None else \
         f"latent {target.latent.kv_rank}+{target.latent.rope_dim}"

@@ -6,6 +6,7 @@ model code stays free of Lightning and the same module trains any attention kind
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -104,13 +105,34 @@ def distillation_kl(logits: torch.Tensor, teacher_logits: torch.Tensor, targets:
     return (per_position * scored).sum() / scored.sum().clamp(min=1)
 
 
-def check_distillation(distill: float, temperature: float, teacher: Transformer | None) -> None:
-    """One ConfigError line unless the weight, temperature and teacher make a distillation (or none)."""
-    if isinstance(distill, bool) or not isinstance(distill, (int, float)) or not distill >= 0:
-        raise ConfigError(f"uptrain.distill={distill!r} must be a number >= 0")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+# The largest logit or loss (in nats) float32 training meets is far below this; the distillation's
+# weight and temperature are bounded so that scaling one by them stays a finite float32.
+FLOAT32_SCALE = 1e4
+
+
+def check_distillation(distill: float, temperature: float, teacher: Transformer | None,
+                       teacher_needed: bool = True) -> None:
+    """One ConfigError line unless the weight, temperature and teacher make a distillation (or none).
+    Both are checked in float32, where they are used (logits / T, distill T^2 KL): a value that
+    overflows there or rounds to zero means nothing. `teacher_needed=False`: the values alone, before
+    the teacher is read."""
+    if isinstance(distill, bool) or not isinstance(distill, (int, float)) or not 0 <= distill < math.inf:
+        raise ConfigError(f"uptrain.distill={distill!r} must be a finite number >= 0")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 < temperature < math.inf:
         raise ConfigError(f"uptrain.temperature={temperature!r} must be a positive number")
-    if distill > 0 and teacher is None:
+    largest = torch.finfo(torch.float32).max / FLOAT32_SCALE  # 3e34: times a loss or logit, still finite
+    lowest, highest = 1 / largest, largest ** 0.5  # logits / T and T^2 x KL finite in float32
+    if not lowest <= temperature <= highest:
+        raise ConfigError(f"uptrain.temperature={temperature!r} must be from {lowest:.0e} to {highest:.0e}: the "
+                          "logits are divided by it, and the KL scaled by its square, in float32")
+    weight = distill * temperature ** 2
+    if weight > largest:
+        raise ConfigError(f"uptrain.distill={distill!r} overflows float32, where the loss adds distill x "
+                          f"temperature^2 x KL: distill x temperature^2 must be at most {largest:.0e}")
+    if distill > 0 and torch.tensor(weight, dtype=torch.float32).item() == 0:
+        raise ConfigError(f"uptrain.distill={distill!r} rounds to zero in float32, where the loss adds distill x "
+                          "temperature^2 x KL: give 0 for no distillation, or a larger weight")
+    if distill > 0 and teacher is None and teacher_needed:
         raise ConfigError(f"uptrain.distill={distill!r} needs a teacher (the parent model); none was given")
 
 
@@ -148,6 +170,7 @@ class NonFiniteWatch:
         self.step: torch.Tensor | None = None  # () int64: -1 while every loss was finite
         self.loss: torch.Tensor | None = None  # () float32: the first loss that was not
         self.unread = 0  # losses recorded since the last check
+        self.saved = False  # whether the run has a good checkpoint: one written by it, or the one it resumed
 
     def record(self, loss: torch.Tensor, step: int) -> None:
         loss = loss.detach().float()
@@ -163,8 +186,9 @@ class NonFiniteWatch:
         """TrainingError, in one line, once a loss was not finite."""
         self.unread = 0
         if self.step is not None and int(self.step) >= 0:
-            raise TrainingError(f"loss is {float(self.loss)} at step {int(self.step)}; stopping with the last good "
-                                "checkpoint kept (trainer.skip_nonfinite=true skips such steps instead)")
+            kept = "with the last good checkpoint kept" if self.saved else "before any checkpoint was written"
+            raise TrainingError(f"loss is {float(self.loss)} at step {int(self.step)}; stopping {kept} "
+                                "(trainer.skip_nonfinite=true skips such steps instead)")
 
 
 class LitLM(L.LightningModule):
@@ -320,6 +344,7 @@ class LitLM(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         check_same_optimizer(checkpoint, self.optim.name)
+        self.watch.saved = True  # the checkpoint this run continues stays the last good one
         # Checkpoints written before the callable left the module tree hold every weight a second
         # time under "_forward." (or "_forward._orig_mod." when compiled); the "model." copy is the one.
         state = checkpoint["state_dict"]
@@ -337,8 +362,9 @@ class LitLM(L.LightningModule):
         self.watch.check()
         if not all(torch.isfinite(p).all() for p in self.model.parameters()):
             # Refusing here aborts the save, so the previous checkpoint stays the last good one.
-            raise TrainingError(f"the weights are no longer finite at step {self.global_step}; "
-                                "stopping with the last good checkpoint kept")
+            kept = "with the last good checkpoint kept" if self.watch.saved else "before any checkpoint was written"
+            raise TrainingError(f"the weights are no longer finite at step {self.global_step}; stopping {kept}")
+        self.watch.saved = True  # this checkpoint is a good one
         self.count_batch()
         # Everything needed to use the weights, as plain data (safe for weights_only loading).
         checkpoint["lm"] = {

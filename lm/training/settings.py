@@ -8,7 +8,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lm.attention import layer_specs
 from lm.config.train import check_train_settings
-from lm.model.config import ModelConfig
+from lm.model.config import ModelConfig, check_layers_build
 from lm.model.transformer import Transformer
 from lm.training.module import check_distillation
 from lm.training.optim import check_optim_settings, optim_config
@@ -28,8 +28,10 @@ def model_config_from(cfg: DictConfig, vocab_size: int) -> ModelConfig:
     if (kind is None) == (pattern is None):
         raise ConfigError(f"give attn.kind (one kind for every layer) or attn.pattern (one per layer), "
                           f"not {'both' if kind else 'neither'}")
-    specs = layer_specs(pattern or kind, model["n_layer"], attn, every)
-    return ModelConfig(vocab_size=vocab_size, attention=specs, n_kv_head=n_kv_head, **model)
+    specs = layer_specs(pattern if pattern is not None else kind, model["n_layer"], attn, every)
+    config = ModelConfig(vocab_size=vocab_size, attention=specs, n_kv_head=n_kv_head, **model)
+    check_layers_build(config)  # sizes bounded by the model's shape, before any data or training
+    return config
 
 
 def check_run_settings(cfg: DictConfig) -> None:

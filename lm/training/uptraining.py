@@ -90,6 +90,17 @@ def conversion_target(cfg: DictConfig) -> Target:
     return Target(n_kv_head=attn["n_kv_head"])
 
 
+def check_conversion(source_config: ModelConfig, target: Target, init: str) -> None:
+    """One ConfigError line unless `source_config` converts to `target` under `init`: K/V heads that
+    split its heads into equal groups of a kind with a grouped form, or an MLA target whose sizes its
+    head size and width hold. Reads no weight and no data (the studies check every arm with it
+    before the first runs)."""
+    if target.latent is None:
+        check_convertible(source_config, target.n_kv_head, init)
+    else:
+        check_parent(source_config, target.latent)
+
+
 def check_uptrain_settings(cfg: DictConfig) -> None:
     """Every `uptrain.*` number and the seed, named as typed, before the checkpoint is read; also
     those this run leaves unused (`fraction` beside `steps`), which are mistakes all the same."""
@@ -101,6 +112,8 @@ def check_uptrain_settings(cfg: DictConfig) -> None:
     require_in_interval("uptrain.warmup_fraction", u.get("warmup_fraction", 0.1), 0, 1, open_high=True)
     require_in_interval("uptrain.distill", u.get("distill", 0.0), 0, math.inf, open_high=True)
     require_positive("uptrain.temperature", u.get("temperature", 1.0))
+    check_distillation(u.get("distill", 0.0), u.get("temperature", 1.0), None, teacher_needed=False)
+    require_bool("trainer.skip_nonfinite", cfg.get("trainer", {}).get("skip_nonfinite", False))
     require_int("uptrain.calibration_batches", u.get("calibration_batches", 4))
     require_int("uptrain.evaluations", u.evaluations)
     for key in ("val_every_n_steps", "limit_val_batches"):
@@ -149,6 +162,8 @@ def continued_run_config(source_run: dict, cfg: DictConfig, steps: int, target: 
         if cfg.uptrain.limit_val_batches is not None:
             run.trainer.limit_val_batches = cfg.uptrain.limit_val_batches
         run.trainer.progress_bar = cfg.progress_bar
+        # what a non-finite loss does (the advice its error gives): the uptraining's own setting
+        run.trainer.skip_nonfinite = bool(cfg.get("trainer", {}).get("skip_nonfinite", False))
         # The source run's schedule shape (warm-up then cosine) over the short budget.
         run.optim.warmup_steps = max(1, round(cfg.uptrain.warmup_fraction * steps))
         run.logger = OmegaConf.to_container(cfg.logger, resolve=True)
@@ -187,8 +202,6 @@ def convert(parent: Transformer, source_state: dict, target: Target, cfg: DictCo
     init, source_config = cfg.uptrain.init, parent.config
     if target.latent is None and init != "aligned":
         return to_grouped(source_state, source_config, target.n_kv_head, init=init, seed=cfg.seed)
-    if target.latent is not None:
-        check_parent(source_config, target.latent)  # before reading any data
     inputs = calibration().layer_inputs(parent)
     if target.latent is not None:
         return to_latent(source_state, source_config, target.latent, inputs)
@@ -206,8 +219,7 @@ def uptrain(cfg: DictConfig) -> dict:
     source_state = model_state_dict(source)
     source_config = stored_model_config(source["lm"], source_state, what)
     target = conversion_target(cfg)
-    if target.latent is None:  # a kind with per-head tensors of no grouped form: one line, before any work
-        check_convertible(source_config, target.n_kv_head, cfg.uptrain.init)
+    check_conversion(source_config, target, cfg.uptrain.init)  # one line, before any weight is built or pooled
     parent = build_checked(source_config, source_state, what)  # names, shapes and finite values, before converting
     target = target.at(source_config.head_dim)
     source_steps = int(source.get("global_step", 0))
