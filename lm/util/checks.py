@@ -52,6 +52,12 @@ def require_in_interval(name: str, value: Any, low: float, high: float, open_low
     raise error(f"{name}={value!r} must be in {'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}")
 
 
+def require_unit(name: str, value: Any) -> None:
+    """A real number from 0 to 1, both ends included (a decay rate, a ratio)."""
+    if not is_real(value) or not 0 <= value <= 1:
+        raise ConfigError(f"{name}={value!r} must be a number from 0 to 1")
+
+
 def require_positive(name: str, value: Any) -> None:
     """A finite number above 0: an infinite learning rate or scale can only give NaN later."""
     if not is_real(value) or not 0 < value < math.inf:
