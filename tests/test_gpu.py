@@ -34,7 +34,7 @@ DEVICE = os.environ.get("LM_GPU_TIER_DEVICE", "cuda")
 KINDS = model_rows()  # name -> (attention, n_kv_head): every registered kind's settings and the hybrids
 VOCAB = 97
 # One row per registered kind (and the three softmax groupings): the tier's costlier checks.
-ONE_PER_KIND = ["additive", "efficient", "gated_delta", "linear", "linear-taylor-mqa", "lowrank", "mla",
+ONE_PER_KIND = ["additive", "efficient", "gated_delta", "linear", "linear-taylor-mqa", "lowrank", "mamba2", "mla",
                 "sliding", "softmax-mha", "softmax-gqa", "softmax-mqa", "softmax-gated-qk-norm",
                 "hybrid-gated-delta-softmax"]
 # The conf/attn options: what `python scripts/train.py attn=<name>` trains.
