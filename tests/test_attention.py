@@ -16,6 +16,7 @@ from lm.attention.efficient import (
 )
 from lm.attention.feature_maps import FEATURE_MAPS, feature_map, taylor_kernel
 from lm.attention.gated_delta import GatedDeltaSpec
+from lm.attention.kda import KimiDeltaSpec
 from lm.attention.linear import (
     LinearSpec,
     chunked_linear_attention,
@@ -340,7 +341,7 @@ def test_generation_state_each_kind_declares():
 
 
 RECURRENT_ROWS = [name for name, (spec, _) in example_rows().items()
-                  if isinstance(spec, (LinearSpec, EfficientSpec, GatedDeltaSpec))]
+                  if isinstance(spec, (LinearSpec, EfficientSpec, GatedDeltaSpec, KimiDeltaSpec))]
 
 
 @pytest.mark.parametrize("name", RECURRENT_ROWS)

@@ -19,13 +19,13 @@ from lm.attention.gated_delta import GatedDeltaSpec, gated_delta_rule, gated_del
 from lm.util.errors import ConfigError
 
 
-def fla_naive():
-    """fla/ops/gated_delta_rule/naive.py loaded on its own: importing the fla package would
-    import its Triton kernels, which need a GPU toolchain."""
+def fla_naive(op: str = "gated_delta_rule"):
+    """fla/ops/<op>/naive.py loaded on its own: importing the fla package would import its Triton
+    kernels, which need a GPU toolchain. tests/test_kda.py loads fla's KDA reference (op kda) so."""
     found = importlib.util.find_spec("fla")
     assert found is not None, "fla-core is a test dependency: pip install -e '.[dev]'"
-    path = Path(found.submodule_search_locations[0]) / "ops" / "gated_delta_rule" / "naive.py"
-    module_spec = importlib.util.spec_from_file_location("fla_gated_delta_naive", path)
+    path = Path(found.submodule_search_locations[0]) / "ops" / op / "naive.py"
+    module_spec = importlib.util.spec_from_file_location(f"fla_{op}_naive", path)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
     return module

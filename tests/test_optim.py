@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from lm.attention.additive import AdditiveAttention
-from lm.attention.gated_delta import GatedDeltaNet
+from lm.attention.gated_delta import DeltaRuleLayer
 from lm.attention.mla import LatentAttention
 from lm.attention.projections import GroupedQKV, qkv_rows
 from lm.model.config import ModelConfig
@@ -110,9 +110,9 @@ def test_every_2d_parameter_of_every_kind_is_a_linear_weight_or_declared_and_pla
     assert placed.rows == fused and all(sum(r) == placed.muon[n].shape[0] for n, r in fused.items())
     for prefix, module in model.named_modules():  # what each layer kind declares, spelled out
         at = f"{prefix}."
-        if isinstance(module, (GroupedQKV, GatedDeltaNet)):
+        if isinstance(module, (GroupedQKV, DeltaRuleLayer)):
             assert placed.rows[at + "qkv.weight"] == qkv_rows(module.n_head, module.n_kv_head, module.head_dim)
-        if isinstance(module, GatedDeltaNet):
+        if isinstance(module, DeltaRuleLayer):  # gated delta's layer and KDA's
             assert module.conv is None or at + "conv" in placed.adamw
             assert {at + "A_log", at + "dt_bias", at + "out_norm"} <= set(placed.adamw_no_decay)
         if isinstance(module, AdditiveAttention):
