@@ -119,9 +119,19 @@ UPTRAIN = [
     (("attn=mla", "attn.q_rank=100000"), "attn.q_rank=100000"), (("attn=mla", "attn.rope_dim=16"), "rope_dim=16"),
 ]
 
+SERVE = [  # scripts/serve.py: every setting is checked before the port is bound or the checkpoint read
+    ("port=-1", "port"), ("port=65536", "port"), ("port=abc", "port"), ("max_batch=0", "max_batch"),
+    ("max_batch=1.5", "max_batch"), ("max_queue=-1", "max_queue"), ("max_new_tokens=0", "max_new_tokens"),
+    (f"max_prompt_tokens={HUGE}.5", "max_prompt_tokens"), ("compile=maybe", "compile"), ("quantize=int3", "quantize"),
+    ("int8_kernel=bogus", "int8_kernel"), ("device=tpu", "device"), ("drain_s=-1", "drain_s"),
+    ("chat_template={empty}/none.jinja", "chat_template"), ("model_name=' '", "model_name"),
+    ("ckpt={empty}/none.ckpt", "none.ckpt"),
+]
+
 if not torch.cuda.is_available():  # this torch has no CUDA: the device check must say so before loading
     EVAL.append(("device=cuda", "device"))
     GENERATE.append(("device=cuda:0", "device"))
+    SERVE.append(("device=cuda", "device"))
 
 STUDY = [  # scripts/uptrain.py --config-name uptrain_study: the ablation's grid
     ("study.fractions=[0]", "study.fractions"), ("study.fractions=[1.5]", "study.fractions"),
@@ -142,7 +152,7 @@ CASES = (
     [("train", list(args), key) for args, key in zip(TRAIN, TRAIN_KEYS, strict=True)]
     + [(script, [args] if isinstance(args, str) else list(args), key)
        for script, table in (("compare", COMPARE), ("eval", EVAL), ("generate", GENERATE), ("uptrain", UPTRAIN),
-                             ("uptrain_study", STUDY), ("uptrain_methods", METHODS))
+                             ("uptrain_study", STUDY), ("uptrain_methods", METHODS), ("serve", SERVE))
        for args, key in table]
 )
 
@@ -197,6 +207,7 @@ def test_a_bad_setting_is_one_line_naming_it_exit_2_and_nothing_written(script, 
         "compare": ["preset=quick", "kinds=[mqa]", f"out={written}", f"hydra.run.dir={tmp_path}/hydra"],
         "eval": [f"ckpt={checkpoint}", f"out={written}/eval.json"],
         "generate": [f"ckpt={checkpoint}", "prompt=def", "max_new_tokens=4"],
+        "serve": [f"ckpt={checkpoint}", "port=0"],  # 0: were a row to pass its checks, no port is taken from others
     }[script]
     if script in ("train", "compare", "eval") and not any(a.startswith("data=") for a in args):
         outputs += ["data=text", f"data.paths=[{small_corpus}]", "data.vocab_size=512",
