@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from lm.attention import LayerShape, spec_from_dict
 from lm.attention.gated_delta import GatedDeltaSpec, gated_delta_rule, gated_delta_step, recurrent_gated_delta_rule
+from lm.attention.kda import KimiDeltaSpec
 from lm.util.errors import ConfigError
 
 
@@ -123,8 +124,12 @@ def test_the_layer_decays_and_writes_within_their_ranges():
     assert (g <= 0).all() and (g < 0).any()
 
 
-def test_the_layer_has_no_rope_and_reads_no_future():
-    layer = GatedDeltaSpec(chunk_size=4).build(LayerShape(d_model=32, n_head=4, n_kv_head=2, head_dim=8))
+DELTA_RULE_SPECS = {"gated_delta": GatedDeltaSpec, "kda": KimiDeltaSpec}  # what the two kinds share, tested once
+
+
+@pytest.mark.parametrize("kind", DELTA_RULE_SPECS)
+def test_the_layer_has_no_rope_and_reads_no_future(kind):
+    layer = DELTA_RULE_SPECS[kind](chunk_size=4).build(LayerShape(d_model=32, n_head=4, n_kv_head=2, head_dim=8))
     layer.reset_own_parameters()
     x = torch.randn(1, 12, 32)
     cos, sin = torch.randn(12, 4), torch.randn(12, 4)
@@ -140,19 +145,21 @@ def test_the_layer_has_no_rope_and_reads_no_future():
     ({"chunk_size": 0}, "chunk_size=0 must be an integer >= 1"),
     ({"norm_eps": 0}, "norm_eps=0 must be"),
     ({"backend": "triton"}, "backend='triton' is not one of"),
-    ({"window": 4}, "attention kind 'gated_delta' does not take option(s) ['window']"),
+    ({"window": 4}, "attention kind '{kind}' does not take option(s) ['window']"),
 ])
-def test_bad_options_are_one_line_naming_the_option(options, message):
+@pytest.mark.parametrize("kind", DELTA_RULE_SPECS)
+def test_bad_options_are_one_line_naming_the_option(kind, options, message):
     with pytest.raises(ConfigError) as refused:
-        spec_from_dict({"kind": "gated_delta", **options})
-    assert message in str(refused.value) and "\n" not in str(refused.value)
+        spec_from_dict({"kind": kind, **options})
+    assert message.format(kind=kind) in str(refused.value) and "\n" not in str(refused.value)
 
 
-def test_the_fla_backend_without_cuda_is_one_line():
+@pytest.mark.parametrize("kind", DELTA_RULE_SPECS)
+def test_the_fla_backend_without_cuda_is_one_line(kind):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the gpu tier runs the fla backend")
     with pytest.raises(ConfigError, match="backend='fla' .* no CUDA device"):
-        GatedDeltaSpec(backend="fla").build(LayerShape(d_model=32, n_head=4, n_kv_head=2, head_dim=8))
+        DELTA_RULE_SPECS[kind](backend="fla").build(LayerShape(d_model=32, n_head=4, n_kv_head=2, head_dim=8))
 
 
 @pytest.mark.gpu

@@ -127,6 +127,14 @@ def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: to
 # ------------------------------------------------------------------------------------ the kind
 
 
+def check_delta_rule_options(spec) -> None:
+    """The options every delta-rule kind shares (gated delta, KDA): convolution, chunk, norm, backend."""
+    require_int("conv_size", spec.conv_size, minimum=0)
+    require_int("chunk_size", spec.chunk_size)
+    require_positive("norm_eps", spec.norm_eps)
+    require_choice("backend", spec.backend, BACKENDS)
+
+
 @register("gated_delta")
 @dataclass(frozen=True)
 class GatedDeltaSpec(AttentionSpec):
@@ -144,10 +152,7 @@ class GatedDeltaSpec(AttentionSpec):
     }
 
     def check(self) -> None:
-        require_int("conv_size", self.conv_size, minimum=0)
-        require_int("chunk_size", self.chunk_size)
-        require_positive("norm_eps", self.norm_eps)
-        require_choice("backend", self.backend, BACKENDS)
+        check_delta_rule_options(self)
 
     def build(self, shape: LayerShape) -> GatedDeltaNet:
         return GatedDeltaNet(self, shape)

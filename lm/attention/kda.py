@@ -43,9 +43,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lm.attention.base import AttentionSpec, Example, LayerShape, register
-from lm.attention.gated_delta import BACKENDS, DeltaRuleLayer, fla_backend, mamba2_decay_init
+from lm.attention.gated_delta import DeltaRuleLayer, check_delta_rule_options, fla_backend, mamba2_decay_init
 from lm.attention.shared_caches import accumulation_dtype, without_autocast
-from lm.util.checks import require_choice, require_int, require_positive
 
 
 @without_autocast
@@ -126,10 +125,7 @@ class KimiDeltaSpec(AttentionSpec):
     }
 
     def check(self) -> None:
-        require_int("conv_size", self.conv_size, minimum=0)
-        require_int("chunk_size", self.chunk_size)
-        require_positive("norm_eps", self.norm_eps)
-        require_choice("backend", self.backend, BACKENDS)
+        check_delta_rule_options(self)
 
     def build(self, shape: LayerShape) -> KimiDeltaNet:
         return KimiDeltaNet(self, shape)
