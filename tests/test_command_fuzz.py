@@ -230,6 +230,9 @@ BENCH = [  # scripts/bench.py (argparse): a size that cannot be measured, named 
     (["train", "--steps", "0"], "--steps 0"), (["train", "--warmup", "-1"], "--warmup -1"),
     (["decode", "--batches", "-2"], "--batches -2"), (["kernels", "--rows", "0"], "--rows 0"),
     (["int8", "--ckpt", "{empty}/none.ckpt"], "none.ckpt"),
+    # argparse's own refusals, one line too
+    (["attention", "--lengths", "abc"], "--lengths: invalid int value: 'abc'"), (["nope"], "invalid choice: 'nope'"),
+    (["serve", "--bogus", "1"], "unrecognized arguments: --bogus 1"),
 ]
 
 

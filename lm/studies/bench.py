@@ -35,9 +35,19 @@ from lm.studies.train_bench import bench_train, checked_variant, model_shapes, t
 __all__ = ["build_parser", "main", "train_step_fn"]  # train_step_fn: the comparison times its steps with it
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, with its own refusals (an unknown option, a value that is not a number) as the one-line
+    error every script gives (lm.util.cli) instead of the usage text and exit code 2 of its own."""
+
+    def error(self, message: str):
+        from lm.util.errors import ConfigError
+
+        raise ConfigError(f"{self.prog}: {message}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line of scripts/bench.py: one subcommand per benchmark."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
     train = sub.add_parser("train", help="training tokens/s and MFU against transformers' Llama")
     train.add_argument("--steps", type=int, default=10, help="measured steps per contender")
