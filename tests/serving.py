@@ -55,9 +55,8 @@ def greedy_text(net: Transformer, tok, prompt: str, max_tokens: int) -> str:
 
 
 @contextlib.contextmanager
-def running(app, sock):
-    """Serve `app` on the bound socket in a thread; yields the base URL; stops the server after."""
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+def running(server: uvicorn.Server, sock):
+    """Run the uvicorn server on the bound socket in a thread; yields the base URL; stops it after."""
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     for _ in range(500):  # at most 5 s for uvicorn to start
@@ -80,5 +79,6 @@ def served(net: Transformer, tok, max_batch=4, max_queue=64, max_new_tokens=400,
     template = ChatTemplate(CHAT_TEMPLATE, EOT) if chat else None
     server = Server(engine, tok, name, Limits(max_new_tokens, max_prompt_tokens), template)
     app = build_app(server, api_key, on_shutdown=lambda: engine.stop(timeout=0))
-    with running(app, bind("127.0.0.1", 0)) as url:
+    http = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    with running(http, bind("127.0.0.1", 0)) as url:
         yield url, engine

@@ -10,27 +10,13 @@ Shapes: B batch, nh heads, G groups, T length, P head size, N state size."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
+from test_gated_delta import fla_naive, values_and_grads
 
 from lm.attention import LayerShape, spec_from_dict
 from lm.attention.mamba2 import Mamba2Spec, recurrent_ssd, ssd, ssd_step
 from lm.util.errors import ConfigError
-
-
-def fla_simple_gla_naive():
-    """fla/ops/simple_gla/naive.py loaded on its own: importing the fla package would import its
-    Triton kernels, which need a GPU toolchain."""
-    found = importlib.util.find_spec("fla")
-    assert found is not None, "fla-core is a test dependency: pip install -e '.[dev]'"
-    path = Path(found.submodule_search_locations[0]) / "ops" / "simple_gla" / "naive.py"
-    module_spec = importlib.util.spec_from_file_location("fla_simple_gla_naive", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module
 
 
 def inputs(B, nh, G, T, P, N, dtype, seed=0, with_state=True):
@@ -45,13 +31,6 @@ def inputs(B, nh, G, T, P, N, dtype, seed=0, with_state=True):
     for t in tensors:
         t.requires_grad_(True)
     return tensors, state
-
-
-def values_and_grads(fn, tensors):
-    out, final = fn()
-    grads = torch.autograd.grad((out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum()
-                                + final.sum() * 0.1, tensors)
-    return out, final, grads
 
 
 def assert_all_close(ours, theirs, atol, rtol, grad_atol=None):
@@ -107,7 +86,7 @@ def test_the_ssd_equals_flash_linear_attentions_naive_simple_gla(T, reference):
     dt A and no scaling (the paper's section 5). fla's references compute in float32 whatever their
     inputs (they cast them), with one b, c per head and tensors (B, T, H, d): ours is given the
     heads' b and c and compared within float32's precision, values, final states and gradients."""
-    fla = getattr(fla_simple_gla_naive(), reference)
+    fla = getattr(fla_naive("simple_gla"), reference)
     tensors, state = inputs(2, 4, 4, T, 16, 8, torch.float32, seed=T)
     x, dt, A, b, c = tensors[:5]
     bthd = lambda t: t.transpose(1, 2)  # noqa: E731  (B, H, T, ...) -> (B, T, H, ...)

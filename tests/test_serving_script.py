@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ import pytest
 httpx = pytest.importorskip("httpx")  # the serve and dev extras (`make install`)
 pytest.importorskip("fastapi")
 from conftest import compose_config  # noqa: E402
-from serving import CHAT_TEMPLATE, greedy_text, model, tokenizer, write_checkpoint  # noqa: E402
+from serving import CHAT_TEMPLATE, greedy_text, model, running, tokenizer, write_checkpoint  # noqa: E402
 
 from lm.serving.run import prepare  # noqa: E402
 
@@ -67,19 +66,11 @@ def test_a_checkpoint_served_as_the_script_serves_it(checkpoint, tmp_path):
     template.write_text(CHAT_TEMPLATE)
     cfg = compose_config("serve", [f"ckpt={checkpoint}", "port=0", "max_batch=2", f"chat_template={template}"])
     server, sock = prepare(cfg, open(os.devnull, "w"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        while not server.started:
-            thread.join(0.01)
+    with running(server, sock) as url:
         assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "tiny-run"
         reply = httpx.post(f"{url}/v1/chat/completions", json={
             "model": "tiny-run", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0})
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] <= 5
-    finally:
-        server.should_exit = True
-        thread.join(30)
 
 
 @pytest.mark.slow

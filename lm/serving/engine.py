@@ -132,6 +132,8 @@ class Engine:
         self.cache = self._empty_cache()
         self.rows: list[Running | None] = [None] * max_batch
         self.next_ids = [0] * max_batch  # each row's last token: the next step's input
+        # What sampling takes as the tokens already seen: none, as requests have no repetition penalty.
+        self.unseen = torch.zeros(1, model.config.vocab_size, dtype=torch.bool, device=self.device)
         self.waiting: collections.deque[Ticket] = collections.deque()
         self.lock = threading.Condition()
         self.stopping = False
@@ -265,7 +267,7 @@ class Engine:
     def _pick(self, rows: list[int], logits: torch.Tensor) -> list[int]:
         """The next token of each of `rows`, from their logits (len(rows), V): greedy rows in one argmax,
         sampled rows each with its own settings and generator. One read of the device per call."""
-        unseen = torch.zeros(1, logits.shape[-1], dtype=torch.bool, device=logits.device)  # no repetition penalty
+        unseen = self.unseen
         greedy = [i for i, r in enumerate(rows) if self.rows[r].ticket.completion.sampling.temperature == 0]
         sampled = sorted(set(range(len(rows))) - set(greedy))
         picks = torch.empty(len(rows), dtype=torch.long, device=logits.device)
