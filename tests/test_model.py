@@ -1,3 +1,4 @@
+import re
 import subprocess
 import sys
 
@@ -9,6 +10,7 @@ from lm.attention import LayerShape
 from lm.attention.reference import causal_softmax_attention
 from lm.attention.softmax import SoftmaxAttention, SoftmaxSpec
 from lm.formats.weights import split_qkv
+from lm.util.errors import ConfigError
 
 SMALL = dict(vocab_size=97, n_layer=2, d_model=64, n_head=4, d_ff=96, max_seq_len=32)
 
@@ -86,9 +88,52 @@ def plain_forward(m: Transformer, idx: torch.Tensor) -> torch.Tensor:
             heads.append(torch.cat(per_head, dim=-1))
         x = x + torch.stack(heads) @ block.attn.out.weight.T
         h = rms(x, block.mlp_norm.weight)
-        gate, up = (h @ w.T for w in block.mlp.gate_up.weight.chunk(2))
-        x = x + (torch.nn.functional.silu(gate) * up) @ block.mlp.down.weight.T
+        if c.mlp == "relu2":
+            hidden = torch.relu(h @ block.mlp.up.weight.T) ** 2
+        else:
+            gate, up = (h @ w.T for w in block.mlp.gate_up.weight.chunk(2))
+            hidden = torch.nn.functional.silu(gate) * up
+        x = x + hidden @ block.mlp.down.weight.T
     return rms(x, m.norm.weight) @ m.embed.weight.T
+
+
+def test_relu_squared_model_equals_the_plain_reference_forward():
+    m = Transformer(ModelConfig(vocab_size=97, n_layer=2, d_model=32, n_head=4, n_kv_head=2, d_ff=48,
+                                max_seq_len=32, init_std=0.2, mlp="relu2")).double()
+    assert not hasattr(m.blocks[0].mlp, "gate_up")  # one matrix in, one out
+    idx = torch.randint(0, 97, (2, 13))
+    with torch.no_grad():
+        torch.testing.assert_close(m(idx), plain_forward(m, idx), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["softmax", "gated_delta", "mamba2"])
+def test_zero_initialised_output_projections_make_every_block_the_identity(kind):
+    config = ModelConfig(vocab_size=97, n_layer=2, d_model=32, n_head=4, d_ff=48, max_seq_len=32,
+                         attention=kind, zero_init_out=True)
+    m = Transformer(config)
+    zeroed = [name for name, p in m.named_parameters() if p.dim() == 2 and not p.any()]
+    assert len(zeroed) == 2 * config.n_layer, zeroed  # each block's attention output and MLP down projection
+    idx = torch.randint(0, 97, (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(m(idx), m.head(m.norm(m.embed(idx))))
+
+
+@pytest.mark.parametrize("field, value, message", [("mlp", "gelu", "mlp='gelu' is not one of swiglu, relu2"),
+                                                   ("zero_init_out", 1, "zero_init_out=1 must be true or false")])
+def test_bad_mlp_options_are_refused_in_one_line(field, value, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        ModelConfig(**{field: value})
+
+
+def test_export_refuses_relu_squared_by_name():
+    from lm.formats.gguf import check_exportable
+    from lm.formats.hf import hf_architecture
+
+    relu2 = model(4, mlp="relu2")
+    with pytest.raises(ConfigError, match="model.mlp=relu2 cannot be exported to transformers"):
+        hf_architecture(relu2.config)
+    with pytest.raises(ConfigError, match="model.mlp=relu2 has no GGUF equivalent"):
+        check_exportable(relu2)
 
 
 @pytest.mark.parametrize("n_kv_head", [4, 2, 1], ids=["mha", "gqa", "mqa"])

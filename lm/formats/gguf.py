@@ -41,6 +41,9 @@ def check_exportable(model: Transformer) -> None:
     if model.config.short_conv:
         raise ConfigError(f"model.short_conv={model.config.short_conv} has no GGUF equivalent: llama.cpp's llama "
                           "architecture does not convolve the input of its attention layers")
+    if model.config.mlp != "swiglu":
+        raise ConfigError(f"model.mlp={model.config.mlp} has no GGUF equivalent: llama.cpp's llama architecture's "
+                          "MLP is SwiGLU")
     kinds = set(model.config.attention)
     if kinds != {SoftmaxSpec()}:
         raise ConfigError(f"attention {model.config.describe_attention()} has no GGUF equivalent that llama.cpp runs "

@@ -59,6 +59,9 @@ def hf_architecture(config: ModelConfig) -> tuple[str, int | None]:
     if config.short_conv:
         raise ConfigError(f"model.short_conv={config.short_conv} cannot be exported to transformers: no Llama-family "
                           "architecture convolves the input of its attention layers")
+    if config.mlp != "swiglu":
+        raise ConfigError(f"model.mlp={config.mlp} cannot be exported to transformers: the Llama family's MLP is "
+                          "SwiGLU")
     specs = set(config.attention)
     for spec in specs:
         for option, why in UNEXPORTABLE.items():

@@ -14,6 +14,8 @@ from lm.attention import AttentionSpec, LayerShape, as_layer_specs, layer_specs
 from lm.util.checks import require_bool, require_int, require_positive
 from lm.util.errors import ConfigError
 
+MLP_CHOICES = ("swiglu", "relu2")  # lm.model.layers.MLPS builds them; named here so a config stays importable alone
+
 
 @dataclass
 class ModelConfig:
@@ -38,6 +40,8 @@ class ModelConfig:
     tie_embeddings: bool = True
     init_std: float = 0.02
     short_conv: int = 0  # taps of the causal convolution before each attention layer; 0: none (lm.model.short_conv)
+    mlp: str = "swiglu"  # swiglu or relu2 (lm.model.layers.MLPS)
+    zero_init_out: bool = False  # residual output projections start at zero: each block starts as the identity
     attention_options: dataclasses.InitVar[dict | None] = None  # format 1 only: refused with the new spelling
 
     def __post_init__(self, attention_options: dict | None) -> None:
@@ -48,6 +52,9 @@ class ModelConfig:
         for name in ("rope_theta", "norm_eps", "init_std"):
             require_positive(name, getattr(self, name))
         require_bool("tie_embeddings", self.tie_embeddings)
+        require_bool("zero_init_out", self.zero_init_out)
+        if self.mlp not in MLP_CHOICES:
+            raise ConfigError(f"mlp={self.mlp!r} is not one of {', '.join(MLP_CHOICES)}")
         require_int("short_conv", self.short_conv, minimum=0)
         if self.d_model % self.n_head:
             raise ConfigError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")

@@ -1,6 +1,6 @@
 """The decoder-only transformer: embed -> Block x n_layer -> RMSNorm -> head.
 
-Llama-style: pre-norm RMSNorm, rotary positions, SwiGLU MLP, no biases. The model knows
+Llama-style: pre-norm RMSNorm, rotary positions, SwiGLU MLP (or ReLU², `mlp`), no biases. The model knows
 nothing of attention internals: each block builds its layer from its spec (lm.attention.base).
 Shapes: B batch, T sequence length, C d_model, V vocab size.
 """
@@ -15,7 +15,7 @@ from torch import nn
 from lm.attention.rope import RotaryEmbedding
 from lm.model.config import ModelConfig
 from lm.model.generation_cache import GenerationCache
-from lm.model.layers import RMSNorm, SwiGLU
+from lm.model.layers import MLPS, RMSNorm
 from lm.model.short_conv import ShortConv
 
 
@@ -26,7 +26,7 @@ class Block(nn.Module):
         self.short_conv = ShortConv(config.d_model, config.short_conv) if config.short_conv else None
         self.attn = config.attention[layer_idx].build(config.layer_shape(layer_idx))
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
-        self.mlp = SwiGLU(config.d_model, config.d_ff)
+        self.mlp = MLPS[config.mlp](config.d_model, config.d_ff)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None,
                 pos: torch.Tensor | None = None, conv_cache=None) -> torch.Tensor:
@@ -55,12 +55,17 @@ class Transformer(nn.Module):
 
     def reset_parameters(self) -> None:
         """Normal(0, init_std) weights; residual output projections scaled by 1/sqrt(2 n_layer)
-        so the residual stream's variance does not grow with depth (GPT-2, Radford et al. 2019)."""
+        so the residual stream's variance does not grow with depth (GPT-2, Radford et al. 2019), or
+        zero with `zero_init_out` (modded-nanogpt): every block starts as the identity, and the
+        first step's gradients reach only the output projections and the head."""
         std = self.config.init_std
         for name, p in self.named_parameters():
             if p.dim() < 2:
                 continue  # norm gains stay at one
-            residual_out = name.endswith(("attn.out.weight", "mlp.down.weight"))
+            residual_out = name.endswith(("attn.out.weight", "attn.out_proj.weight", "mlp.down.weight"))
+            if residual_out and self.config.zero_init_out:
+                nn.init.zeros_(p)
+                continue
             scale = 1 / math.sqrt(2 * self.config.n_layer) if residual_out else 1.0
             nn.init.normal_(p, mean=0.0, std=std * scale)
         for block in self.blocks:
