@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.optim._muon as torch_muon
 from conftest import compose_config
 from kinds import model_rows
 from omegaconf import OmegaConf
@@ -21,7 +22,7 @@ from lm.attention.mla import LatentAttention
 from lm.attention.projections import GroupedQKV, qkv_rows
 from lm.model.config import ModelConfig
 from lm.model.transformer import Transformer
-from lm.training.muon import MuonAdamW, SplitMuon
+from lm.training.muon import MuonAdamW, SplitMuon, newton_schulz
 from lm.training.optim import (
     MuonConfig,
     OptimConfig,
@@ -29,11 +30,13 @@ from lm.training.optim import (
     build_optimizer,
     declarations,
     lr_multiplier,
+    ns_dtype,
     optim_config,
     placement,
     schedule_of,
 )
 from lm.training.settings import check_run_settings
+from lm.util import hardware
 from lm.util.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,6 +85,43 @@ def test_rows_that_do_not_cut_the_weight_are_refused():
     weight = nn.Parameter(torch.randn(10, 4))
     with pytest.raises(ValueError, match=r"rows \(4, 4\) do not cut a fused weight of 10 rows"):
         SplitMuon([weight], fused_rows={weight: (4, 4)})
+
+
+@pytest.mark.parametrize("shape", [(24, 16), (16, 24)], ids=["tall", "wide"])
+def test_newton_schulz_in_bf16_is_torch_muons_own_bit_for_bit(shape):
+    grad = torch.randn(shape, generator=torch.Generator().manual_seed(2))
+    coefficients = (torch_muon.DEFAULT_A, torch_muon.DEFAULT_B, torch_muon.DEFAULT_C)
+    ours = newton_schulz(grad, coefficients, 5, 1e-7, torch.bfloat16)
+    torch.testing.assert_close(ours, torch_muon._zeropower_via_newtonschulz(grad, coefficients, 5, 1e-7),
+                               rtol=0, atol=0)
+    # In float32 the same iteration lands within float32's rounding of its float64 value.
+    exact = newton_schulz(grad.double(), coefficients, 5, 1e-7, torch.float64)
+    torch.testing.assert_close(newton_schulz(grad, coefficients, 5, 1e-7, torch.float32).double(), exact,
+                               rtol=0, atol=1e-5)
+    assert (ours.double() - exact).abs().max() > 1e-4  # bf16's rounding, which float32 avoids
+
+
+def test_a_float32_newton_schulz_step_moves_as_torch_muon_within_bf16_rounding():
+    weight = nn.Parameter(torch.randn(24, 16, generator=torch.Generator().manual_seed(0)))
+    twin = nn.Parameter(weight.detach().clone())
+    ours, reference = SplitMuon([weight], ns_dtype="float32", lr=0.02), torch.optim.Muon([twin], lr=0.02)
+    own = torch_muon._zeropower_via_newtonschulz
+    for grad in grads_for_steps(weight.shape, 3):
+        weight.grad, twin.grad = grad.clone(), grad.clone()
+        ours.step(), reference.step()
+    assert torch_muon._zeropower_via_newtonschulz is own  # the step gave torch its function back
+    moved = (twin - weight.detach()).abs().max()
+    assert 0 < moved < 2e-3, moved  # 3 steps of lr 0.02, each update's entries rounded to bf16 or not
+
+
+@pytest.mark.parametrize("bf16_cpu, expected", [(True, "bfloat16"), (False, "float32")])
+def test_ns_dtype_auto_is_bfloat16_only_where_bf16_matmuls_are_fast(monkeypatch, bf16_cpu, expected):
+    monkeypatch.setattr(hardware, "cpu_multiplies_bf16", lambda: bf16_cpu)
+    assert ns_dtype("auto", torch.device("cpu")) == expected
+    assert ns_dtype("auto", torch.device("cuda")) == "bfloat16"
+    assert ns_dtype("float32", torch.device("cuda")) == "float32"
+    optimizer = build_optimizer(kind_model("gated_delta"), MuonConfig())
+    assert optimizer.muon.ns_dtype == expected
 
 
 # ---------------------------------------------------------------------------- placement, every kind

@@ -15,6 +15,7 @@ from lm.util.checks import require_in_interval, require_int, require_unit
 
 SCHEDULES = ("cosine", "wsd", "linear")
 ADJUST_LR = ("original", "match_rms_adamw")  # torch.optim.Muon's adjust_lr_fn
+NS_DTYPE = ("auto", "bfloat16", "float32")  # auto: bfloat16 where bf16 matmuls are fast (lm.util.hardware)
 
 UNIT = Bound("a number from 0 to 1", require_unit)
 DECAY = number(0)
@@ -57,6 +58,9 @@ class MuonConfig(OptimConfig):
     momentum: float = setting(0.95, "Muon's momentum", MOMENTUM)
     nesterov: bool = setting(True, "Nesterov momentum", boolean())
     ns_steps: int = setting(5, "Newton-Schulz iterations per update", NS_STEPS)
+    # torch.optim.Muon's bf16 iteration costs ~16x fp32's time on a CPU without bf16 instructions.
+    ns_dtype: str = setting("auto", "the Newton-Schulz iteration's dtype: auto (bfloat16 on a GPU and on a CPU "
+                                    "with bf16 instructions, else float32) | bfloat16 | float32", choice(NS_DTYPE))
     # original: sqrt(max(1, rows/cols)), Jordan et al.; match_rms_adamw: 0.2 sqrt(max(rows, cols)), Liu et al.
     # 2025, which lets lr take AdamW's value.
     adjust_lr: str = setting("original", "the matrix shape's scaling of lr: original | match_rms_adamw",
@@ -72,4 +76,4 @@ CONFIGS: dict[str, type[OptimConfig]] = {"adamw": OptimConfig, "muon": MuonConfi
 for _name, _cls in CONFIGS.items():
     store(_name, _cls, group="optim/settings")
 
-__all__ = ["ADJUST_LR", "CONFIGS", "SCHEDULES", "MuonConfig", "OptimConfig"]
+__all__ = ["ADJUST_LR", "CONFIGS", "NS_DTYPE", "SCHEDULES", "MuonConfig", "OptimConfig"]

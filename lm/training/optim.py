@@ -33,6 +33,7 @@ from lm.model.transformer import Transformer
 from lm.training.muon import MuonAdamW, SplitMuon
 from lm.util.checks import require_choice
 from lm.util.errors import ConfigError
+from lm.util.hardware import multiplies_bf16
 
 
 def optim_config(settings: Mapping) -> OptimConfig:
@@ -144,6 +145,13 @@ def group_settings(o: OptimConfig) -> list[dict]:
              "ns_steps": o.ns_steps, "adjust_lr_fn": o.adjust_lr}, *adamw]
 
 
+def ns_dtype(setting: str, device: torch.device) -> str:
+    """optim.ns_dtype with auto resolved: bfloat16 where bf16 matmuls are fast, float32 elsewhere."""
+    if setting != "auto":
+        return setting
+    return "bfloat16" if multiplies_bf16(device) else "float32"
+
+
 def build_optimizer(model: nn.Module, o: OptimConfig) -> torch.optim.Optimizer:
     """torch.optim.AdamW for optim=adamw; MuonAdamW (one optimizer over SplitMuon and AdamW) for optim=muon."""
     settings = group_settings(o)
@@ -152,7 +160,8 @@ def build_optimizer(model: nn.Module, o: OptimConfig) -> torch.optim.Optimizer:
         return torch.optim.AdamW(groups, fused=o.fused)
     placed = placement(model)
     muon = SplitMuon([{"params": list(placed.muon.values()), **settings[0]}],
-                     fused_rows={placed.muon[name]: r for name, r in placed.rows.items()})
+                     fused_rows={placed.muon[name]: r for name, r in placed.rows.items()},
+                     ns_dtype=ns_dtype(o.ns_dtype, next(model.parameters()).device))
     adamw = torch.optim.AdamW([{"params": list(placed.adamw.values()), **settings[1]},
                                {"params": list(placed.adamw_no_decay.values()), **settings[2]}], fused=o.fused)
     return MuonAdamW(muon, adamw)

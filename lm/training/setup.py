@@ -22,6 +22,7 @@ from lm.training.start import Start
 from lm.util.distributed import is_main_process, say
 from lm.util.errors import ConfigError
 from lm.util.files import write_atomically
+from lm.util.hardware import cpu_multiplies_bf16
 
 # ---------------------------------------------------------------------------- data and module
 
@@ -97,13 +98,6 @@ def checkpoint_writers(cfg: DictConfig, run_dir: Path, saves: Saves) -> list:
         writers.append(ModelCheckpoint(dirpath=run_dir, filename="last", monitor=None, save_top_k=1,
                                        enable_version_counter=False, every_n_train_steps=every))
     return writers
-
-
-def cpu_multiplies_bf16() -> bool:
-    """Whether this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX): there a bf16 matmul
-    runs ~3.5x fp32's rate (measured on an AMD EPYC with AVX512-BF16); on a CPU without them,
-    ~100x slower (an AVX2 EPYC)."""
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 def pick_precision(trainer_cfg: DictConfig) -> str:
