@@ -33,8 +33,8 @@ def test_two_recipes_in_turns_give_their_curves_and_time_to_each_target(tmp_path
         assert run["curve"][-1]["bits_per_byte"] < run["curve"][0]["bits_per_byte"]
     reached, unreachable = results["targets"]
     assert reached["a"] == reached["b"] == {"tokens": 0, "seconds": 0.0}  # 99 bits per byte: before training
-    assert reached["seconds_ratio"] is None  # no ratio of two zeros
-    assert unreachable["a"] is None and unreachable["b"] is None and unreachable["seconds_ratio"] is None
+    assert reached["seconds_ratio"] == {"b": None}  # no ratio of two zeros
+    assert unreachable["a"] is None and unreachable["b"] is None and unreachable["seconds_ratio"] == {"b": None}
     assert "not reached" in result.stdout and (tmp_path / "recipe.png").stat().st_size > 0
 
 
@@ -42,3 +42,16 @@ def test_a_recipe_override_that_does_not_compose_is_one_line(tmp_path):
     result = subprocess.run([sys.executable, str(ROOT / "scripts/bench.py"), "recipe", "--b", "optim=nope"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and "optim" in result.stderr
+
+
+@pytest.mark.parametrize("recipes, message", [
+    (["a=", "noequals"], "--recipe 'noequals' is not NAME=OVERRIDES"),
+    (["a b=seed=1", "c="], "--recipe 'a b=seed=1' is not NAME=OVERRIDES"),
+    (["only="], "give two or more, each name once"),
+    (["x=", "x=seed=1"], "give two or more, each name once")])
+def test_named_recipes_are_refused_in_one_line(recipes, message):
+    command = [sys.executable, str(ROOT / "scripts/bench.py"), "recipe"]
+    for recipe in recipes:
+        command += ["--recipe", recipe]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr, result.stderr

@@ -123,16 +123,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--new-tokens", type=int, default=128)
     serve.add_argument("--out", default="bench", help="folder for serve.png")
     serve.set_defaults(run=bench_serve)
-    recipe = sub.add_parser("recipe", help="two training recipes in turns: tokens and seconds to held-out bits "
-                                           "per byte")
+    recipe = sub.add_parser("recipe", help="training recipes in turns: tokens and seconds to held-out bits per byte")
     recipe.add_argument("--a", default=BASELINE, help="the first recipe's train.py overrides (default: none, today's "
                                                       "default recipe)")
     recipe.add_argument("--b", default=CANDIDATE, help=f"the second recipe's overrides (default: {CANDIDATE})")
+    recipe.add_argument("--recipe", action="append", metavar="NAME=OVERRIDES", default=None,
+                        help="a named recipe, repeated for two or more in turns instead of --a and --b; the first "
+                             "is the one the others' times compare with")
     recipe.add_argument("--eval-every", type=int, default=200_000, help="training tokens between evaluations")
     recipe.add_argument("--held-out-tokens", type=int, default=60_000,
                         help="tokens of data=pystdlib_tests' validation split each evaluation scores")
     recipe.add_argument("--targets", type=float, nargs="*", default=None,
-                        help="bits per byte to time (default: a's scores at 1/2, 3/4 and the end of its run)")
+                        help="bits per byte to time (default: the first recipe's scores at 1/2, 3/4 and the end of "
+                             "its run)")
     recipe.add_argument("--out", default="bench", help="folder for recipe.png")
     recipe.set_defaults(run=bench_recipe)
     for command in sub.choices.values():

@@ -1,20 +1,21 @@
-"""`scripts/bench.py recipe`: two training recipes side by side, measured as time to a held-out score.
+"""`scripts/bench.py recipe`: training recipes side by side, measured as time to a held-out score.
 
     python scripts/bench.py recipe                                             # today's default vs Muon + wsd
     python scripts/bench.py recipe --a "optim=adamw" --b "optim=muon optim.lr=0.04 optim.schedule=wsd"
+    python scripts/bench.py recipe --recipe "adamw=" --recipe "muon=optim=muon" --recipe "relu2=model.mlp=relu2"
 
 Each contender is a training run composed from conf/train.yaml with its own overrides (any Hydra
 overrides: optimizer, schedule, model shape, batch, vocabulary ...), built from the pieces `train(cfg)`
 uses: the data module, the model config, LitLM's optimizer and schedule, gradient clipping and the
-precision `trainer.precision` resolves to. The two take turns, one optimizer step each, so load from
-elsewhere on the machine slows both alike. Every `--eval-every` training tokens a contender's model
+precision `trainer.precision` resolves to. They take turns, one optimizer step each, so load from
+elsewhere on the machine slows all alike. Every `--eval-every` training tokens a contender's model
 is scored on held-out text, the validation split of data=pystdlib_tests (the standard library's test
 suites, which data=pystdlib never trains on), in **bits per byte**, which does not depend on the
 tokenizer, so recipes with different vocabularies compare. Scoring is not counted in a contender's
 seconds. The report gives, for each target bits per byte (by default the first contender's scores
 at half, three quarters and all of its run), the tokens and seconds each contender took to reach it
-(the first evaluation at or below it) and the ratio of their seconds, with a plot of bits per byte
-against tokens and against seconds.
+(the first evaluation at or below it) and the first contender's seconds over each other's, with a
+plot of bits per byte against tokens and against seconds.
 """
 
 from __future__ import annotations
@@ -157,13 +158,31 @@ def held_out_text(tokenizer, tokens: int):
     return token_stream(iter(texts), tokenizer)
 
 
+def named_recipes(args) -> list[tuple[str, str]]:
+    """(name, overrides) of each contender: the --recipe NAME=OVERRIDES given, or a and b."""
+    from lm.util.errors import ConfigError
+
+    if not args.recipe:
+        return [("a", args.a), ("b", args.b)]
+    recipes = []
+    for given in args.recipe:
+        name, equals, overrides = given.partition("=")
+        if not equals or not name.replace("-", "").replace("_", "").isalnum():
+            raise ConfigError(f"--recipe {given!r} is not NAME=OVERRIDES (a name of letters, digits, - and _)")
+        recipes.append((name, overrides))
+    names = [name for name, _ in recipes]
+    if len(recipes) < 2 or len(set(names)) < len(names):
+        raise ConfigError(f"--recipe names {names}: give two or more, each name once")
+    return recipes
+
+
 def bench_recipe(args) -> dict:
-    """Trains both contenders in turns; prints the time to each target and returns every figure (--json)."""
+    """Trains the contenders in turns; prints the time to each target and returns every figure (--json)."""
     from lm.util.errors import ConfigError
 
     if args.eval_every < 1 or args.held_out_tokens < 1:
         raise ConfigError("--eval-every and --held-out-tokens must be at least 1")
-    contenders = [Contender("a", shlex.split(args.a)).configure(), Contender("b", shlex.split(args.b)).configure()]
+    contenders = [Contender(name, shlex.split(overrides)).configure() for name, overrides in named_recipes(args)]
     for c in contenders:
         print(f"{c.name}: {' '.join(c.overrides) or '(the default recipe)'}")
         c.build(args.held_out_tokens)
@@ -200,27 +219,33 @@ def default_targets(baseline: Contender) -> list[float]:
 
 
 def time_to(target: float, contenders: list[Contender]) -> dict:
+    """Each contender's tokens and seconds to `target` (None: not reached) and, for every contender
+    after the first, the first's seconds over its own (`seconds_ratio`; None where either did not
+    reach it or took no time)."""
     row = {"target": target}
     for c in contenders:
         point = c.reached(target)
         row[c.name] = None if point is None else {"tokens": point["tokens"], "seconds": point["seconds"]}
-    a, b = row["a"], row["b"]
-    row["seconds_ratio"] = a["seconds"] / b["seconds"] if a and b and b["seconds"] > 0 else None
+    first = row[contenders[0].name]
+    row["seconds_ratio"] = {c.name: first["seconds"] / row[c.name]["seconds"]
+                            if first and row[c.name] and row[c.name]["seconds"] > 0 else None
+                            for c in contenders[1:]}
     return row
 
 
 def print_report(contenders: list[Contender], rows: list[dict]) -> None:
-    print("\nfinal: " + "; ".join(f"{c.name} {c.curve[-1]['bits_per_byte']:.4f} bits per byte after "
-                                  f"{c.tokens:,} tokens, {c.seconds:.1f} s" for c in contenders))
-    print(f"{'target bpb':>10} {'a tokens':>12} {'a seconds':>10} {'b tokens':>12} {'b seconds':>10} {'a/b time':>9}")
-
-    def cell(reached, key, fmt):
-        return format(reached[key], fmt) if reached else "not reached"
-
+    first = contenders[0].name
+    print(f"\n{'recipe':<16} {'final bpb':>9} {'tokens':>11} {'seconds':>8} {'s/step':>7}  overrides")
+    for c in contenders:
+        print(f"{c.name:<16} {c.curve[-1]['bits_per_byte']:>9.4f} {c.tokens:>11,} {c.seconds:>8.1f} "
+              f"{c.seconds / max(c.steps, 1):>7.3f}  {' '.join(c.overrides) or '(the default recipe)'}")
     for r in rows:
-        ratio = f"{r['seconds_ratio']:.2f}x" if r["seconds_ratio"] else "-"
-        print(f"{r['target']:>10.4f} {cell(r['a'], 'tokens', ',d'):>12} {cell(r['a'], 'seconds', '.1f'):>10} "
-              f"{cell(r['b'], 'tokens', ',d'):>12} {cell(r['b'], 'seconds', '.1f'):>10} {ratio:>9}")
+        print(f"\nto {r['target']:.4f} bits per byte:  {'tokens':>11} {'seconds':>8} {first + '/it time':>14}")
+        for c in contenders:
+            reached, ratio = r[c.name], r["seconds_ratio"].get(c.name)
+            tokens, seconds = ((f"{reached['tokens']:,}", f"{reached['seconds']:.1f}") if reached
+                               else ("not reached", ""))
+            print(f"  {c.name:<28} {tokens:>11} {seconds:>8} {f'{ratio:.2f}x' if ratio else '-':>14}")
 
 
 def plot(contenders: list[Contender], folder: Path) -> None:
