@@ -183,25 +183,22 @@ class SparseLatentAttention(LatentAttention):
     def attend_all(self, q: torch.Tensor, latent: torch.Tensor, indexed) -> torch.Tensor:
         """Training and scoring: q (B, nh, T, hs) over the decompressed K/V of the selected positions;
         in training, the indexer's KL left in `aux_loss`."""
-        T = q.shape[2]
-        if not (self.training and torch.is_grad_enabled()):
-            return self.attend_scored(q, latent, indexed)[0]
+        training = self.training and torch.is_grad_enabled()
+        if not (training or self.sparse(q.shape[2])):
+            return self.attend(q, latent)  # every query reads every earlier position, no loss wanted: MLA
         scores = index_scores(*indexed)  # (B, T, T)
-        y, chosen = self.attend_scored(q, latent, scores)
-        chosen = chosen if chosen is not None else torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-        chosen = chosen.expand_as(scores)  # (B, T, T)
-        self.aux_loss = indexer_kl(self.attention_probs(q, latent, chosen), scores, chosen)
+        y, chosen = self.attend_top_k(q, latent, scores)
+        if training:
+            self.aux_loss = indexer_kl(self.attention_probs(q, latent, chosen), scores, chosen)
         return y
 
-    def attend_scored(self, q: torch.Tensor, latent: torch.Tensor, scores):
-        """(output (B, nh, T, hs), the positions chosen (B, T, T) or None for all earlier ones): MLA
-        where nothing is left out, else over the top-k of the indexer's scores (B, T, T), or of the
-        scores of its outputs (q, w, k), computed only then."""
+    def attend_top_k(self, q: torch.Tensor, latent: torch.Tensor, scores: torch.Tensor):
+        """(output (B, nh, T, hs), the positions read (B, T, T)): each query over the top-k of its index
+        scores (B, T, T), or MLA itself where that leaves nothing out."""
         T = q.shape[2]
-        if not self.sparse(T):
-            return self.attend(q, latent), None  # every query reads every earlier position: MLA itself
-        scores = scores if isinstance(scores, torch.Tensor) else index_scores(*scores)  # (B, T, T)
         causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        if not self.sparse(T):
+            return self.attend(q, latent), causal.expand_as(scores)
         chosen = top_k_mask(scores, causal, self.top_k)  # (B, T, T)
         return self.attend_selected(q, latent, chosen), chosen
 
@@ -270,7 +267,7 @@ class SparseLatentAttention(LatentAttention):
                    torch.randn(1, 1, seq_len, ix.dim))  # q (1, HI, N, DI), w (1, HI, N, 1), k (1, 1, N, DI)
 
         def op(q, latent):
-            return self.attend_scored(q, latent, indexed)[0]
+            return self.attend_top_k(q, latent, index_scores(*indexed))[0]
 
         inputs = [torch.randn(1, self.n_head, seq_len, self.head_dim, requires_grad=requires_grad),
                   torch.randn(1, 1, seq_len, self.kv_rank + self.rope_dim, requires_grad=requires_grad)]
