@@ -119,8 +119,13 @@ class LightningIndexer(nn.Module):
 
 
 def index_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """I (B, T, S) = sum_j w_j ReLU(q_j . k_s): q (B, HI, T, DI), w (B, HI, T, 1), k (B, 1, S, DI)."""
-    return ((q @ k.transpose(-1, -2)).relu() * w).sum(1)  # (B, HI, T, S) -> (B, T, S)
+    """I (B, T, S) = sum_j w_j ReLU(q_j . k_s): q (B, HI, T, DI), w (B, HI, T, 1), k (B, 1, S, DI).
+
+    The heads are folded into the query rows of one product, (HI T) x S: broadcasting the one key
+    head to HI heads would copy every cached key HI times at each decoding step."""
+    B, HI, T, DI = q.shape
+    dots = q.reshape(B, HI * T, DI) @ k[:, 0].transpose(-1, -2)  # (B, HI*T, S)
+    return (dots.view(B, HI, T, -1).relu() * w).sum(1)  # (B, HI, T, S) -> (B, T, S)
 
 
 def top_k_mask(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
