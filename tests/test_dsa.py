@@ -16,7 +16,7 @@ from test_gated_delta import fla_naive
 
 from lm import ModelConfig, Transformer
 from lm.attention import LayerShape
-from lm.attention.dsa import SparseLatentSpec, index_scores, top_k_mask
+from lm.attention.dsa import SparseLatentSpec, index_scores, top_k_mask, top_k_slots
 from lm.attention.mla import LatentSpec
 from lm.attention.rope import RotaryEmbedding
 from lm.model.generation_cache import GenerationCache
@@ -117,6 +117,24 @@ def test_ties_go_to_the_earlier_positions_whatever_the_layout():
     assert top_k_mask(scores, visible, 3).tolist() == [[True, True, False, False, True, False]]
     assert top_k_mask(scores, visible, 4).tolist() == [[True, True, False, True, True, False]]
     assert top_k_mask(scores, visible, 9).tolist() == visible.tolist()  # fewer visible than k: all of them
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_decoding_steps_slots_are_the_selection_masks_choice(dtype):
+    """top_k_slots (one int64 key per position for 32-bit and narrower scores) against top_k_mask (a
+    threshold, ties filled by position) on scores with many exact ties, -0 and +0 among them, and
+    rows with fewer visible positions than k: the same positions, the places past them invalid."""
+    g = torch.Generator().manual_seed(0)
+    scores = (torch.randint(-3, 4, (3, 5, 40), generator=g) / 2).to(dtype)  # (B, T, S): few values, many ties
+    scores[0, 0, :10] = -0.0
+    visible = torch.rand(3, 5, 40, generator=g) < 0.6
+    visible[1, 2] = False
+    visible[1, 2, :3] = True  # 3 visible positions, fewer than k
+    for k in (1, 4, 7, 40, 50):
+        indices, valid = top_k_slots(scores, visible, k)
+        chosen = torch.zeros(3, 5, 41, dtype=torch.bool).scatter(-1, indices.masked_fill(~valid, 40), True)[..., :40]
+        assert torch.equal(chosen, top_k_mask(scores, visible, k)), k
+        assert torch.equal(valid.sum(-1), visible.sum(-1).clamp(max=k))
 
 
 def naive_kl(layer, x, cos, sin):

@@ -146,6 +146,27 @@ def at_least_float32(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
+def top_k_slots(scores: torch.Tensor, visible: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions top_k_mask chooses as a list of k per query, what a decoding step gathers:
+    (indices (..., T, k), valid (..., T, k)), the places past the visible positions invalid.
+
+    Scores of 32 bits or fewer rank through one int64 key per position, the float's order in the high
+    half and the earlier position's precedence in the low half, so one topk decides value and tie
+    alike (the threshold's extra passes and cumsum cost a compiled step as much as the indexer's
+    product at 32k slots); float64 scores, whose order fills all 64 bits, go through top_k_mask."""
+    k = min(k, scores.shape[-1])
+    if scores.dtype == torch.float64:
+        picked = top_k_mask(scores, visible, k).to(scores.dtype).topk(k, dim=-1)
+        return picked.indices, picked.values > 0
+    bits = scores.float().view(torch.int32).to(torch.int64)
+    ordered = torch.where(bits < 0, -(bits & 0x7FFFFFFF), bits)  # the float's order; -0 and +0 both 0
+    slots = torch.arange(scores.shape[-1], device=scores.device)
+    key = (ordered << 32) | (scores.shape[-1] - 1 - slots)  # ties: the earlier slot's key is larger
+    lowest = torch.iinfo(torch.int64).min
+    picked = key.masked_fill(~visible, lowest).topk(k, dim=-1)
+    return picked.indices, picked.values > lowest
+
+
 def indexer_kl(probs: torch.Tensor, scores: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
     """Mean over queries of KL(p || softmax(I)) over the positions `chosen` (B, T, S): p (B, T, S) the
     main attention's distribution (a target: no gradient), scores I (B, T, S)."""
@@ -320,12 +341,10 @@ class SparseLatentCache(LatentCache):
         if not self.layer.sparse(self.rows.shape[2]):
             return self.latent_attention(q, self.rows, visible)
         scores = index_scores(index_q, index_w, self.index_keys)  # (B, 1, L)
-        chosen = top_k_mask(scores, visible[:, 0], self.layer.top_k)  # (B, 1, L), at most k per row
-        # The k places of each row: its chosen slots, then (while fewer than k are visible) unchosen ones masked.
-        picked = chosen.to(scores.dtype).topk(self.layer.top_k, dim=-1)  # (B, 1, k)
-        slots = picked.indices[..., None].expand(-1, -1, -1, self.rows.shape[-1])  # (B, 1, k, r + dR)
+        picked, valid = top_k_slots(scores, visible[:, 0], self.layer.top_k)  # (B, 1, k) each
+        slots = picked[..., None].expand(-1, -1, -1, self.rows.shape[-1])  # (B, 1, k, r + dR)
         rows = self.rows.gather(2, slots)  # (B, 1, k, r + dR)
-        return self.latent_attention(q, rows, picked.values[:, None] > 0)  # mask (B, 1, 1, k)
+        return self.latent_attention(q, rows, valid[:, None])  # mask (B, 1, 1, k)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"rows": self.rows, "index_keys": self.index_keys}
