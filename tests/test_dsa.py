@@ -252,3 +252,28 @@ def test_a_bad_option_is_one_line(options, message):
 def test_an_index_dim_below_the_rope_part_is_one_line():
     with pytest.raises(ConfigError, match=r"^index_dim=2 must be at least rope_dim=4: the indexer rotates"):
         SparseLatentSpec(rope_dim=4, index_dim=2).build(SHAPE)
+
+
+def test_a_dense_warm_up_continues_sparse_from_its_weights(tmp_path):
+    """The warm-up's checkpoint, its layers switched to phase=sparse (docs/attention.md, DeepSeek sparse
+    attention), loads as a sparse model with the same weights: it computes what the dense one does
+    while a sequence is no longer than top_k, and differs past it."""
+    import dataclasses
+
+    from lm import load
+    from lm.data.tokenizer import train_tokenizer
+    from lm.formats.checkpoint import save_checkpoint
+
+    torch.manual_seed(0)
+    dense = Transformer(ModelConfig(vocab_size=300, n_layer=2, d_model=32, n_head=4, d_ff=48, max_seq_len=32,
+                                    attention=SparseLatentSpec(top_k=6, phase="dense"), init_std=0.1)).eval()
+    tokenizer = train_tokenizer(iter(["abc def " * 20]), 300)
+    sparse_config = dataclasses.replace(dense.config, attention=[dataclasses.replace(spec, phase="sparse")
+                                                                 for spec in dense.config.attention])
+    path = save_checkpoint(tmp_path / "sparse-start.ckpt", dense.state_dict(), sparse_config, tokenizer.to_str())
+    sparse, _ = load(path)
+    assert [block.attn.phase for block in sparse.blocks] == ["sparse", "sparse"]
+    idx = torch.randint(0, 300, (2, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(sparse(idx[:, :6]), dense(idx[:, :6]), atol=0, rtol=0)
+        assert (sparse(idx)[:, 6:] - dense(idx)[:, 6:]).abs().max() > 1e-4
