@@ -11,9 +11,9 @@ first dR numbers of q^I and k^I (DeepSeek-V3.2-Exp's `Indexer`; its queries read
 ours read x). The main attention is MLA (lm/attention/mla.py), its heads sharing one latent K/V, over
 the k positions of highest I for each query (all of them while t < k).
 
-Training phases of the indexer (DeepSeek-V3.2, section 2.1): the indexer reads x detached, so its only
-gradient is its own loss, a KL divergence from the main attention's distribution (summed over heads,
-renormalised, detached) to softmax(I):
+Training phases of the indexer (DeepSeek-V3.2's continued pre-training): the indexer reads x
+detached, so its only gradient is its own loss, KL(p || softmax(I)), p the main attention's
+distribution (summed over heads, renormalised, detached):
 - `dense` warm-up: the main attention stays dense (it is MLA); the KL covers every earlier position;
 - `sparse`: the main attention reads the top-k; the KL covers the selected positions.
 Its gradient and the language model's touch disjoint parameters, so the layer leaves the KL (a mean
