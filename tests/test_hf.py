@@ -10,6 +10,7 @@ import torch
 
 from lm import ConfigError, ModelConfig, Transformer, generate, load
 from lm.attention import SlidingSpec, SoftmaxSpec, layer_specs
+from lm.attention.dsa import SparseLatentSpec
 from lm.attention.mla import LatentSpec
 from lm.data.tokenizer import train_tokenizer
 from lm.formats.hf import export_hf
@@ -116,6 +117,7 @@ def test_import_of_a_transformers_folder_matches_it(variant, tokenizer, tmp_path
                                    "architecture gates the attention output alone"),
     (["softmax", SoftmaxSpec(softcap=30.0)], "attn.softcap=30.0 cannot be exported to transformers: Gemma 2"),
     (LatentSpec(kv_rank=12, rope_dim=4), "attn=mla cannot be exported to transformers: DeepSeek-V2/V3"),
+    (SparseLatentSpec(kv_rank=12, rope_dim=4), "attn=dsa cannot be exported to transformers: DeepSeek-V3.2"),
 ])
 def test_kinds_without_an_equivalent_are_refused(attention, message, tokenizer, tmp_path):
     model = Transformer(ModelConfig(vocab_size=300, n_layer=2, d_model=32, n_head=4, d_ff=48, attention=attention))

@@ -10,6 +10,11 @@
   position per row on fixed shapes (what a compiled decoding step runs), each taking the inputs
   its kind computes. The cached path is always here, never in the layer.
 
+A layer that trains part of itself by a loss of its own (DSA's indexer, lm/attention/dsa.py) leaves
+that loss of its last forward in an attribute `aux_loss` (None when it computed none: outside
+training); lm.model.Transformer.aux_loss sums the layers' and the training loss adds the sum. The
+attribute is optional: layers without one are read as having none.
+
 A model's attention is a list of specs, one per layer (lm.model.config.ModelConfig.attention).
 Shapes: B batch, T new positions, C d_model, nh query heads, nkv K/V heads, hs head size.
 """

@@ -149,11 +149,15 @@ def held_bytes(cache) -> int:
 
 
 def scatter_at(buffer: torch.Tensor, pos: torch.Tensor, new: torch.Tensor, dim: int = 2) -> None:
-    """Write new (B, ..., 1, ...) into each row's slot pos (B,) along `dim` of buffer, in place."""
-    shape = [1] * buffer.dim()
-    shape[0] = pos.shape[0]
-    index = pos.view(shape).expand(new.shape)  # (B, ..., 1, ...): the row's slot everywhere in its row
-    buffer.scatter_(dim, index, new)
+    """Write new (B, ..., 1, ...) into each row's slot pos (B,) along `dim` of buffer, in place.
+
+    An indexed assignment (index_put_), not scatter_: inductor writes an index_put_ on a graph input
+    in place, while a scatter_ followed by a read of the buffer made a compiled step copy the whole
+    buffer (5.6 ms a layer for a 32k latent cache on one CPU thread, against 0.1 ms)."""
+    where: list = [slice(None)] * buffer.dim()
+    where[0] = torch.arange(pos.shape[0], device=pos.device)  # (B,): each row ...
+    where[dim] = pos  # ... at its own slot
+    buffer[tuple(where)] = new.select(dim, 0)  # (B, ...) without the slot dimension
 
 
 def visibility_mask(context: CacheContext, q_slots: torch.Tensor, k_slots: torch.Tensor,

@@ -71,6 +71,10 @@ def hf_architecture(config: ModelConfig) -> tuple[str, int | None]:
         raise ConfigError("attn=mla cannot be exported to transformers: DeepSeek-V2/V3, its MLA architectures, "
                           "normalise the latent (kv_a_layernorm) and use mixture-of-experts blocks; this layer's "
                           "latent is linear, so that an MHA model converts into it exactly")
+    if any(spec.kind == "dsa" for spec in specs):
+        raise ConfigError("attn=dsa cannot be exported to transformers: DeepSeek-V3.2, its sparse attention "
+                          "architecture, normalises the latent, feeds its indexer the query latent and uses "
+                          "mixture-of-experts blocks, so no architecture there computes this layer")
     if specs == {SoftmaxSpec()}:
         return "llama", None
     if specs == {SoftmaxSpec(qk_norm=True)}:

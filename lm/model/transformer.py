@@ -109,6 +109,14 @@ class Transformer(nn.Module):
             x = block(x, cos, sin, layer_cache, pos, conv_cache)
         return self.head(self.norm(x[:, -1]))  # (B, V)
 
+    def aux_loss(self) -> torch.Tensor | None:
+        """The sum of the auxiliary losses the layers left in their last forward (a layer's attention
+        may hold one as `aux_loss`: DSA's indexer KL in training), or None where none did. The
+        training loss adds it; a layer's own loss weights itself, since only that layer knows what
+        its loss trains."""
+        losses = [block.attn.aux_loss for block in self.blocks if getattr(block.attn, "aux_loss", None) is not None]
+        return torch.stack(losses).sum() if losses else None
+
     def num_params(self) -> int:
         """Distinct parameters (a tied head counts once)."""
         return sum(p.numel() for p in self.parameters())

@@ -203,7 +203,7 @@ def bench_batched(model: Transformer, hf: torch.nn.Module, int8: dict, batch: in
 
 # ---------------------------------------------------------------------------- long contexts
 
-LONG_CONTEXT_KINDS = ["softmax-mha", "softmax-gqa", "softmax-mqa", "mla", "lowrank", "linear", "efficient",
+LONG_CONTEXT_KINDS = ["softmax-mha", "softmax-gqa", "softmax-mqa", "mla", "dsa", "lowrank", "linear", "efficient",
                       "gated_delta", "sliding"]
 
 

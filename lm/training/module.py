@@ -235,7 +235,14 @@ class LitLM(L.LightningModule):
         return next_token_loss(self._forward, batch)
 
     def training_losses(self, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(loss to minimise, cross-entropy, KL to the teacher or None without distillation)."""
+        """(loss to minimise, cross-entropy, KL to the teacher or None without distillation). The
+        loss also adds what the model's layers computed beside their outputs (Transformer.aux_loss,
+        logged as train/aux): DSA's indexer KL."""
+        loss, ce, kl = self.model_losses(batch)
+        aux = self.model.aux_loss()
+        return (loss if aux is None else loss + aux), ce, kl
+
+    def model_losses(self, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         if not self.distill:
             ce, _ = self.loss(batch)
             return ce, ce, None
@@ -265,6 +272,9 @@ class LitLM(L.LightningModule):
         self.log("train/ce", ce)
         if kl is not None:
             self.log("train/kl", kl)
+        aux = self.model.aux_loss()  # what the forward above left: logged beside the loss it joined
+        if aux is not None:
+            self.log("train/aux", aux.detach())
         self.log("train/lr", self.optimizers().param_groups[0]["lr"])
         return loss
 

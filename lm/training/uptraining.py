@@ -82,6 +82,9 @@ def conversion_target(cfg: DictConfig) -> Target:
         options = {k: v for k, v in attn.items() if k not in ("name", "kind", "n_kv_head", "global_every")
                    and v is not None}
         return Target(latent=LatentSpec(**options))
+    if kind == "dsa":
+        raise ConfigError("attn=dsa is not a conversion target: its lightning indexer has no counterpart in the "
+                          "parent's weights to be converted from; convert to attn=mla, which DSA's main attention is")
     if kind not in (None, "softmax"):
         raise ConfigError(f"attn={attn.get('name', kind)} is not a conversion target; uptraining converts to "
                           "softmax GQA/MQA (attn.n_kv_head=N) or to multi-head latent attention (attn=mla)")
