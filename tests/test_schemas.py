@@ -91,7 +91,7 @@ def test_the_uptraining_target_takes_the_kinds_options():
     cfg = compose_config("uptrain", ["ckpt=x", "attn=mla", "attn.kv_rank=24", "attn.rope_dim=4"])
     assert OmegaConf.to_container(cfg.attn) == {"name": "mla", "kind": "mla", "n_kv_head": None, "kv_rank": 24,
                                                 "rope_dim": 4, "q_rank": None, "rope_pairs": None,
-                                                "global_every": None}
+                                                "rope": None, "global_every": None}
 
 
 def run_train(args: list[str], monkeypatch) -> tuple[int, str]:
