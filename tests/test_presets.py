@@ -93,8 +93,8 @@ def source_globals(name: str) -> tuple[int, set[int]]:
 
     if name == "qwen3_next":  # Qwen3-Next-80B-A3B: 48 layers, full_attention_interval 4
         return 48, full(transformers.Qwen3NextConfig(num_hidden_layers=48).layer_types)
-    if name == "gemma3":  # Gemma 3 1B: 26 layers, sliding_window_pattern 6
-        return 26, full(transformers.Gemma3TextConfig(num_hidden_layers=26).layer_types)
+    if name == "gemma3":  # Gemma 3 4B: 34 layers, sliding_window_pattern 6
+        return 34, full(transformers.Gemma3TextConfig(num_hidden_layers=34).layer_types)
     if name == "gpt_oss":  # gpt-oss-20b: 24 layers alternating
         return 24, full(transformers.GptOssConfig(num_hidden_layers=24).layer_types)
     if name == "olmo3":  # Olmo-3-1025-7B: 32 layers; OLMo-core forces the last layer full, here already so
