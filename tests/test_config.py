@@ -45,9 +45,7 @@ def test_bad_model_config_names_the_field(fields, message):
 
 @pytest.mark.parametrize("kind, options, every, message", [
     ("sliding", {"window": [4, 8, 16]}, None, "window=[4, 8, 16] has 3 entries but n_layer=2"),
-    (["linear", "softmax", "linear"], {}, None, "pattern=['linear', 'softmax', 'linear'] has 3 entries but n_layer=2: "
-                                               "it names the first layers' kinds and repeats"),
-    ([], {}, None, "pattern=[] has 0 entries but n_layer=2"),
+    ([], {}, None, "pattern=[] names no kind: give the first layers' kinds, which repeat over the layers"),
     (["linear", "lstm"], {}, None, "attention kind 'lstm' is not known"),
     ("softmax", {"window": 4}, None, "option(s) ['window'] are taken by no layer's kind (softmax)"),
     (["linear", "softmax"], {"window": 4}, None, "are taken by no layer's kind (linear, softmax)"),
@@ -80,6 +78,7 @@ def test_a_pattern_repeats_over_the_layers_and_last_kind_sets_the_last_one():
     nanochat = layer_specs(["sliding", "sliding", "sliding", "softmax"], 6, {"window": 4}, last_kind="softmax")
     assert nanochat == [SlidingSpec(window=4)] * 3 + [SoftmaxSpec(), SlidingSpec(window=4), SoftmaxSpec()]
     assert layer_specs(["sliding", "softmax"], 3) == [SlidingSpec(), SoftmaxSpec(), SlidingSpec()]
+    assert layer_specs(["linear", "linear", "softmax"], 2) == [LinearSpec(), LinearSpec()]  # cut at the last layer
     # Kimi Linear's 27 layers: MLA at layers 4, 8, ..., 24 and 27 (its config counts from 1), the
     # option reaching the MLA layers only; the last layer's kind takes its options like any other.
     kimi = layer_specs(["kda", "kda", "kda", "mla"], 27, {"rope": False, "kv_rank": 16}, last_kind="mla")
@@ -129,9 +128,8 @@ def test_config_round_trips_through_a_plain_dict():
     ("trainer.max_steps=0", "error: trainer.max_steps=0 must be an integer >= 1"),
     ("model.d_model=abc", "error: d_model='abc' must be an integer >= 1"),
     ("attn=sliding attn.window=0", "error: window=0 must be an integer >= 1"),
-    ("attn=hybrid attn.pattern=[linear,softmax,linear,softmax,linear]",
-     "error: pattern=['linear', 'softmax', 'linear', 'softmax', 'linear'] has 5 entries but n_layer=4: it names the "
-     "first layers' kinds and repeats, so give between 1 and n_layer"),
+    ("attn=hybrid attn.pattern=[]", "error: pattern=[] names no kind: give the first layers' kinds, which repeat "
+                                    "over the layers"),
     ("attn=sliding attn.last_kind=lstm", "error: attention kind 'lstm' is not known"),
     ("attn=hybrid attn.window=8",
      "error: option(s) ['window'] are taken by no layer's kind (linear, softmax); "

@@ -83,6 +83,20 @@ def test_each_preset_at_the_tiny_models_four_layers():
         assert {s.qk_norm for s in model_config(name).attention} == {True}
 
 
+@pytest.mark.parametrize("name", PRESETS)
+def test_each_preset_builds_at_every_depth_with_local_and_global_layers(name):
+    """From two layers up, stacks shorter than their pattern included (the comparison's 2-layer
+    models): the first layer local, one layer global at least, and the last one global but in
+    gpt-oss, which alternates from a sliding layer at any depth, as its config does."""
+    for n_layer in range(2, 10):
+        kinds = [spec.kind for spec in model_config(name, f"model.n_layer={n_layer}").attention]
+        assert len(kinds) == n_layer and kinds[0] not in GLOBAL_KINDS
+        if name == "gpt_oss":
+            assert kinds == (["sliding", "softmax"] * n_layer)[:n_layer]
+        else:
+            assert kinds[-1] in GLOBAL_KINDS
+
+
 def source_globals(name: str) -> tuple[int, set[int]]:
     """(the source model's depth, its global layers counted from 1), from its own config: transformers'
     config classes where their rule is the released model's, else the released config's list."""

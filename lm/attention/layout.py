@@ -32,9 +32,10 @@ def layer_specs(kind: str | Sequence[str], n_layer: int, options: Mapping[str, A
                 last_kind: str | None = None) -> list[AttentionSpec]:
     """One spec per layer.
 
-    kind: one kind for every layer, or a pattern of at most n_layer kinds: layer i takes entry
-      i mod len(pattern), so a pattern of n_layer kinds names each layer and a shorter one repeats
-      (cut where the layers end, as the open models' configs tile theirs).
+    kind: one kind for every layer, or a pattern of kinds: layer i takes entry i mod len(pattern),
+      so a pattern of n_layer kinds names each layer, a shorter one repeats and a longer one is cut
+      where the layers end (the open models' configs apply their rules to however many layers
+      there are: Gemma 3's 6-layer period over a 4-layer model gives 4 sliding layers).
     options: name -> a value for every layer whose kind takes it, or a list of n_layer values
       (one per layer; entries for layers whose kind does not take the option are not used).
       A None value leaves the kind's default.
@@ -74,9 +75,8 @@ def _kinds(kind: str | Sequence[str], n_layer: int) -> list[str]:
         spec_class(kind)
         return [kind] * n_layer
     pattern = list(kind)
-    if not pattern or len(pattern) > n_layer:
-        raise ConfigError(f"pattern={pattern} has {len(pattern)} entries but n_layer={n_layer}: it names the first "
-                          "layers' kinds and repeats, so give between 1 and n_layer")
+    if not pattern:
+        raise ConfigError("pattern=[] names no kind: give the first layers' kinds, which repeat over the layers")
     for k in pattern:
         if not isinstance(k, str):
             raise ConfigError(f"pattern={pattern} must name one kind per layer")
