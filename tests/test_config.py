@@ -130,7 +130,7 @@ def test_config_round_trips_through_a_plain_dict():
     ("attn=sliding attn.window=0", "error: window=0 must be an integer >= 1"),
     ("attn=hybrid attn.pattern=[]", "error: pattern=[] names no kind: give the first layers' kinds, which repeat "
                                     "over the layers"),
-    ("attn=sliding attn.last_kind=lstm", "error: attention kind 'lstm' is not known"),
+    ("attn=sliding attn.last_kind=3", "error: last_kind=3 must name one attention kind"),
     ("attn=hybrid attn.window=8",
      "error: option(s) ['window'] are taken by no layer's kind (linear, softmax); "
      "they take ['chunk_size', 'eps', 'feature_map', 'gate', 'learned_sink', 'qk_norm', 'softcap']"),
