@@ -7,6 +7,7 @@ import pytest
 
 from lm import ConfigError, ModelConfig
 from lm.attention import LinearSpec, SlidingSpec, SoftmaxSpec, layer_specs
+from lm.attention.mla import LatentSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,7 +45,7 @@ def test_bad_model_config_names_the_field(fields, message):
 
 @pytest.mark.parametrize("kind, options, every, message", [
     ("sliding", {"window": [4, 8, 16]}, None, "window=[4, 8, 16] has 3 entries but n_layer=2"),
-    (["linear"], {}, None, "pattern=['linear'] has 1 entries but n_layer=2"),
+    ([], {}, None, "pattern=[] names no kind: give the first layers' kinds, which repeat over the layers"),
     (["linear", "lstm"], {}, None, "attention kind 'lstm' is not known"),
     ("softmax", {"window": 4}, None, "option(s) ['window'] are taken by no layer's kind (softmax)"),
     (["linear", "softmax"], {"window": 4}, None, "are taken by no layer's kind (linear, softmax)"),
@@ -69,6 +70,27 @@ def test_every_way_of_writing_the_attention_gives_one_spec_per_layer():
     layers = layer_specs(["linear", "sliding", "sliding", "sliding"], 4, {"window": [1, 2, 3, 4], "chunk_size": 8},
                          global_every=2)
     assert layers == [LinearSpec(chunk_size=8), SoftmaxSpec(), SlidingSpec(window=3), SoftmaxSpec()]
+
+
+def test_a_pattern_repeats_over_the_layers_and_last_kind_sets_the_last_one():
+    """The open models' rules over the layer index: a pattern tiled and cut where the layers end
+    (nanochat's window_pattern, Gemma 3's sliding_window_pattern), the last layer forced to a kind."""
+    nanochat = layer_specs(["sliding", "sliding", "sliding", "softmax"], 6, {"window": 4}, last_kind="softmax")
+    assert nanochat == [SlidingSpec(window=4)] * 3 + [SoftmaxSpec(), SlidingSpec(window=4), SoftmaxSpec()]
+    assert layer_specs(["sliding", "softmax"], 3) == [SlidingSpec(), SoftmaxSpec(), SlidingSpec()]
+    assert layer_specs(["linear", "linear", "softmax"], 2) == [LinearSpec(), LinearSpec()]  # cut at the last layer
+    # Kimi Linear's 27 layers: MLA at layers 4, 8, ..., 24 and 27 (its config counts from 1), the
+    # option reaching the MLA layers only; the last layer's kind takes its options like any other.
+    kimi = layer_specs(["kda", "kda", "kda", "mla"], 27, {"rope": False, "kv_rank": 16}, last_kind="mla")
+    assert [i + 1 for i, spec in enumerate(kimi) if spec.kind == "mla"] == [4, 8, 12, 16, 20, 24, 27]
+    assert {spec for spec in kimi if spec.kind == "mla"} == {LatentSpec(rope=False, kv_rank=16)}
+    # last_kind after global_every: OLMo-core's sliding pattern with full attention on the last layer
+    olmo = layer_specs("sliding", 6, global_every=4, last_kind="softmax")
+    assert [spec.kind for spec in olmo] == ["sliding"] * 3 + ["softmax", "sliding", "softmax"]
+    # an option only the last layer's kind takes is used, not refused
+    assert layer_specs("linear", 2, {"qk_norm": True}, last_kind="softmax")[1] == SoftmaxSpec(qk_norm=True)
+    with pytest.raises(ConfigError, match=r"^last_kind=3 must name one attention kind$"):
+        layer_specs("linear", 2, last_kind=3)
 
 
 def test_stored_config_holds_every_option_of_every_layer():
@@ -106,7 +128,9 @@ def test_config_round_trips_through_a_plain_dict():
     ("trainer.max_steps=0", "error: trainer.max_steps=0 must be an integer >= 1"),
     ("model.d_model=abc", "error: d_model='abc' must be an integer >= 1"),
     ("attn=sliding attn.window=0", "error: window=0 must be an integer >= 1"),
-    ("attn=hybrid attn.pattern=[linear,softmax]", "error: pattern=['linear', 'softmax'] has 2 entries but n_layer=4"),
+    ("attn=hybrid attn.pattern=[]", "error: pattern=[] names no kind: give the first layers' kinds, which repeat "
+                                    "over the layers"),
+    ("attn=sliding attn.last_kind=3", "error: last_kind=3 must name one attention kind"),
     ("attn=hybrid attn.window=8",
      "error: option(s) ['window'] are taken by no layer's kind (linear, softmax); "
      "they take ['chunk_size', 'eps', 'feature_map', 'gate', 'learned_sink', 'qk_norm', 'softcap']"),

@@ -1,6 +1,6 @@
 """Multi-head latent attention beyond the shared tables (which run its examples through the
 equivalence, causality, cache, compile and benchmark tests): the absorbed step against the
-decompressed computation written out, its cache size, int8, and one line for every bad option."""
+decompressed computation written out, its cache size, int8, NoPE, and one line for every bad option."""
 
 import math
 
@@ -70,6 +70,8 @@ def test_int8_weights_decode_through_the_absorbed_cache():
     ({"rope_dim": 4, "rope_pairs": [0, 4], "kv_rank": 8}, (32, 4, 8), "rope_pairs=[0, 4] names a pair past the "
                                                                        "head's 4 frequency pairs"),
     ({"rope_dim": 4, "rope_pairs": "01"}, (32, 4, 8), "rope_pairs='01' must be a list of frequency pair indices"),
+    ({"rope": "no"}, (32, 4, 8), "rope='no' must be true or false"),
+    ({"rope": False, "rope_pairs": [0, 2]}, (32, 4, 8), "rope_pairs=[0, 2] with rope=false: NoPE rotates nothing"),
 ])
 def test_a_bad_option_is_one_line(options, shape, message):
     d_model, n_head, head_dim = shape
@@ -92,3 +94,31 @@ def test_sizes_left_unset_follow_the_head_size_and_are_stored_explicitly(d_model
     # Given sizes are kept; rope_pairs alone sets rope_dim.
     assert LatentSpec(kv_rank=5).at(64) == LatentSpec(kv_rank=5, rope_dim=16)
     assert LatentSpec(rope_pairs=[0, 3]).at(64).rope_dim == 4
+
+
+@pytest.mark.parametrize("rope", [True, False])
+def test_nope_rotates_neither_the_queries_nor_the_shared_key(rope):
+    """With rope=false (Kimi Linear's MLA) the layer ignores the angles it is given: its output at
+    shuffled positions' angles is the same; with RoPE the same swap changes it, so the check can fail."""
+    torch.manual_seed(0)
+    layer = LatentSpec(kv_rank=10, rope_dim=4, rope=rope).build(LayerShape(32, 4, 4, 8)).double()
+    x = torch.randn(2, 9, 32, dtype=torch.float64)
+    angles = RotaryEmbedding(8, 10000.0)
+    cos, sin = (t.double() for t in angles(torch.arange(9)))
+    other_cos, other_sin = (t.double() for t in angles(torch.randperm(9) * 7))
+    outputs = [f(x, c, s) for f in (layer, layer.naive_forward) for c, s in ((cos, sin), (other_cos, other_sin))]
+    torch.testing.assert_close(outputs[0], outputs[2], rtol=0, atol=1e-12)  # the fast path is its naive twin
+    same = [torch.allclose(outputs[i], outputs[i + 1], rtol=0, atol=1e-12) for i in (0, 2)]
+    assert same == [not rope, not rope]
+    # The shared key part is still there, unrotated: the cache row keeps r + dR numbers.
+    assert layer.generation_state().head_dim == 14
+
+
+def test_an_mla_model_stored_before_the_rope_option_loads_rotating():
+    """A checkpoint's stored layers from before NoPE have no `rope`: they load as they computed then."""
+    config = ModelConfig(vocab_size=61, n_layer=2, d_model=32, n_head=4, d_ff=48, max_seq_len=40,
+                         attention=LatentSpec(kv_rank=12, rope_dim=4))
+    stored = config.to_dict()
+    for layer in stored["attention"]:
+        assert layer.pop("rope") is True
+    assert ModelConfig.from_dict(stored) == config

@@ -34,7 +34,7 @@ from lm.util.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 ATTN_CONFIGS = sorted((ROOT / "conf" / "attn").glob("*.yaml"))
-COMMON = {"name", "n_kv_head", "global_every"}  # keys every attn config has beside its kind's options
+COMMON = {"name", "n_kv_head", "global_every", "last_kind"}  # keys every attn config has beside its kind's options
 
 
 def schema_defaults(kind: str) -> dict:
@@ -71,7 +71,7 @@ def test_a_kinds_schema_is_its_specs_options_and_the_common_keys(kind):
     kinds = available_kinds() if kind == PER_LAYER else [kind]
     options = list(dict.fromkeys(name for k in kinds for name in option_names(k)))
     head = ["name", "pattern"] if kind == PER_LAYER else ["name", "kind"]
-    assert fields == [*head, "n_kv_head", *options, "global_every"]
+    assert fields == [*head, "n_kv_head", *options, "global_every", "last_kind"]
     # every option at null, the spec's default; K/V heads one per query head, as the model's config says
     assert all(v is None for k, v in schema_defaults(kind).items() if k not in ("name", "kind", "n_kv_head"))
     assert schema_defaults(kind)["n_kv_head"] == "${model.n_head}"
@@ -91,7 +91,7 @@ def test_the_uptraining_target_takes_the_kinds_options():
     cfg = compose_config("uptrain", ["ckpt=x", "attn=mla", "attn.kv_rank=24", "attn.rope_dim=4"])
     assert OmegaConf.to_container(cfg.attn) == {"name": "mla", "kind": "mla", "n_kv_head": None, "kv_rank": 24,
                                                 "rope_dim": 4, "q_rank": None, "rope_pairs": None,
-                                                "global_every": None}
+                                                "rope": None, "global_every": None, "last_kind": None}
 
 
 def run_train(args: list[str], monkeypatch) -> tuple[int, str]:
@@ -113,10 +113,10 @@ def run_train(args: list[str], monkeypatch) -> tuple[int, str]:
 @pytest.mark.parametrize("args, line", [
     (["attn=linear", "attn.window=8"],
      "error: attn.window is not a setting; attn takes name, kind, n_kv_head, feature_map, chunk_size, eps, "
-     "global_every"),
+     "global_every, last_kind"),
     (["attn=sliding", "attn.windw=8"], "error: attn.windw is not a setting; did you mean attn.window?"),
     (["attn=mha", "attn.kv_rank=8"], "error: attn.kv_rank is not a setting; attn takes name, kind, n_kv_head, "
-                                     "gate, qk_norm, learned_sink, softcap, global_every"),
+                                     "gate, qk_norm, learned_sink, softcap, global_every, last_kind"),
 ])
 def test_a_key_the_kind_does_not_take_is_one_line_naming_it(args, line, tmp_path, monkeypatch):
     code, err = run_train([*args, f"hydra.run.dir={tmp_path}/hydra", f"checkpoint_dir={tmp_path}"], monkeypatch)

@@ -22,6 +22,11 @@ RoPE frequencies: the dR/2 rotated pairs of the shared key are chosen among the 
 of a head (`rope_pairs`, pair i rotating by theta^(-2i/hs)): by default evenly spaced, i * hs/dR,
 which is DeepSeek's own table theta^(-2j/dR); a conversion from MHA keeps the pairs that matter
 most (lm/formats/to_latent.py).
+
+NoPE (`rope=false`, Kimi Linear's `mla_use_nope`): nothing is rotated. The decoupled key part
+stays, a dR-wide key shared by every head with its query part, as Kimi Linear keeps its
+qk_rope_head_dim=64 unrotated (transformers' KimiLinear MLA); position then reaches the layer
+only through causality and the layers before it (in Kimi Linear, the KDA layers).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from torch import nn
 from lm.attention.base import AttentionSpec, Example, LayerShape, register
 from lm.attention.cache import CacheContext, CacheSpec, scatter_at, visibility_mask
 from lm.attention.rope import apply_rope
-from lm.util.checks import require_int
+from lm.util.checks import require_bool, require_int
 from lm.util.errors import ConfigError
 
 
@@ -51,10 +56,12 @@ class LatentSpec(AttentionSpec):
     # quarter of the head size (even). The defaults cache 7/4 of a head per position: less than MQA's K and V.
     q_rank: int = 0  # queries through a rank-q_rank bottleneck (DeepSeek's q_lora_rank); 0: a full projection
     rope_pairs: tuple[int, ...] | None = None  # the head's RoPE frequency pairs the shared key uses; None: spaced
+    rope: bool = True  # false: NoPE, the shared key part and every query left unrotated (Kimi Linear)
 
     examples = {"": Example({"kv_rank": 12, "rope_dim": 4}),
                 "low-rank-queries": Example({"kv_rank": 7, "rope_dim": 2, "q_rank": 10}),
-                "chosen-pairs": Example({"kv_rank": 9, "rope_dim": 4, "rope_pairs": [3, 1]})}
+                "chosen-pairs": Example({"kv_rank": 9, "rope_dim": 4, "rope_pairs": [3, 1]}),
+                "nope": Example({"kv_rank": 10, "rope_dim": 2, "q_rank": 9, "rope": False})}
     benchmarks = {"": Example()}
 
     def check(self) -> None:
@@ -75,6 +82,10 @@ class LatentSpec(AttentionSpec):
                 count = "" if self.rope_dim is None else f"rope_dim/2 = {wanted} "
                 raise ConfigError(f"rope_pairs={list(pairs)} must be {count}distinct pairs")
             object.__setattr__(self, "rope_pairs", tuple(pairs))  # hashable and comparable, from a list too
+        require_bool("rope", self.rope)
+        if not self.rope and self.rope_pairs is not None:
+            raise ConfigError(f"rope_pairs={list(self.rope_pairs)} with rope=false: NoPE rotates nothing, so no "
+                              "frequency pairs are used; leave rope_pairs unset")
 
     def at(self, head_dim: int) -> LatentSpec:
         """This spec with the sizes it left to the head size filled in: kv_rank 3 hs/2, rope_dim hs/4
@@ -128,6 +139,7 @@ class LatentAttention(nn.Module):
         self.layer_idx = shape.layer_idx
         self.n_head, self.head_dim, self.kv_rank, self.rope_dim = nh, hs, r, dR
         self.nope_dim = hs - dR
+        self.rotates = spec.rope  # False: NoPE, rotate() leaves its input as it is
         # Rows of every query head: [q_nope (dn) | q_rope (dR)].
         self.q_down = nn.Linear(C, spec.q_rank, bias=False) if spec.q_rank else None
         self.q_up = nn.Linear(spec.q_rank or C, nh * hs, bias=False)
@@ -150,19 +162,23 @@ class LatentAttention(nn.Module):
         """The head's angles (..., T, hs/2) -> those of the chosen pairs (..., T, dR/2)."""
         return cos[..., self.rope_pairs], sin[..., self.rope_pairs]
 
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The RoPE part x (..., T, dR) rotated by the chosen pairs' angles; as it is under NoPE."""
+        return apply_rope(x, *self.rope_angles(cos, sin)) if self.rotates else x
+
     def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x (B, T, C) -> q (B, nh, T, hs) as [q_nope | q_rope], the RoPE part rotated."""
         B, T, _ = x.shape
         q = self.q_up(self.q_down(x) if self.q_down is not None else x)  # (B, T, nh*hs)
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         q_nope, q_rope = q.split((self.nope_dim, self.rope_dim), dim=-1)
-        return torch.cat((q_nope, apply_rope(q_rope, *self.rope_angles(cos, sin))), dim=-1)
+        return torch.cat((q_nope, self.rotate(q_rope, cos, sin)), dim=-1)
 
     def latent(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x (B, T, C) -> what the cache keeps, (B, 1, T, r + dR): [c | k_rope], k_rope rotated."""
         rows = self.kv_down(x)[:, None]  # (B, 1, T, r + dR): one row shared by every head
         c, k_rope = rows.split((self.kv_rank, self.rope_dim), dim=-1)
-        return torch.cat((c, apply_rope(k_rope, *self.rope_angles(cos, sin))), dim=-1)
+        return torch.cat((c, self.rotate(k_rope, cos, sin)), dim=-1)
 
     def up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK (nh, dn, r) and W_UV (nh, hs, r), from kv_up's weight."""
@@ -219,6 +235,8 @@ class LatentAttention(nn.Module):
         w_q = w_q if self.q_down is None else w_q @ float_weight(self.q_down)  # (nh*hs, C)
         w_down, w_up = float_weight(self.kv_down), float_weight(self.kv_up)  # (r + dR, C), (nh*(dn+hs), r)
         pair_cos, pair_sin = self.rope_angles(cos, sin)  # (T, dR/2) each
+        if not self.rotates:  # NoPE: the angles of position 0, a rotation by nothing
+            pair_cos, pair_sin = torch.ones_like(pair_cos), torch.zeros_like(pair_sin)
         c = x @ w_down[:r].T  # (B, T, r)
         k_rope = apply_rope((x @ w_down[r:].T)[:, None], pair_cos, pair_sin)[:, 0]  # (B, T, dR)
         visible = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()

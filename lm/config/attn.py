@@ -11,7 +11,7 @@ A conf/attn/*.yaml names its kind through its defaults list and holds only what 
     name: gqa
     n_kv_head: 2
 
-`attn/kind/hybrid` (attn.pattern: one kind per layer) takes every registered kind's options; each
+`attn/kind/hybrid` (attn.pattern: kinds of the first layers, repeated) takes every registered kind's options; each
 reaches the layers whose kind takes it (lm.attention.layout.layer_specs). A key the schema lacks is
 refused by Hydra, one line naming it (lm.util.cli); a value is checked by the spec, one line
 naming the option. Options are typed Any here because each takes one value or one per layer.
@@ -55,6 +55,7 @@ def attn_schema(kind: str) -> type:
         _field("n_kv_head", default="${model.n_head}"),
         *options,
         _field("global_every"),  # k: every k-th layer is full softmax attention (lm.attention.layout)
+        _field("last_kind"),  # the last layer's kind, whatever the rest gave it (lm.attention.layout)
     ]
     return dataclasses.make_dataclass(f"AttnOptions_{kind}".replace("-", "_"), fields)
 

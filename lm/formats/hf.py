@@ -53,6 +53,36 @@ UNEXPORTABLE = {
 }
 
 
+# The open models' stacks (conf/attn/qwen3_next.yaml, kimi_linear, gpt_oss, gemma3, olmo3, nanochat):
+# transformers has a class for each model, but each class computes more than the stack alone, so an
+# export would change the model. A refusal names the nearest class and what it adds.
+NEAREST = {
+    "kda": "Kimi Linear (KimiLinearForCausalLM) also normalises the MLA latent (kv_a_layernorm) and uses "
+           "mixture-of-experts blocks",
+    "gated_delta": "Qwen3-Next (Qwen3NextForCausalLM) also rotates a quarter of each head (partial RoPE), uses "
+                   "zero-centred norms, its own DeltaNet head layout and mixture-of-experts blocks",
+    "learned_sink": "gpt-oss (GptOssForCausalLM) has learned sinks, but only with mixture-of-experts blocks and "
+                    "biased projections",
+    "sliding+softmax": "Gemma 3 (Gemma3ForCausalLM) and OLMo 3 (Olmo3ForCausalLM) mix sliding and global layers, "
+                       "but both also norm after each sublayer; Gemma 3 scales the embeddings and gives its local "
+                       "layers another RoPE base, OLMo 3 normalises q and k across all heads together",
+}
+
+
+def nearest_class(specs: set) -> str | None:
+    """What the transformers class nearest to this stack adds (NEAREST), or None when no open
+    model's stack is near it."""
+    kinds = {spec.kind for spec in specs}
+    for kind in ("kda", "gated_delta"):
+        if kind in kinds:
+            return NEAREST[kind]
+    if any(getattr(spec, "learned_sink", False) for spec in specs):
+        return NEAREST["learned_sink"]
+    if {"sliding", "softmax"} <= kinds:
+        return NEAREST["sliding+softmax"]
+    return None
+
+
 def hf_architecture(config: ModelConfig) -> tuple[str, int | None]:
     """('llama', None), ('qwen3', None), ('mistral', window), or a ConfigError naming what
     transformers lacks."""
@@ -63,6 +93,11 @@ def hf_architecture(config: ModelConfig) -> tuple[str, int | None]:
         raise ConfigError(f"model.mlp={config.mlp} cannot be exported to transformers: the Llama family's MLP is "
                           "SwiGLU")
     specs = set(config.attention)
+    near = nearest_class(specs)
+    if near is not None:
+        raise ConfigError(f"attention {config.describe_attention()} has no transformers equivalent: the nearest "
+                          f"class, {near}; export takes softmax (Llama; with qk_norm, Qwen3) and one undilated "
+                          "sliding window in every layer (Mistral)")
     for spec in specs:
         for option, why in UNEXPORTABLE.items():
             if getattr(spec, option, None) not in (None, "none"):

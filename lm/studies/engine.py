@@ -90,6 +90,8 @@ class Stored:
 # keeps its records until it is rerun on purpose (with another value, the arm runs again).
 ADDED_SINCE_RECORDS = {
     "attn.global_every": None,  # every attn config has it since the attn schemas (lm.config.attn)
+    "attn.last_kind": None,  # ... and this since the open models' stacks (conf/attn/olmo3.yaml, ...)
+    "attn.rope": None,  # MLA's option since NoPE (lm/attention/mla.py); null: RoPE, as before
     "optim.name": "adamw",  # before optim=muon every run trained with AdamW ...
     "optim.schedule": "cosine",  # ... and a linear warm-up then cosine decay
     "optim.decay_fraction": 0.2,  # read by schedule=wsd only

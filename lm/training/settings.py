@@ -25,10 +25,11 @@ def model_config_from(cfg: DictConfig, vocab_size: int) -> ModelConfig:
     attn.pop("name", None)
     n_kv_head = attn.pop("n_kv_head", None)
     kind, pattern, every = attn.pop("kind", None), attn.pop("pattern", None), attn.pop("global_every", None)
+    last_kind = attn.pop("last_kind", None)
     if (kind is None) == (pattern is None):
-        raise ConfigError(f"give attn.kind (one kind for every layer) or attn.pattern (one per layer), "
-                          f"not {'both' if kind else 'neither'}")
-    specs = layer_specs(pattern if pattern is not None else kind, model["n_layer"], attn, every)
+        raise ConfigError(f"give attn.kind (one kind for every layer) or attn.pattern (kinds, repeated over the "
+                          f"layers), not {'both' if kind else 'neither'}")
+    specs = layer_specs(pattern if pattern is not None else kind, model["n_layer"], attn, every, last_kind=last_kind)
     config = ModelConfig(vocab_size=vocab_size, attention=specs, n_kv_head=n_kv_head, **model)
     check_layers_build(config)  # sizes bounded by the model's shape, before any data or training
     return config

@@ -79,7 +79,7 @@ def conversion_target(cfg: DictConfig) -> Target:
     attn = OmegaConf.to_container(cfg.attn, resolve=False)
     kind = attn.get("kind")
     if kind == "mla":
-        options = {k: v for k, v in attn.items() if k not in ("name", "kind", "n_kv_head", "global_every")
+        options = {k: v for k, v in attn.items() if k not in ("name", "kind", "n_kv_head", "global_every", "last_kind")
                    and v is not None}
         return Target(latent=LatentSpec(**options))
     if kind == "dsa":
