@@ -138,8 +138,11 @@ class RecallTask:
 def distinct_draws(rng: np.random.Generator, n: int, high: int, k: int) -> np.ndarray:
     """(n, k) int64: k distinct integers from [0, high) in each row, uniformly. Few of many are drawn
     and the rows with a repeat drawn again (cheap at Zoology's 8192-token vocabulary); many of few
-    take the first k of a random permutation."""
-    if 4 * k > high:
+    take the first k of a random permutation. A row of k draws has no repeat with probability about
+    exp(-k^2 / 2 high) (the birthday bound): past k^2 > high redrawing would loop for long (64 of 256
+    values: one row in 3000 without a repeat), so those take the permutation; where 4 k > high chose
+    it before, k^2 > high does too, so the data of every setting that generated quickly is unchanged."""
+    if 4 * k > high or k * k > high:
         return rng.random((n, high)).argsort(axis=1)[:, :k]
     draws = rng.integers(0, high, size=(n, k))
     while True:
