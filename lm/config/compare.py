@@ -56,26 +56,25 @@ def recall_cells() -> Bound:
 
 
 def knob_table() -> Bound:
-    """kind -> {knob: one value or a list}: each kind's state sizes. The lists of one kind are zipped
-    (equal lengths), one value is every point's; which kinds and options exist is checked by the
-    study (lm.studies.frontier), which knows the registry."""
+    """kind -> a list of state sizes, each {knob: value}: lists, so that an override replaces a kind's
+    sizes whole (Hydra merges mappings key by key, which would mix two tables). Which kinds and
+    options exist is checked by the study (lm.studies.frontier), which knows the registry."""
 
     def check(name: str, value: Any) -> None:
         if value is None:
             return
         if not hasattr(value, "items"):
-            raise ConfigError(f"{name}={value!r} must be a mapping: {{<kind>: {{<knob>: [values]}}}}")
-        for kind, knobs in value.items():
-            if not hasattr(knobs, "items") or not knobs:
-                raise ConfigError(f"{name}.{kind}={_plain(knobs)!r} must be a mapping of knobs, e.g. {{window: [8, 16]}}")
-            lengths = {len(as_list(f"{name}.{kind}.{k}", v)) for k, v in knobs.items() if not _is_scalar(v)}
-            if 0 in lengths:
-                raise ConfigError(f"{name}.{kind} has an empty list: give each knob at least one value")
-            if len(lengths) > 1:
-                raise ConfigError(f"{name}.{kind}={_plain(knobs)} has lists of different lengths: the lists of a "
-                                  "kind are zipped, one state size per position")
+            raise ConfigError(f"{name}={value!r} must be a mapping: {{<kind>: [{{<knob>: <value>}}, ...]}}")
+        for kind, points in value.items():
+            if isinstance(points, (str, int, float, bool)) or hasattr(points, "items") or not points:
+                raise ConfigError(f"{name}.{kind}={_plain(points)!r} must be a list of state sizes, e.g. "
+                                  "[{window: 8}, {window: 16}]")
+            for point in points:
+                if not hasattr(point, "items") or not point:
+                    raise ConfigError(f"{name}.{kind} entry {_plain(point)!r} must be a mapping of knobs, e.g. "
+                                      "{window: 8}")
 
-    return Bound("a mapping kind -> {knob: value or list}", check)
+    return Bound("a mapping kind -> [{knob: value}, ...]", check)
 
 
 def _is_scalar(value: Any) -> bool:
@@ -172,17 +171,23 @@ def based_train_mix() -> list[list[int]]:
     return [[64, 4], [128, 8], [256, 16], [256, 32], [256, 64]]
 
 
+def along(knob: str, values: list, **fixed: Any) -> list[dict]:
+    """State sizes along one knob, other knobs fixed: along("window", [8, 16]) -> [{window: 8}, {window: 16}]."""
+    return [{**fixed, knob: value} for value in values]
+
+
 def default_knobs() -> dict:
     """Each registered kind's knob along which its decoding state grows (a kind named nowhere here
-    sweeps the model width, frontier.widths; a preset adds the knobs of its extra_kinds). n_head at a fixed width sets the head size: linear attention's
-    features (elu: hs; Taylor: 1 + hs + hs^2), the delta rule's hs x hs state per head."""
-    return {"mha": {"width": [64, 128, 256]}, "mqa": {"width": [64, 128, 256]},
-            "gqa": {"n_kv_head": [1, 2, 4]},  # at n_head 4: MQA, GQA and MHA at one width
-            "sliding": {"window": [8, 16, 32, 64, 128]},
-            "linear": {"n_head": [16, 8, 4]},
-            "lowrank": {"rank": [2, 4, 8, 16]},
-            "gated_delta": {"n_head": [16, 8, 4, 2]}, "kda": {"n_head": [16, 8, 4, 2]},
-            "mamba2": {"d_state": [8, 16, 32, 64]}, "mla": {"kv_rank": [8, 16, 32, 64]}}
+    sweeps the model width, frontier.widths; a preset adds the knobs of its extra_kinds). n_head at
+    a fixed width sets the head size: linear attention's features (elu: hs; Taylor: 1 + hs + hs^2),
+    the delta rule's hs x hs state per head."""
+    return {"mha": along("width", [64, 128, 256]), "mqa": along("width", [64, 128, 256]),
+            "gqa": along("n_kv_head", [1, 2, 4]),  # at n_head 4: MQA, GQA and MHA at one width
+            "sliding": along("window", [8, 16, 32, 64, 128]),
+            "linear": along("n_head", [16, 8, 4]),
+            "lowrank": along("rank", [2, 4, 8, 16]),
+            "gated_delta": along("n_head", [16, 8, 4, 2]), "kda": along("n_head", [16, 8, 4, 2]),
+            "mamba2": along("d_state", [8, 16, 32, 64]), "mla": along("kv_rank", [8, 16, 32, 64])}
 
 
 @dataclass(kw_only=True)
@@ -198,8 +203,8 @@ class FrontierSettings:
                                     bound=recall_cells(),
                                     factory=lambda: [*based_train_mix(), [512, 128], [1024, 256]])
     vocab_size: int = setting(8192, "keys in the lower half, values in the upper", integer())
-    knobs: dict[str, Any] | None = setting(help="kind -> {knob: value or list}: its state sizes; a knob is width, "
-                                                "n_layer, n_head, n_kv_head or an attn option; lists are zipped",
+    knobs: dict[str, Any] | None = setting(help="kind -> [{knob: value}, ...]: its state sizes; a knob is width, "
+                                                "n_layer, n_head, n_kv_head or an attn option",
                                            bound=knob_table(), factory=default_knobs)
     widths: list[int] = setting(help="the state sizes of a kind frontier.knobs does not name: model widths",
                                 bound=each(integer()), factory=lambda: [64, 128, 256])

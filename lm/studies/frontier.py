@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError
 
 from lm.config.compare import KNOB_MODEL_KEYS
 from lm.data.mqar import IGNORE, RecallTask
@@ -34,15 +35,12 @@ TEST_BATCH = 64  # examples per forward pass of a test: memory, not a result
 
 
 def knob_points(f: DictConfig, name: str) -> list[dict]:
-    """The kind's state sizes, each {knob: value}: its frontier.knobs entry with the lists zipped and
-    a single value repeated, or {width: w} for each of frontier.widths."""
+    """The kind's state sizes, each {knob: value}: its frontier.knobs entry, or {width: w} for each
+    of frontier.widths."""
     table = f.knobs.get(name) if f.knobs is not None else None
     if table is None:
         return [{"width": w} for w in as_list("frontier.widths", f.widths)]
-    table = OmegaConf.to_container(table, resolve=True)
-    listed = [len(v) for v in table.values() if isinstance(v, list)]
-    count = listed[0] if listed else 1
-    return [{k: v[i] if isinstance(v, list) else v for k, v in table.items()} for i in range(count)]
+    return [OmegaConf.to_container(point, resolve=True) for point in table]
 
 
 def point_tag(point: dict) -> str:
@@ -109,11 +107,14 @@ def frontier_arms(cfg: DictConfig, entry: Entry, seeds: list[int], common: dict,
     arms = []
     for point, lr, seed in itertools.product(knob_points(f, entry.name), as_list("frontier.lr", f.lr), seeds):
         name = f"frontier-{entry.name}-{point_tag(point)}-{lr_tag(lr)}-s{seed}"
-        try:
+        try:  # a knob the kind does not take, or a size its model refuses, named as the table gives it
             run_cfg = point_config(cfg, entry, point, lr, seed, common, name)
+            check_run(name, run_cfg, recall=True)
         except ConfigError as e:
             raise ConfigError(f"frontier.knobs.{entry.name} {point_label(point)}: {e}") from None
-        check_run(name, run_cfg, recall=True)
+        except ConfigKeyError as e:  # a key the kind's attn schema lacks
+            raise ConfigError(f"frontier.knobs.{entry.name} {point_label(point)}: {e.key} is not an option of "
+                              f"{entry.name}'s attention") from None
         settings = {**recorded_settings(run_cfg), "tests": [list(t) for t in tests],
                     "test_examples": f.test_examples}
         arms.append(Arm(name, settings,
