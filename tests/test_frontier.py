@@ -189,3 +189,25 @@ def test_a_kind_the_table_does_not_name_sweeps_the_width():
     arms = planned(*TOY, "kinds=[efficient]", "frontier.widths=[16,32,64]")
     assert [a.labels["point"] for a in arms] == ["width=16", "width=32", "width=64"]
     assert [a.settings["model"]["d_model"] for a in arms] == [16, 32, 64]
+
+
+def test_the_default_preset_adds_a_cell_where_kinds_separate_and_the_committed_report_says_it_has_not_run():
+    from lm.studies.report import recall_tables
+
+    arms = planned("kinds=[mha]", "tasks=[mqar]")
+    cells = {(a.labels["width"], a.labels["pairs"], a.settings["data"]["seq_len"]) for a in arms}
+    assert cells == {(w, p, s) for w in (64, 128) for p, s in ((4, 64), (8, 64), (32, 256))}
+    committed = json.loads((Path(__file__).resolve().parents[1] / "docs" / "compare" / "results.json").read_text())
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        today = compose(config_name="compare")
+    settings = {**committed["settings"], "mqar": {**committed["settings"]["mqar"], "pairs": list(today.mqar.pairs),
+                                                  "seq_len": list(today.mqar.seq_len)}}
+    table = "\n".join(recall_tables(committed["records"], settings))
+    header = next(line for line in table.splitlines() if line.startswith("| kind | d64 / 4"))
+    assert header == "| kind | d64 / 4 | d64 / 8 | d64 / 32 | d128 / 4 | d128 / 8 | d128 / 32 |"
+    mha = next(line for line in table.splitlines() if line.startswith("| mha |"))
+    assert mha.count("not yet run") == 2 and mha.split(" | ")[1][0].isdigit()
+    additive = next(line for line in table.splitlines() if line.startswith("| additive |"))
+    assert "not yet run" not in additive  # its own settings plan d64 / 4 only, which ran
+    # the committed settings themselves render as before: no column the records lack
+    assert "not yet run" not in "\n".join(recall_tables(committed["records"], committed["settings"]))

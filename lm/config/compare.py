@@ -94,10 +94,12 @@ class RecallSettings:
 
     # Zoology: recurrent kinds need a wider model (a bigger state) to recall as well.
     widths: list[int] = setting(help="model widths, one cell each", bound=each(integer()), factory=lambda: [64, 128])
+    # 32 pairs in 256 tokens: where Zoology's designs separate (every kind recalls 4 and 8 pairs in 64 tokens).
     pairs: list[int] = setting(help="key-value pairs per example, one cell each", bound=each(integer()),
-                               factory=lambda: [4, 8])
-    seq_len: int | list[int] = setting(64, "one sequence length, or one per entry of pairs (Zoology's Figure 2 "
-                                           "grows the sequence with the pairs)", each(integer()))
+                               factory=lambda: [4, 8, 32])
+    seq_len: int | list[int] = setting(help="one sequence length, or one per entry of pairs (Zoology's Figure 2 "
+                                            "grows the sequence with the pairs)", bound=each(integer()),
+                                       factory=lambda: [64, 64, 256])
     vocab_size: int = setting(256, "keys 1..127, values 128..255 at 256 (Zoology: 8192; preset=zoology)", integer())
     filler: str = setting("pad", "the query region between the queries: pad (token 0, Zoology's Figure 2) or "
                                  "random tokens")
@@ -246,7 +248,7 @@ def default_per_kind() -> dict:
     # Bahdanau's pairwise tanh scores: a training step costs 13x MHA's at width 64, and a 32k prefill or
     # a 4k training step would take minutes (O(T^2 hs) tanh evaluations); its 5.12M-token language-modelling
     # run alone takes about an hour (1.5k tokens/s).
-    return {"additive": {"seeds": 1, "mqar": {"widths": [64], "pairs": [4]},
+    return {"additive": {"seeds": 1, "mqar": {"widths": [64], "pairs": [4], "seq_len": 64},
                          "speed": {"contexts": [1024, 8192], "max_batch_tokens": 16384, "train_contexts": [256]}}}
 
 
