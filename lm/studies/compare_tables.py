@@ -132,7 +132,7 @@ def machine_line(results: dict) -> str:
 
 def planned_cells(m: dict) -> set[tuple]:
     """(width, pairs) of every cell the settings plan (a bare value is a list of one)."""
-    return {(w, p) for w in as_values(m["widths"]) for p in as_values(m["pairs"])}
+    return {(w, p) for w in as_values(m.get("widths", [])) for p in as_values(m.get("pairs", []))}
 
 
 def as_values(value) -> list:
