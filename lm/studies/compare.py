@@ -74,8 +74,7 @@ def plan(cfg: DictConfig) -> list[Arm]:
     check_study_settings(cfg)
     COMPOSED.clear()  # the config files may have changed since the last plan of this process
     entries = study_entries(cfg)
-    known = sorted({*attn_configs(), *available_kinds(), *(e.name for e in entries)})
-    check_per_kind(cfg, known)
+    check_per_kind(cfg, sorted({*attn_configs(), *available_kinds(), *(e.name for e in entries)}))
     tasks = study_tasks(cfg)
     if "frontier" in tasks:
         check_frontier(cfg)

@@ -89,10 +89,10 @@ def panel(points: list[StatePoint], cell: tuple[int, int]) -> tuple[list[StatePo
 
 
 def frontier_tables(records: list[dict], settings: dict) -> list[str]:
-    f = settings.get("frontier")
-    points = state_points(records, f["still_learning"] if f else 0.01)
-    if not points:
+    if not any(r["task"] == "frontier" for r in records):
         return []
+    f = settings["frontier"]
+    points = state_points(records, f["still_learning"])
     train = " ".join(f"{s}/{p}" for s, p in f["train"])
     lrs = sorted({r["lr"] for r in records if r["task"] == "frontier"})
     seeds = max(p.seeds for p in points)
