@@ -78,6 +78,13 @@ COMPARE = [
     # the mqa arms come first: every arm is checked before any trains
     ("extra_kinds=[{name: wide, attn: mla, kv_rank: 100000}]", "kv_rank=100000"),
     ("extra_kinds=[{name: wide, attn: mla, q_rank: 100000}]", "attn.q_rank=100000"),
+    ("frontier.train=abc", "frontier.train"), ("frontier.train=[[64]]", "frontier.train"),
+    ("frontier.test=[]", "frontier.test"), ("frontier.knobs=5", "frontier.knobs"),
+    ("frontier.knobs.mha=[5]", "frontier.knobs.mha"), ("frontier.still_learning=nan", "frontier.still_learning"),
+    ("frontier.test_examples=0", "frontier.test_examples"), ("frontier.lr=[0.01,-1]", "frontier.lr"),
+    (("tasks=[frontier]", "frontier.test=[[64,4]]"), "frontier.test"),  # nothing beyond the trained length
+    (("tasks=[frontier]", "frontier.train=[[16,8]]"), "frontier.train"),  # 8 pairs do not fit 16 tokens
+    (("tasks=[frontier]", "frontier.knobs.mqa=[{window: 8}]"), "frontier.knobs.mqa"),  # not an option of softmax
     (("hydra/launcher=joblib", "hydra.launcher.n_jobs=0"), "hydra.launcher.n_jobs=0"),
     (("hydra/launcher=joblib", "hydra.launcher.timeout=-1"), "hydra.launcher.timeout"),
 ]

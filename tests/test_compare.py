@@ -221,7 +221,7 @@ def test_an_unknown_kind_is_one_line_before_any_work(tmp_path):
     (["extra_kinds=[{name: a/b, attn: mha}]"], "extra_kinds name 'a/b' must be a plain file name"),
     (["extra_kinds=[{name: .x, attn: mha}]"], "extra_kinds name '.x' must be a plain file name"),
     (["tasks=[]"], "tasks=\\[\\] is empty"),
-    (["tasks=[mqar,recall]"], "^tasks entry='recall' is not one of \\['lm', 'mqar', 'speed'\\]$"),
+    (["tasks=[mqar,recall]"], "^tasks entry='recall' is not one of \\['frontier', 'lm', 'mqar', 'speed'\\]$"),
     (["seeds=0"], "^seeds=0 must be an integer >= 1$"),
     (["mqar.lr=[]"], "mqar.lr=\\[\\] is empty"),
     (["mqar.lr=[0.01,-1]"], "^mqar.lr entry=-1 must be a positive number$"),

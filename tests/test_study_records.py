@@ -30,14 +30,18 @@ def test_a_setting_added_since_at_another_value_or_an_unknown_one_runs_the_arm_a
 
 
 def test_every_added_setting_is_one_the_run_config_has():
-    """A kind's option is looked up in attn=hybrid, whose schema holds every kind's options."""
+    """A kind's option is looked up in attn=hybrid, whose schema holds every kind's options; the recall
+    data's in data=mqar."""
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg, every_kind = compose("train"), compose("train", overrides=["attn=hybrid"])
+        configs = [compose("train"), compose("train", overrides=["data=mqar"]),  # data.mix: the recall data's
+                   compose("train", overrides=["attn=hybrid"])]  # attn.*: every kind's options
     for key, value in ADDED_SINCE_RECORDS.items():
         group, _, name = key.rpartition(".")
-        node = (every_kind if group == "attn" else cfg)[group] if group else cfg
-        assert name in node, f"{key} is not a setting of conf/train.yaml"
-        assert node[name] == value, f"{key}: its default is not the value records without it ran with"
+        nodes = [cfg[group] if group else cfg for cfg in configs]
+        having = [node for node in nodes if name in node]
+        assert having, f"{key} is not a setting of conf/train.yaml"
+        assert all(node[name] == value for node in having), \
+            f"{key}: its default is not the value records without it ran with"
 
 
 def test_the_committed_comparisons_recall_arms_are_taken_by_todays_plan(tmp_path):

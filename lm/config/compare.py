@@ -1,8 +1,9 @@
 """scripts/compare.py's settings: each one's default, meaning and bound, declared once here.
 
 The defaults are the study's default preset: every cell with a learning-rate sweep and 2 seeds,
-about 9-11 hours on a 2-core CPU for its 14 kinds (docs/studies.md, "What the default preset
-costs"). conf/compare.yaml composes them (`compare_settings`) with the `data` group (the
+about 40-45 hours on a 2-core CPU for its 16 kinds, about 32 of them the cell of 32 pairs in 256
+tokens (docs/studies.md, "What the default preset costs"); `frontier` is the recall-memory
+frontier's (preset=frontier, about 10 hours). conf/compare.yaml composes them (`compare_settings`) with the `data` group (the
 language-modelling corpus) and a preset (conf/preset/: quick, zoology) on top; its --help lists
 them. lm.studies.compare_settings checks them before any arm is planned, with what no single
 setting's bound can say: the settings of the `data` group, `mqar.seq_len` against `mqar.pairs`,
@@ -18,7 +19,10 @@ from lm.config.settings import Bound, boolean, choice, each, fraction, group, in
 from lm.util.checks import as_list
 from lm.util.errors import ConfigError
 
-TASKS = ("mqar", "lm", "speed")  # recall, language modelling, decoding speed and cache size, in the study's order
+# recall, language modelling, decoding speed and cache size, then recall against state size, in the study's order
+TASKS = ("mqar", "lm", "speed", "frontier")
+DEFAULT_TASKS = ("mqar", "lm", "speed")  # the frontier is a study of its own: preset=frontier
+KNOB_MODEL_KEYS = ("width", "n_layer", "n_head")  # a knob that is not one of these (or n_kv_head) is an attn option
 
 
 def learning_rates() -> Bound:
@@ -35,16 +39,68 @@ def learning_rates() -> Bound:
     return Bound("a positive number, or a list of different ones", check)
 
 
+def recall_cells() -> Bound:
+    """A list of [seq_len, pairs]: MQAR tasks, each a sequence length and a number of key-value pairs."""
+
+    def check(name: str, value: Any) -> None:
+        cells = as_list(name, value)
+        if not cells:
+            raise ConfigError(f"{name}=[] is empty: give at least one [seq_len, pairs]")
+        for cell in cells:
+            if isinstance(cell, (str, int, float, bool)) or len(as_list(name, cell)) != 2 or any(
+                    isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in cell):
+                raise ConfigError(f"{name} entry {_plain(cell)!r} must be [seq_len, pairs], two integers >= 1")
+        if len({tuple(c) for c in cells}) < len(cells):
+            raise ConfigError(f"{name}={[_plain(c) for c in cells]} names a [seq_len, pairs] more than once")
+
+    return Bound("a list of [seq_len, pairs]", check)
+
+
+def knob_table() -> Bound:
+    """kind -> a list of state sizes, each {knob: value}: lists, so that an override replaces a kind's
+    sizes whole (Hydra merges mappings key by key, which would mix two tables). Which kinds and
+    options exist is checked by the study (lm.studies.frontier), which knows the registry."""
+
+    def check(name: str, value: Any) -> None:
+        if value is None:
+            return
+        if not hasattr(value, "items"):
+            raise ConfigError(f"{name}={value!r} must be a mapping: {{<kind>: [{{<knob>: <value>}}, ...]}}")
+        for kind, points in value.items():
+            if isinstance(points, (str, int, float, bool)) or hasattr(points, "items") or not points:
+                raise ConfigError(f"{name}.{kind}={_plain(points)!r} must be a list of state sizes, e.g. "
+                                  "[{window: 8}, {window: 16}]")
+            for point in points:
+                if not hasattr(point, "items") or not point:
+                    raise ConfigError(f"{name}.{kind} entry {_plain(point)!r} must be a mapping of knobs, e.g. "
+                                      "{window: 8}")
+
+    return Bound("a mapping kind -> [{knob: value}, ...]", check)
+
+
+def _is_scalar(value: Any) -> bool:
+    return value is None or isinstance(value, (str, int, float, bool))
+
+
+def _plain(value: Any) -> Any:
+    """A config node as plain data, for an error message."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(value) if hasattr(value, "_is_missing") else value
+
+
 @dataclass(kw_only=True)
 class RecallSettings:
     """Zoology's recall task (lm/data/mqar.py) with the recipe that learns on a CPU budget."""
 
     # Zoology: recurrent kinds need a wider model (a bigger state) to recall as well.
     widths: list[int] = setting(help="model widths, one cell each", bound=each(integer()), factory=lambda: [64, 128])
+    # 32 pairs in 256 tokens: where Zoology's designs separate (every kind recalls 4 and 8 pairs in 64 tokens).
     pairs: list[int] = setting(help="key-value pairs per example, one cell each", bound=each(integer()),
-                               factory=lambda: [4, 8])
-    seq_len: int | list[int] = setting(64, "one sequence length, or one per entry of pairs (Zoology's Figure 2 "
-                                           "grows the sequence with the pairs)", each(integer()))
+                               factory=lambda: [4, 8, 32])
+    seq_len: int | list[int] = setting(help="one sequence length, or one per entry of pairs (Zoology's Figure 2 "
+                                            "grows the sequence with the pairs)", bound=each(integer()),
+                                       factory=lambda: [64, 64, 256])
     vocab_size: int = setting(256, "keys 1..127, values 128..255 at 256 (Zoology: 8192; preset=zoology)", integer())
     filler: str = setting("pad", "the query region between the queries: pad (token 0, Zoology's Figure 2) or "
                                  "random tokens")
@@ -114,6 +170,75 @@ class SpeedSettings:
     train_steps: int = setting(3, "timed training steps (the median), after one untimed", integer())
 
 
+def based_train_mix() -> list[list[int]]:
+    return [[64, 4], [128, 8], [256, 16], [256, 32], [256, 64]]
+
+
+def along(knob: str, values: list, **fixed: Any) -> list[dict]:
+    """State sizes along one knob, other knobs fixed: along("window", [8, 16]) -> [{window: 8}, {window: 16}]."""
+    return [{**fixed, knob: value} for value in values]
+
+
+def default_knobs() -> dict:
+    """Each registered kind's knob along which its decoding state grows (a kind named nowhere here
+    sweeps the model width, frontier.widths; a preset adds the knobs of its extra_kinds). n_head at
+    a fixed width sets the head size: linear attention's features (elu: hs; Taylor: 1 + hs + hs^2),
+    the delta rule's hs x hs state per head."""
+    return {"mha": along("width", [64, 128, 256]), "mqa": along("width", [64, 128, 256]),
+            "gqa": along("n_kv_head", [1, 2, 4]),  # at n_head 4: MQA, GQA and MHA at one width
+            "sliding": along("window", [8, 16, 32, 64, 128]),
+            "linear": along("n_head", [16, 8, 4]),
+            "lowrank": along("rank", [2, 4, 8, 16]),
+            # head size 8, 16, 32 at width 64; 16 heads of 4 cost a training step 4-7x MHA's on a CPU
+            "gated_delta": along("n_head", [8, 4, 2]), "kda": along("n_head", [8, 4, 2]),
+            "mamba2": along("d_state", [8, 16, 32, 64]), "mla": along("kv_rank", [8, 16, 32, 64])}
+
+
+@dataclass(kw_only=True)
+class FrontierSettings:
+    """Recall against decoding-state size (Based's Figure 2, Arora et al. 2024, arXiv 2402.18668;
+    HazyResearch/zoology experiments/arxiv24_based_figure2): every arm trains on the whole mix, is
+    tested at each test cell, and records its state bytes at each test length from its own
+    generation cache. The defaults are the paper's; preset=frontier sizes them for a CPU."""
+
+    train: list[list[int]] = setting(help="[seq_len, pairs] trained together in every arm (Based's mix)",
+                                     bound=recall_cells(), factory=based_train_mix)
+    test: list[list[int]] = setting(help="[seq_len, pairs] each tested after training, one panel each",
+                                    bound=recall_cells(),
+                                    factory=lambda: [*based_train_mix(), [512, 128], [1024, 256]])
+    vocab_size: int = setting(8192, "keys in the lower half, values in the upper", integer())
+    knobs: dict[str, Any] | None = setting(help="kind -> [{knob: value}, ...]: its state sizes; a knob is width, "
+                                                "n_layer, n_head, n_kv_head or an attn option",
+                                           bound=knob_table(), factory=default_knobs)
+    widths: list[int] = setting(help="the state sizes of a kind frontier.knobs does not name: model widths",
+                                bound=each(integer()), factory=lambda: [64, 128, 256])
+    width: int = setting(128, "the model width where a kind's knob is not the width", integer())
+    n_layer: int = setting(2, "layers, where a kind's knob does not set them", integer())
+    n_head: int = setting(4, "heads, where a kind's knob does not set them (Based: 1; MQA and GQA need several)",
+                          integer())
+    ff_mult: int = setting(3, "d_ff = ff_mult x width (Based's models have no MLP)", integer())
+    short_conv: int = setting(3, "taps of the causal convolution before every attention layer (Based: 3)",
+                              integer(0))
+    steps: int = setting(22500, "training steps at most (Based: 32 epochs of its 180k examples at batch 256)",
+                         integer())
+    stop_at_accuracy: float | None = setting(0.99, "an arm stops once its held-out accuracy on the mix passes it; "
+                                                   "null: every arm runs all its steps", fraction(nullable=True))
+    val_every: int = setting(500, "steps between held-out accuracies on the mix", integer())
+    still_learning: float = setting(0.01, "an arm that ran every step and whose last held-out accuracy rose by "
+                                          "more than this over the one before is marked stopped by the budget, "
+                                          "not converged", number(0))
+    batch_size: int = setting(256, "examples per step, the mix shuffled together", integer())
+    examples: int | None = setting(180000, "training examples, shared equally by the mix's cells (Based: 100k "
+                                           "at 64 / 4 pairs, 20k at each other); null: steps x batch_size fresh "
+                                           "ones", integer(nullable=True))
+    val_examples: int = setting(1000, "held-out examples of the mix, validated during training", integer())
+    test_examples: int = setting(1000, "examples per test cell", integer())
+    lr: float | list[float] = setting(help="swept per point: every rate recorded, the best on the mix reported "
+                                           "(Based: logspace(-3, -1.5, 4))", bound=learning_rates(),
+                                      factory=lambda: [0.001, 0.00316, 0.01, 0.0316])
+    warmup_steps: int = setting(500, "linear warm-up steps", integer(0))
+
+
 def default_extra_kinds() -> list[dict]:
     return [{"name": "mha-gated-qk-norm", "attn": "mha", "gate": "elementwise", "qk_norm": True},  # Qwen3-Next's layer
             {"name": "sliding-softcap", "attn": "sliding", "softcap": 30},  # Gemma 2's cap
@@ -125,7 +250,7 @@ def default_per_kind() -> dict:
     # Bahdanau's pairwise tanh scores: a training step costs 13x MHA's at width 64, and a 32k prefill or
     # a 4k training step would take minutes (O(T^2 hs) tanh evaluations); its 5.12M-token language-modelling
     # run alone takes about an hour (1.5k tokens/s).
-    return {"additive": {"seeds": 1, "mqar": {"widths": [64], "pairs": [4]},
+    return {"additive": {"seeds": 1, "mqar": {"widths": [64], "pairs": [4], "seq_len": 64},
                          "speed": {"contexts": [1024, 8192], "max_batch_tokens": 16384, "train_contexts": [256]}}}
 
 
@@ -138,8 +263,8 @@ class CompareSettings:
     out: str = setting("checkpoints/compare", "results.json, results.md, mqar_accuracy.png, lm_loss.png, records/, "
                                               "runs/")
     tasks: list[str] = setting(help="which parts run: mqar (recall), lm (language modelling), speed (decoding "
-                                    "speed and cache size)", bound=each(choice(TASKS)),
-                               factory=lambda: list(TASKS))
+                                    "speed and cache size), frontier (recall against state size)", bound=each(choice(TASKS)),
+                               factory=lambda: list(DEFAULT_TASKS))
     seed: int = setting(0, "the first seed of every cell; seed=<n> reruns the cells with seeds n, n+1, ...",
                         integer(0))
     seeds: int = setting(2, "seeds per cell: the tables show their mean and spread", integer())
@@ -154,9 +279,10 @@ class CompareSettings:
     mqar: RecallSettings = group(RecallSettings, "recall")
     lm: LanguageSettings = group(LanguageSettings, "language modelling")
     speed: SpeedSettings = group(SpeedSettings, "decoding and training speed")
+    frontier: FrontierSettings = group(FrontierSettings, "recall against decoding-state size (tasks=[frontier])")
 
 
 store("compare_settings", CompareSettings)
 
-__all__ = ["TASKS", "CompareSettings", "LanguageSettings", "ModelShape", "RecallSettings", "SpeedSettings",
+__all__ = ["TASKS", "DEFAULT_TASKS", "KNOB_MODEL_KEYS", "CompareSettings", "FrontierSettings", "LanguageSettings", "ModelShape", "RecallSettings", "SpeedSettings",
            "learning_rates"]

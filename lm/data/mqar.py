@@ -138,8 +138,11 @@ class RecallTask:
 def distinct_draws(rng: np.random.Generator, n: int, high: int, k: int) -> np.ndarray:
     """(n, k) int64: k distinct integers from [0, high) in each row, uniformly. Few of many are drawn
     and the rows with a repeat drawn again (cheap at Zoology's 8192-token vocabulary); many of few
-    take the first k of a random permutation."""
-    if 4 * k > high:
+    take the first k of a random permutation. A row of k draws has no repeat with probability about
+    exp(-k^2 / 2 high) (the birthday bound): past k^2 > high redrawing would loop for long (64 of 256
+    values: one row in 3000 without a repeat), so those take the permutation; where 4 k > high chose
+    it before, k^2 > high does too, so the data of every setting that generated quickly is unchanged."""
+    if 4 * k > high or k * k > high:
         return rng.random((n, high)).argsort(axis=1)[:, :k]
     draws = rng.integers(0, high, size=(n, k))
     while True:
@@ -150,9 +153,37 @@ def distinct_draws(rng: np.random.Generator, n: int, high: int, k: int) -> np.nd
         draws[repeats] = rng.integers(0, high, size=(int(repeats.sum()), k))
 
 
+def mixed_examples(tasks: list[RecallTask], split: str) -> tuple[np.ndarray, np.ndarray]:
+    """(inputs, targets) of every task's examples, one after another, each right-padded to the
+    longest task's length with PAD and IGNORE: the padding comes after every answer, so causal
+    attention never lets it reach a scored position (Based's Figure 2 trains on such a mix)."""
+    length = max(task.seq_len for task in tasks)
+    parts = [task.generate(split) for task in tasks]
+    inputs = np.concatenate([np.pad(x, ((0, 0), (0, length - x.shape[1])), constant_values=PAD) for x, _ in parts])
+    targets = np.concatenate([np.pad(y, ((0, 0), (0, length - y.shape[1])), constant_values=IGNORE)
+                              for _, y in parts])
+    return inputs, targets
+
+
+def mix_tasks(data_cfg, mix: list) -> list[RecallTask]:
+    """One RecallTask per (seq_len, pairs) of `data.mix`, sharing data.examples and data.val_examples
+    equally (rounded up) and every other setting of the data config."""
+    shared = {name: data_cfg[name] for name in ("vocab_size", "seed", "filler", "query_power") if name in data_cfg}
+    tasks = []
+    for entry in mix:
+        if isinstance(entry, (str, bytes)) or not hasattr(entry, "__len__") or len(entry) != 2:
+            raise DataError(f"data.mix entry {entry!r} must be [seq_len, pairs]")
+        seq_len, pairs = list(entry)
+        tasks.append(RecallTask(seq_len=seq_len, pairs=pairs, examples=math.ceil(data_cfg["examples"] / len(mix)),
+                                val_examples=math.ceil(data_cfg["val_examples"] / len(mix)), **shared))
+    return tasks
+
+
 class RecallExamples(Dataset):
-    def __init__(self, task: RecallTask, split: str):
-        inputs, targets = task.generate(split)
+    """The examples of one task, or of several right-padded to the longest (`mixed_examples`)."""
+
+    def __init__(self, task: RecallTask | list[RecallTask], split: str):
+        inputs, targets = task.generate(split) if isinstance(task, RecallTask) else mixed_examples(task, split)
         self.inputs, self.targets = torch.from_numpy(inputs), torch.from_numpy(targets)
 
     def __len__(self) -> int:
@@ -171,24 +202,34 @@ def number_tokenizer(vocab_size: int) -> Tokenizer:
 
 
 class RecallDataModule(ShuffledDataModule):
-    """MQAR examples for training (`data=mqar`): generated in memory once, no tokenizer training."""
+    """MQAR examples for training (`data=mqar`): generated in memory once, no tokenizer training.
+    `data.mix` (a list of [seq_len, pairs]) trains and validates on several tasks at once instead
+    of data.seq_len and data.pairs."""
 
     is_text = False
 
-    def __init__(self, task: RecallTask, batch_size: int, num_workers: int = 0):
+    def __init__(self, task: RecallTask | list[RecallTask], batch_size: int, num_workers: int = 0):
         super().__init__()
         require_int("data.batch_size", batch_size)
-        if batch_size > task.examples:
-            raise DataError(f"data.batch_size={batch_size} is larger than data.examples={task.examples}")
-        self.task, self.batch_size, self.num_workers, self.seed = task, batch_size, num_workers, task.seed
-        self.tokenizer = number_tokenizer(task.vocab_size)
+        tasks = [task] if isinstance(task, RecallTask) else list(task)
+        examples = sum(t.examples for t in tasks)
+        if batch_size > examples:
+            raise DataError(f"data.batch_size={batch_size} is larger than data.examples={examples}")
+        self.task, self.batch_size, self.num_workers, self.seed = task, batch_size, num_workers, tasks[0].seed
+        self.tokenizer = number_tokenizer(tasks[0].vocab_size)
 
     @classmethod
     def from_config(cls, data_cfg, max_seq_len: int) -> RecallDataModule:
-        fields = ("vocab_size", "seq_len", "pairs", "examples", "val_examples", "seed", "filler", "query_power")
-        task = RecallTask(**{name: data_cfg[name] for name in fields if name in data_cfg})
-        if task.seq_len > max_seq_len:
-            raise DataError(f"data.seq_len={task.seq_len} is longer than the model's context "
+        mix = data_cfg.get("mix")
+        if mix:
+            task = mix_tasks(data_cfg, list(mix))
+            longest = max(t.seq_len for t in task)
+        else:
+            fields = ("vocab_size", "seq_len", "pairs", "examples", "val_examples", "seed", "filler", "query_power")
+            task = RecallTask(**{name: data_cfg[name] for name in fields if name in data_cfg})
+            longest = task.seq_len
+        if longest > max_seq_len:
+            raise DataError(f"data.seq_len={longest} is longer than the model's context "
                             f"model.max_seq_len={max_seq_len}")
         return cls(task, data_cfg["batch_size"], data_cfg.get("num_workers", 0))
 

@@ -43,6 +43,8 @@ from lm.studies.compare_settings import check_per_kind, check_study_settings, fo
 from lm.studies.compare_tables import comparison_table
 from lm.studies.engine import Arm, finished_records, import_records, machine, run_arms
 from lm.studies.evaluate import split_documents
+from lm.studies.frontier import check_frontier, describe_frontier, frontier_arms
+from lm.studies.frontier_report import frontier_plot, frontier_tables
 from lm.studies.jobs import check_launcher, chosen_launcher, only_arm, run_as_jobs
 from lm.studies.report import write_results
 from lm.util.checks import as_list
@@ -74,6 +76,8 @@ def plan(cfg: DictConfig) -> list[Arm]:
     entries = study_entries(cfg)
     check_per_kind(cfg, sorted({*attn_configs(), *available_kinds(), *(e.name for e in entries)}))
     tasks = study_tasks(cfg)
+    if "frontier" in tasks:
+        check_frontier(cfg)
     runs = resolve_path(cfg.out) / "runs"
     common = {"checkpoint_dir": str(runs), "resume": False, "checkpoint": {"every_n_steps": None},
               "sample": {"max_new_tokens": 0}}
@@ -88,10 +92,14 @@ def plan(cfg: DictConfig) -> list[Arm]:
             arms += language_arms(own, entry, seeds, common, runs, fingerprint)
         if "speed" in tasks:
             arms.append(speed_arm(own, entry, common))
+        if "frontier" in tasks:
+            arms += frontier_arms(own, entry, seeds, common, runs)
     return arms
 
 
 def describe(r: dict) -> str:
+    if r["task"] == "frontier":
+        return describe_frontier(r)
     if "diverged" in r:
         return f"{r['task']:<5} {r['kind']:<14} lr={r['lr']:<7g} seed={r['seed']:<2} diverged"
     if r["task"] == "mqar":
@@ -107,8 +115,9 @@ def describe(r: dict) -> str:
 
 def table_entry(labels: dict) -> tuple:
     """The entry of the tables an arm counts towards: a recall cell (every rate and seed of one
-    width x pairs), a kind's language modelling (every rate and seed), a kind's speed."""
-    return labels["task"], labels["kind"], labels.get("width"), labels.get("pairs")
+    width x pairs), a kind's language modelling (every rate and seed), a kind's speed, a kind's
+    state size on the frontier (every rate and seed)."""
+    return labels["task"], labels["kind"], labels.get("width"), labels.get("pairs"), labels.get("point")
 
 
 def reported_records(arms: list[Arm], records: Path) -> tuple[list[dict], list[dict], list[str]]:
@@ -160,6 +169,10 @@ def run_study(cfg: DictConfig) -> dict | None:
         # the finished arms of waiting entries are kept too, so records_from can continue from this file
         results["unfinished"] = {"planned": len(arms), "arms": unfinished}
         results["waiting"] = waiting
-    write_results(out, results, comparison_table(results),
-                  {"mqar_accuracy.png": mqar_plot, "lm_loss.png": lm_loss_plot})
+    still_learning = cfg.frontier.still_learning
+    frontier = frontier_tables(records, results["settings"])
+    table = comparison_table(results) + ("\n" + "\n".join(frontier) if frontier else "")
+    write_results(out, results, table,
+                  {"mqar_accuracy.png": mqar_plot, "lm_loss.png": lm_loss_plot,
+                   "frontier.png": lambda records: frontier_plot(records, still_learning)})
     return results

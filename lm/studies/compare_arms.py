@@ -14,7 +14,7 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
 from lm.attention import available_kinds
-from lm.data.mqar import RecallTask
+from lm.data.mqar import RecallTask, mix_tasks
 from lm.studies.compare_runs import language_run, recall_run, speed_figures, unless_diverged
 from lm.studies.compare_settings import recall_lengths, speed_settings
 from lm.studies.engine import Arm, recorded_settings
@@ -191,7 +191,10 @@ def check_run(name: str, run_cfg: DictConfig, recall: bool) -> None:
         model_config_from(run_cfg, run_cfg.data.vocab_size)
         if recall:
             d = run_cfg.data
-            RecallTask(vocab_size=d.vocab_size, seq_len=d.seq_len, pairs=d.pairs, examples=d.examples,
-                       val_examples=d.val_examples, seed=d.seed, filler=d.filler, query_power=d.query_power)
+            if d.get("mix"):
+                mix_tasks(d, list(d.mix))
+            else:
+                RecallTask(vocab_size=d.vocab_size, seq_len=d.seq_len, pairs=d.pairs, examples=d.examples,
+                           val_examples=d.val_examples, seed=d.seed, filler=d.filler, query_power=d.query_power)
     except ValueError as e:
         raise ConfigError(f"{name}: {e}") from None

@@ -42,7 +42,7 @@ def check_study_settings(cfg: DictConfig) -> None:
                               f"speed.new_tokens={speed.new_tokens}")
 
 
-PER_KIND_KEYS = ("mqar", "lm", "speed", "seeds")
+PER_KIND_KEYS = ("mqar", "lm", "speed", "frontier", "seeds")
 
 
 def for_kind(cfg: DictConfig, name: str) -> DictConfig:

@@ -97,6 +97,7 @@ ADDED_SINCE_RECORDS = {
     "optim.decay_fraction": 0.2,  # read by schedule=wsd only
     "resume": False,  # an uptraining arm's settings hold it since uptrain.py continues interrupted runs
     "trainer.skip_nonfinite": False,  # an uptraining arm's settings hold it since uptrain.py takes it
+    "data.mix": None,  # a recall arm's data holds it since the frontier trains on a mix of lengths
 }
 
 

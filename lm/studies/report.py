@@ -1,7 +1,8 @@
 """What the studies write: results.json, results.md and their plots, from the arms' records.
 
 `write_results` writes them together. The tables and plots are the studies' own: the attention
-comparison's in compare_tables and compare_plots, the uptraining ablation's in ablation_report;
+comparison's in compare_tables and compare_plots (its recall-memory frontier's in frontier_report),
+the uptraining ablation's in ablation_report;
 they and the plot set-up (plotting) are importable from here as well.
 """
 
@@ -14,11 +15,13 @@ from pathlib import Path
 from lm.studies.ablation_report import ablation_table, uptraining_plot
 from lm.studies.compare_plots import lm_loss_plot, mqar_plot, validation_label
 from lm.studies.compare_tables import comparison_table, language_table, machine_line, recall_tables
+from lm.studies.frontier_report import frontier_plot, frontier_tables
 from lm.studies.plotting import pyplot, render, save_figure
 from lm.util.files import write_folder_atomically
 
 __all__ = ["write_results", "ablation_table", "uptraining_plot", "lm_loss_plot", "mqar_plot", "validation_label",
-           "comparison_table", "language_table", "machine_line", "recall_tables", "pyplot", "save_figure"]
+           "comparison_table", "language_table", "machine_line", "recall_tables", "frontier_plot", "frontier_tables",
+           "pyplot", "save_figure"]
 
 
 def write_results(out: Path, results: dict, table: str, plots: dict[str, Callable[[list[dict]], object]]) -> None:

@@ -1,0 +1,171 @@
+"""The recall-memory frontier's table and plot (lm.studies.frontier): per test cell, each kind's
+accuracy against the bytes its decoding state holds at that length, and the Pareto frontier over
+every kind (the points no other point beats with fewer or equal bytes).
+
+A state size's number is the best learning rate's mean over seeds, the rate chosen by the mean
+held-out accuracy on the training mix (one model per point for every test, not the best rate per
+test). A point is marked stopped by the budget when a seed of that rate ran every step and its
+last held-out accuracy still rose by more than `frontier.still_learning` over the one before: a
+fixed-state kind still learning at its last step has not shown its limit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lm.studies.compare_tables import best_lr, diverged, mean_and_spread, si_bytes
+from lm.studies.plotting import line_style, pyplot
+
+
+@dataclass
+class StatePoint:
+    """One kind at one state size, at its best learning rate."""
+
+    kind: str
+    label: str  # the knobs, "window=16"
+    lr: float
+    seeds: int
+    diverged: int  # seeds of that rate that diverged (they count as accuracy 0)
+    budget_stopped: bool
+    accuracy: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)  # test -> (mean, spread)
+    state_bytes: dict[tuple[int, int], int] = field(default_factory=dict)  # test -> bytes per sequence
+
+
+def mix_accuracy(r: dict) -> float:
+    return 0.0 if diverged(r) else r["val_accuracy"]
+
+
+def still_learning(r: dict, threshold: float) -> bool:
+    """Whether the arm ran every step and its held-out accuracy rose by more than `threshold`
+    between its last two validations."""
+    if diverged(r) or r["steps"] < r["settings"]["trainer"]["max_steps"] or len(r["history"]) < 2:
+        return False
+    return r["history"][-1][2] - r["history"][-2][2] > threshold
+
+
+def state_points(records: list[dict], threshold: float) -> list[StatePoint]:
+    """Every (kind, state size) of the frontier records, in the records' order."""
+    grouped: dict[tuple[str, str], dict[float, list[dict]]] = {}
+    for r in records:
+        if r["task"] == "frontier":
+            grouped.setdefault((r["kind"], r["point"]), {}).setdefault(r["lr"], []).append(r)
+    points = []
+    for (kind, label), by_lr in grouped.items():
+        lr = best_lr(by_lr, mix_accuracy, True)
+        rs = by_lr[lr]
+        kept = [r for r in rs if not diverged(r)]
+        point = StatePoint(kind, label, lr, len(rs), len(rs) - len(kept),
+                           any(still_learning(r, threshold) for r in rs))
+        # the bytes do not depend on the rate or the seed: any finished record of the point says them
+        measured = next((r for rates in by_lr.values() for r in rates if not diverged(r)), None)
+        if measured is not None:
+            for t in measured["tests"]:
+                cell = (t["seq_len"], t["pairs"])
+                point.state_bytes[cell] = t["state_bytes"]
+                scores = [next(u["accuracy"] for u in r["tests"] if (u["seq_len"], u["pairs"]) == cell)
+                          if not diverged(r) else 0.0 for r in rs]
+                point.accuracy[cell] = mean_and_spread(scores)
+        points.append(point)
+    return points
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[int]:
+    """Indices of the (bytes, accuracy) points no other point dominates (fewer or equal bytes and
+    higher or equal accuracy, one of them strictly), in order of bytes."""
+    front = [i for i, (b, a) in enumerate(points)
+             if not any(b2 <= b and a2 >= a and (b2 < b or a2 > a) for b2, a2 in points)]
+    return sorted(front, key=lambda i: points[i])
+
+
+def test_cells(points: list[StatePoint]) -> list[tuple[int, int]]:
+    return sorted({cell for p in points for cell in p.state_bytes})
+
+
+def panel(points: list[StatePoint], cell: tuple[int, int]) -> tuple[list[StatePoint], set[int]]:
+    """The points measured at a test cell, sorted by bytes, and the positions of those on its front."""
+    shown = sorted((p for p in points if cell in p.state_bytes), key=lambda p: (p.state_bytes[cell], p.kind))
+    front = pareto_front([(p.state_bytes[cell], p.accuracy[cell][0]) for p in shown])
+    return shown, set(front)
+
+
+def frontier_tables(records: list[dict], settings: dict) -> list[str]:
+    if not any(r["task"] == "frontier" for r in records):
+        return []
+    f = settings["frontier"]
+    points = state_points(records, f["still_learning"])
+    train = " ".join(f"{s}/{p}" for s, p in f["train"])
+    lrs = sorted({r["lr"] for r in records if r["task"] == "frontier"})
+    seeds = max(p.seeds for p in points)
+    lines = ["### Recall against decoding-state size (the frontier)", "",
+             f"Trained on the mix (sequence/pairs) {train} together, vocabulary {f['vocab_size']}, {f['n_layer']} "
+             f"layers unless the knob sets them, width {f['width']} unless the knob is the width, "
+             f"{f['short_conv']}-tap short convolution, at most {f['steps']} steps of {f['batch_size']} examples"
+             + (f", stopping at {f['stop_at_accuracy']} on the mix" if f.get("stop_at_accuracy") else "")
+             + f"; tested on {f['test_examples']} fresh examples per cell. State bytes: the model's own "
+             "generation cache for one sequence of the test's length (every layer's cache and short convolution). "
+             f"Each point: the best of the learning rates {', '.join(f'{lr:g}' for lr in lrs)} by mean accuracy on "
+             f"the mix, mean ± standard deviation over {seeds} seed{'s' if seeds > 1 else ''}. **front**: on the "
+             "Pareto frontier of its test; *budget*: still learning at its last step (a seed ran every step and "
+             "its held-out accuracy still rose), so its accuracy is not the kind's limit.", ""]
+    for cell in test_cells(points):
+        shown, front = panel(points, cell)
+        lines += [f"#### Sequence {cell[0]}, {cell[1]} pairs", "",
+                  "| kind | state size | state bytes | accuracy | lr | |", "| --- | --- | ---: | ---: | ---: | --- |"]
+        for i, p in enumerate(shown):
+            mean, spread = p.accuracy[cell]
+            notes = [n for n, on in (("**front**", i in front), ("*budget*", p.budget_stopped),
+                                     (f"{p.diverged} of {p.seeds} diverged", p.diverged)) if on]
+            lines.append(f"| {p.kind} | {p.label} | {si_bytes(p.state_bytes[cell])} | {mean:.3f}"
+                         + (f" ± {spread:.3f}" if p.seeds > 1 else "") + f" | {p.lr:g} | {', '.join(notes)} |")
+        lines.append("")
+    unmeasured = [f"{p.kind} ({p.label})" for p in points if not p.state_bytes]
+    if unmeasured:
+        lines += [f"Diverged at every learning rate, so not on the plot: {', '.join(unmeasured)}.", ""]
+    return lines
+
+
+def frontier_plot(records: list[dict], threshold: float):
+    """One panel per test cell: accuracy against state bytes (log axis), one line per kind through
+    its state sizes, hollow markers where the budget stopped a point, the Pareto frontier as a black
+    step line; None without frontier records."""
+    points = state_points(records, threshold)
+    cells = test_cells(points)
+    if not cells:
+        return None
+    plt = pyplot()
+    columns = min(len(cells) + 1, 4)  # one slot more than the tests: the legend's
+    rows = -(-(len(cells) + 1) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(4.6 * columns, 3.9 * rows), sharey=True, squeeze=False)
+    kinds = list(dict.fromkeys(p.kind for p in points))
+    for ax, cell in zip(axes.flat, cells, strict=False):
+        shown, front = panel(points, cell)
+        for i, kind in enumerate(kinds):
+            own = [p for p in shown if p.kind == kind]
+            if not own:
+                continue
+            style = line_style(i)
+            x = [p.state_bytes[cell] for p in own]
+            y = [p.accuracy[cell][0] for p in own]
+            ax.plot(x, y, label=kind, linewidth=1, **style)
+            stopped = [(xi, yi) for p, xi, yi in zip(own, x, y, strict=True) if p.budget_stopped]
+            if stopped:  # hollow: the same marker, filled white
+                ax.plot(*zip(*stopped, strict=True), linestyle="none", markerfacecolor="white", **style)
+        edge = [shown[i] for i in sorted(front, key=lambda i: shown[i].state_bytes[cell])]
+        ax.plot([p.state_bytes[cell] for p in edge], [p.accuracy[cell][0] for p in edge], color="black",
+                linestyle="--", drawstyle="steps-post", linewidth=1.2, label="Pareto frontier")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"sequence {cell[0]}, {cell[1]} pairs")
+        ax.set_xlabel("decoding state per sequence (bytes)")
+        ax.set_ylim(-0.02, 1.02)
+    for row in axes:
+        row[0].set_ylabel("MQAR accuracy")
+    handles = {}
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(label, handle)
+    spare = list(axes.flat)[len(cells):]
+    for ax in spare:
+        ax.axis("off")
+    spare[0].legend(list(handles.values()), list(handles), loc="center", fontsize="small",
+                    ncol=1 + len(handles) // 12, title="hollow: stopped by the\nstep budget, still learning")
+    return fig

@@ -1,0 +1,214 @@
+"""preset=frontier (lm/studies/frontier.py, frontier_report.py): recall against the bytes each kind's
+own generation cache holds, its Pareto front, the points the step budget stopped, and resuming."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import CONF_DIR
+from hydra import compose, initialize_config_dir
+
+import lm
+from lm.data.mqar import IGNORE, PAD, mix_tasks, mixed_examples
+from lm.model.config import ConfigError
+from lm.model.generation_cache import GenerationCache
+from lm.studies.frontier_report import pareto_front, state_points, still_learning
+
+# Every path of the frontier at toy sizes: three kinds, two state sizes each, one seed, seconds.
+TOY = ["preset=frontier", "kinds=[mha,linear,sliding]", "extra_kinds=[]", "per_kind=null", "seeds=1",
+       "frontier.train=[[16,2],[32,4]]", "frontier.test=[[16,2],[32,4],[64,4]]", "frontier.vocab_size=32",
+       "frontier.width=16", "frontier.n_head=2", "frontier.knobs.mha=[{width: 16}, {width: 32}]",
+       "frontier.knobs.linear=[{n_head: 4}, {n_head: 2}]", "frontier.knobs.sliding=[{window: 4}, {window: 8}]",
+       "frontier.steps=6", "frontier.val_every=3", "frontier.batch_size=8", "frontier.examples=64",
+       "frontier.val_examples=16", "frontier.test_examples=16", "frontier.lr=[0.01]", "frontier.warmup_steps=1"]
+
+
+def run_in_process(*overrides: str) -> dict:
+    from lm.studies.compare import run_study
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return run_study(compose(config_name="compare", overrides=list(overrides)))
+
+
+def planned(*overrides: str):
+    from lm.studies.compare import plan
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return plan(compose(config_name="compare", overrides=list(overrides)))
+
+
+@pytest.fixture(scope="module")
+def toy_study(tmp_path_factory):
+    out = tmp_path_factory.mktemp("frontier") / "study"
+    return out, run_in_process(*TOY, f"out={out}")
+
+
+def declared_bytes(model, seq_len: int) -> int:
+    """What the layers declare they keep after seq_len tokens (their CacheSpec, float32), plus the
+    short convolutions' caches: an account apart from the built cache the study asks."""
+    specs = sum(block.attn.generation_state().numel(seq_len) * 4 for block in model.blocks)
+    context = GenerationCache(model, pad=torch.zeros(1, dtype=torch.long), max_len=seq_len)
+    convs = sum(sum(t.numel() * t.element_size() for t in c.tensors().values()) for c in context.short_convs if c)
+    return specs + convs
+
+
+def test_each_records_state_bytes_are_its_own_caches_at_each_test_length(toy_study):
+    out, results = toy_study
+    records = [r for r in results["records"] if r["task"] == "frontier"]
+    assert {r["kind"] for r in records} == {"mha", "linear", "sliding"} and len(records) == 6
+    for r in records:
+        model, _ = lm.load(out / "runs" / r["arm"] / "last.ckpt")
+        assert [(t["seq_len"], t["pairs"]) for t in r["tests"]] == [(16, 2), (32, 4), (64, 4)]
+        for t in r["tests"]:
+            built = GenerationCache(model, pad=torch.zeros(1, dtype=torch.long), max_len=t["seq_len"]).nbytes()
+            assert t["state_bytes"] == built == declared_bytes(model, t["seq_len"])
+            assert 0 <= t["accuracy"] <= 1
+    by_length = {r["arm"]: [t["state_bytes"] for t in r["tests"]] for r in records}
+    for arm, (b16, b32, b64) in by_length.items():
+        if "-mha-" in arm:  # K/V of every position: grows by the same bytes per token
+            assert b16 < b32 < b64 and b64 - b32 == 2 * (b32 - b16)
+        else:  # a recurrent state, a ring the window fills: the same at every length past the window
+            assert b32 == b64
+    widths = [by_length[f"frontier-mha-width{w}-lr0.01-s0"][0] for w in (16, 32)]
+    assert widths[1] > widths[0]  # the knob moves the state
+
+
+def test_the_report_draws_the_frontier_and_tables_every_test_cell(toy_study):
+    out, results = toy_study
+    table = (out / "results.md").read_text()
+    assert "### Recall against decoding-state size" in table
+    for seq_len, pairs in ((16, 2), (32, 4), (64, 4)):
+        assert f"#### Sequence {seq_len}, {pairs} pairs" in table
+    assert table.count("**front**") >= 3  # each panel has a front
+    assert (out / "frontier.png").stat().st_size > 10_000
+    assert not (out / "mqar_accuracy.png").exists()  # no recall grid ran
+    assert json.loads((out / "results.json").read_text())["records"] == results["records"]
+
+
+def test_a_finished_arm_is_not_run_again(toy_study, capsys):
+    out, results = toy_study
+    again = run_in_process(*TOY, f"out={out}")
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert len(lines) == 6 and all(line.endswith("(done before)") for line in lines)
+    assert again["records"] == results["records"]
+    # a changed test reruns the arms it touches, here every one, naming why
+    changed = planned(*TOY, f"out={out}", "frontier.test=[[16,2],[64,4]]")
+    from lm.studies.engine import stored_record
+
+    assert all(stored_record(out / "records" / f"{a.name}.json", a.settings).state == "changed" for a in changed)
+
+
+def test_the_pareto_front_of_a_hand_worked_example():
+    points = [(100, 0.5), (200, 0.4), (200, 0.9), (50, 0.1), (400, 0.9), (800, 1.0)]
+    # (200, 0.4) is beaten by (100, 0.5): fewer bytes, higher accuracy; (400, 0.9) by (200, 0.9): equal accuracy,
+    # fewer bytes; the others each hold the best accuracy at their bytes
+    assert pareto_front(points) == [3, 0, 2, 5]
+    assert pareto_front([(10, 0.5), (10, 0.5)]) == [0, 1]  # equal points do not beat each other
+    assert pareto_front([(10, 0.5), (10, 0.7)]) == [1]
+
+
+def record(kind, point, lr, seed, mix, history, steps=100, max_steps=100, tests=((64, 4, 0.5, 1000),)):
+    return {"task": "frontier", "kind": kind, "point": point, "lr": lr, "seed": seed, "val_accuracy": mix,
+            "steps": steps, "history": history, "settings": {"trainer": {"max_steps": max_steps}},
+            "tests": [{"seq_len": s, "pairs": p, "accuracy": a, "state_bytes": b} for s, p, a, b in tests]}
+
+
+def test_a_point_takes_its_best_rate_on_the_mix_and_is_marked_when_the_budget_stopped_it():
+    rising = [[50, 2.0, 0.40, 1.0], [100, 1.5, 0.60, 2.0]]  # +0.2 at the last validation
+    flat = [[50, 2.0, 0.60, 1.0], [100, 1.9, 0.605, 2.0]]
+    records = [record("linear", "n_head=4", 0.01, 0, 0.6, rising, tests=((64, 4, 0.30, 1000),)),
+               record("linear", "n_head=4", 0.01, 1, 0.6, flat, tests=((64, 4, 0.50, 1000),)),
+               record("linear", "n_head=4", 0.03, 0, 0.2, flat, tests=((64, 4, 0.90, 1000),)),
+               record("linear", "n_head=4", 0.03, 1, 0.2, flat, tests=((64, 4, 0.90, 1000),)),
+               {"task": "frontier", "kind": "mha", "point": "width=32", "lr": 0.01, "seed": 0, "diverged": "nan"},
+               record("mha", "width=32", 0.03, 0, 0.9, flat, steps=60, tests=((64, 4, 0.95, 8000),))]
+    linear, mha = state_points(records, threshold=0.01)
+    # the rate is chosen on the mix (0.6 > 0.2), not on a test, so one model answers every test
+    assert (linear.lr, linear.seeds, linear.budget_stopped) == (0.01, 2, True)
+    assert linear.accuracy[(64, 4)] == pytest.approx((0.4, 0.1414), abs=1e-4)
+    assert linear.state_bytes == {(64, 4): 1000}
+    assert not state_points(records, threshold=0.5)[0].budget_stopped  # a rise of 0.2 is within 0.5
+    assert (mha.lr, mha.budget_stopped, mha.state_bytes) == (0.03, False, {(64, 4): 8000})
+    assert not still_learning(records[-1], 0.0)  # stopped early at 0.99: converged, whatever the last rise
+
+
+def test_a_mix_pads_each_task_after_its_answers():
+    data = {"vocab_size": 32, "seed": 0, "filler": "pad", "query_power": 0.01, "examples": 10, "val_examples": 4}
+    tasks = mix_tasks(data, [[16, 2], [32, 4]])
+    assert [(t.seq_len, t.pairs, t.examples, t.val_examples) for t in tasks] == [(16, 2, 5, 2), (32, 4, 5, 2)]
+    inputs, targets = mixed_examples(tasks, "train")
+    assert inputs.shape == targets.shape == (10, 32)
+    short, _ = tasks[0].generate("train")
+    assert (inputs[:5, :16] == short).all() and (inputs[:5, 16:] == PAD).all() and (targets[:5, 16:] == IGNORE).all()
+    assert ((targets[:5] != IGNORE).sum(1) == 2).all() and ((targets[5:] != IGNORE).sum(1) == 4).all()
+
+
+def test_the_preset_plans_every_kind_at_several_state_sizes_with_the_sweep_and_two_seeds():
+    from lm.attention import available_kinds
+
+    arms = planned("preset=frontier")
+    kinds = {a.labels["kind"] for a in arms}
+    assert {"mha", "mqa", "gqa", "based", "linear-taylor", "hybrid-gated_delta", "hybrid-linear",
+            "hybrid-sliding"} <= kinds
+    assert (set(available_kinds()) - {"softmax"}) <= kinds  # every registered kind, a later one by its width
+    for kind in kinds - {"additive"}:
+        own = [a for a in arms if a.labels["kind"] == kind]
+        assert 3 <= len({a.labels["point"] for a in own}) <= 5, kind
+        assert {a.labels["seed"] for a in own} == ({0} if kind == "kda" else {0, 1}), kind  # per_kind: KDA's cost
+        assert len({a.labels["lr"] for a in own}) == 3
+    data = arms[0].settings["data"]
+    assert data["mix"] == [[64, 4], [128, 8], [256, 16], [256, 32], [256, 64]]
+    assert arms[0].settings["tests"][-1] == [512, 128] and arms[0].settings["model"]["max_seq_len"] == 512
+    hybrid = next(a for a in arms if a.labels["kind"] == "hybrid-gated_delta")
+    assert hybrid.settings["model"]["n_layer"] == 4
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["frontier.test=[[16,2]]"], r"^frontier.test=\[\[16, 2\]\] has no sequence longer than the longest trained"),
+    (["frontier.train=[[16,8]]"], r"^frontier.train entry \[16, 8\]: data.pairs=8 does not fit data.seq_len=16"),
+    (["frontier.train=[[16]]"], r"^frontier.train entry \[16\] must be \[seq_len, pairs\]"),
+    (["frontier.train=[[16,2],[16,2]]"], r"names a \[seq_len, pairs\] more than once"),
+    (["frontier.test=[]"], r"^frontier.test=\[\] is empty"),
+    (["frontier.knobs=5"], r"^frontier.knobs=5 must be a mapping"),
+    (["frontier.knobs={mha: 16}"], r"^frontier.knobs.mha=16 must be a list of state sizes"),
+    (["frontier.knobs.based=[{width: 16, window: 8}]", "extra_kinds=[{name: based, attn: hybrid, "
+      "pattern: [linear, linear]}]"], r"^frontier.knobs.based width=16, window=8: .*option\(s\) \['window'\]"),
+    (["frontier.knobs.mha=[16]"], r"^frontier.knobs.mha entry 16 must be a mapping of knobs"),
+    (["frontier.knobs.mha=[{window: 4}]"], r"^frontier.knobs.mha window=4: window is not an option of mha's attention"),
+    (["frontier.knobs.mha=[{width: 30}]"], r"^frontier.knobs.mha width=30: .*head_dim=15"),
+    (["frontier.still_learning=-1"], r"^frontier.still_learning=-1 must be"),
+    (["frontier.lr=[0.01,0.01]"], r"names a learning rate more than once"),
+])
+def test_bad_frontier_settings_are_refused_before_training(overrides, message, tmp_path):
+    with pytest.raises(ConfigError, match=message):
+        planned(*TOY, f"out={tmp_path}", *overrides)
+    assert not Path(tmp_path, "records").exists()
+
+
+def test_a_kind_the_table_does_not_name_sweeps_the_width():
+    arms = planned(*TOY, "kinds=[efficient]", "frontier.widths=[16,32,64]")
+    assert [a.labels["point"] for a in arms] == ["width=16", "width=32", "width=64"]
+    assert [a.settings["model"]["d_model"] for a in arms] == [16, 32, 64]
+
+
+def test_the_default_preset_adds_a_cell_where_kinds_separate_and_the_committed_report_says_it_has_not_run():
+    from lm.studies.report import recall_tables
+
+    arms = planned("kinds=[mha]", "tasks=[mqar]")
+    cells = {(a.labels["width"], a.labels["pairs"], a.settings["data"]["seq_len"]) for a in arms}
+    assert cells == {(w, p, s) for w in (64, 128) for p, s in ((4, 64), (8, 64), (32, 256))}
+    committed = json.loads((Path(__file__).resolve().parents[1] / "docs" / "compare" / "results.json").read_text())
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        today = compose(config_name="compare")
+    settings = {**committed["settings"], "mqar": {**committed["settings"]["mqar"], "pairs": list(today.mqar.pairs),
+                                                  "seq_len": list(today.mqar.seq_len)}}
+    table = "\n".join(recall_tables(committed["records"], settings))
+    header = next(line for line in table.splitlines() if line.startswith("| kind | d64 / 4"))
+    assert header == "| kind | d64 / 4 | d64 / 8 | d64 / 32 | d128 / 4 | d128 / 8 | d128 / 32 |"
+    mha = next(line for line in table.splitlines() if line.startswith("| mha |"))
+    assert mha.count("not yet run") == 2 and mha.split(" | ")[1][0].isdigit()
+    additive = next(line for line in table.splitlines() if line.startswith("| additive |"))
+    assert "not yet run" not in additive  # its own settings plan d64 / 4 only, which ran
+    # the committed settings themselves render as before: no column the records lack
+    assert "not yet run" not in "\n".join(recall_tables(committed["records"], committed["settings"]))
