@@ -191,7 +191,10 @@ def default_knobs() -> dict:
             "lowrank": along("rank", [2, 4, 8, 16]),
             # head size 8, 16, 32 at width 64; 16 heads of 4 cost a training step 4-7x MHA's on a CPU
             "gated_delta": along("n_head", [8, 4, 2]), "kda": along("n_head", [8, 4, 2]),
-            "mamba2": along("d_state", [8, 16, 32, 64]), "mla": along("kv_rank", [8, 16, 32, 64])}
+            "mamba2": along("d_state", [8, 16, 32, 64]), "mla": along("kv_rank", [8, 16, 32, 64]),
+            # DSA caches every position (MLA's latent plus the indexer's key) whatever top_k: its points
+            # share their state bytes and differ in the positions each query reads
+            "dsa": along("top_k", [4, 8, 16, 32])}
 
 
 @dataclass(kw_only=True)
