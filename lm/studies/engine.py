@@ -98,6 +98,8 @@ ADDED_SINCE_RECORDS = {
     "resume": False,  # an uptraining arm's settings hold it since uptrain.py continues interrupted runs
     "trainer.skip_nonfinite": False,  # an uptraining arm's settings hold it since uptrain.py takes it
     "data.mix": None,  # a recall arm's data holds it since the frontier trains on a mix of lengths
+    "model.mlp": "swiglu",  # every model was SwiGLU before model.mlp=relu2 ...
+    "model.zero_init_out": False,  # ... and initialised its output projections as GPT-2 does
 }
 
 
