@@ -245,6 +245,7 @@ def test_the_cache_holds_the_latent_and_the_indexer_keys():
     ({"phase": "warmup"}, "phase='warmup' must be one of ['dense', 'sparse']"),
     ({"top_k": 2.5}, "top_k=2.5 must be an integer >= 1"),
     ({"rope_dim": 3}, "rope_dim=3 must be even"),
+    ({"rope": False}, "rope=false (NoPE) is MLA's option"),
 ])
 def test_a_bad_option_is_one_line(options, message):
     with pytest.raises(ConfigError, match=f"^{re.escape(message)}"):

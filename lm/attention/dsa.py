@@ -71,6 +71,9 @@ class SparseLatentSpec(LatentSpec):
             require_int("index_dim", self.index_dim, minimum=2)
         if self.phase not in PHASES:
             raise ConfigError(f"phase={self.phase!r} must be one of {list(PHASES)}")
+        if self.rope is False:  # the indexer's keys and the selection rotate as the main keys do
+            raise ConfigError("rope=false (NoPE) is MLA's option; dsa's indexer rotates its keys as DeepSeek's "
+                              "does, so it takes rope=true only")
 
     def at(self, head_dim: int) -> SparseLatentSpec:
         spec = super().at(head_dim)
@@ -263,26 +266,6 @@ class SparseLatentAttention(LatentAttention):
                                stable=True).indices[..., :self.top_k]  # (B, T, min(k, T)): ties keep position order
             chosen = torch.zeros_like(chosen).scatter(-1, order, True) & visible
         return self.naive_over(x, cos, sin, chosen)
-
-    def naive_over(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-        """MLA's naive twin, each query reading the positions chosen (B, T, T)."""
-        B, T, _ = x.shape
-        nh, hs, dn, r = self.n_head, self.head_dim, self.nope_dim, self.kv_rank
-        w_q = float_weight(self.q_up)
-        w_q = w_q if self.q_down is None else w_q @ float_weight(self.q_down)  # (nh*hs, C)
-        w_down, w_up = float_weight(self.kv_down), float_weight(self.kv_up)  # (r + dR, C), (nh*(dn+hs), r)
-        pair_cos, pair_sin = self.rope_angles(cos, sin)
-        c = x @ w_down[:r].T  # (B, T, r)
-        k_rope = apply_rope((x @ w_down[r:].T)[:, None], pair_cos, pair_sin)[:, 0]  # (B, T, dR)
-        heads = []
-        for h in range(nh):
-            q = x @ w_q[h * hs:(h + 1) * hs].T  # (B, T, hs)
-            q = torch.cat((q[..., :dn], apply_rope(q[:, None, :, dn:], pair_cos, pair_sin)[:, 0]), dim=-1)
-            rows = w_up[h * (dn + hs):(h + 1) * (dn + hs)]  # (dn + hs, r)
-            k = torch.cat((c @ rows[:dn].T, k_rope), dim=-1)  # (B, T, hs)
-            scores = (q @ k.transpose(-1, -2) / math.sqrt(hs)).masked_fill(~chosen, float("-inf"))  # (B, T, T)
-            heads.append(scores.softmax(-1) @ (c @ rows[dn:].T))  # (B, T, hs)
-        return self.merge(torch.stack(heads, dim=1))  # (B, nh, T, hs)
 
     def benchmark_op(self, seq_len: int, requires_grad: bool = False):
         """Scoring, selection and the sparse attention at batch 1 on q (1, nh, N, hs) and latent

@@ -229,6 +229,12 @@ class LatentAttention(nn.Module):
 
     def naive_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Head by head from the weights, a full score matrix under a causal mask."""
+        T = x.shape[1]
+        return self.naive_over(x, cos, sin, torch.ones(T, T, dtype=torch.bool, device=x.device).tril())
+
+    def naive_over(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """The naive twin with each query reading the positions `visible` marks, (T, T) or (B, T, T)
+        (DSA's naive twin passes the positions its indexer chose)."""
         B, T, _ = x.shape
         nh, hs, dn, r = self.n_head, self.head_dim, self.nope_dim, self.kv_rank
         w_q = float_weight(self.q_up)  # (nh*hs, C or q_rank)
@@ -239,7 +245,6 @@ class LatentAttention(nn.Module):
             pair_cos, pair_sin = torch.ones_like(pair_cos), torch.zeros_like(pair_sin)
         c = x @ w_down[:r].T  # (B, T, r)
         k_rope = apply_rope((x @ w_down[r:].T)[:, None], pair_cos, pair_sin)[:, 0]  # (B, T, dR)
-        visible = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
         heads = []
         for h in range(nh):
             q = x @ w_q[h * hs:(h + 1) * hs].T  # (B, T, hs)
