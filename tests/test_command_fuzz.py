@@ -48,11 +48,15 @@ TRAIN = [
     ("attn=mla", "attn.q_rank=100000"),  # a query bottleneck 1500x the width: 300x the model's weights
     ("attn=mla", "attn.kv_rank=100000"),
     ("attn=mla", "attn.rope_dim=64"),  # the head size of the default model (384 / 6)
+    ("model.mlp=gelu",),
+    ("model.zero_init_out=maybe",),
+    ("optim=muon", "optim.ns_dtype=float16"),
 ]
 TRAIN_KEYS = ["data.examples", "data.examples", "data.pairs", "data.seq_len", "data.val_fraction",
               "data.val_fraction", "data.val_fraction", "data.paths", "optim.lr", "optim.lr", "trainer.max_steps",
               "data.batch_size", "short_conv", "short_conv", "trainer.stop_at_accuracy", "data.filler",
-              "data.query_power", "seed", "pattern=[]", "attn.q_rank=100000", "kv_rank=100000", "rope_dim=64"]
+              "data.query_power", "seed", "pattern=[]", "attn.q_rank=100000", "kv_rank=100000", "rope_dim=64",
+              "mlp='gelu'", "zero_init_out", "optim.ns_dtype"]
 
 COMPARE = [
     ("lm.steps=0", "lm.steps"), ("lm.steps=abc", "lm.steps"), ("lm.steps=1.5", "lm.steps"),
