@@ -44,14 +44,15 @@ def test_a_recipe_override_that_does_not_compose_is_one_line(tmp_path):
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and "optim" in result.stderr
 
 
-@pytest.mark.parametrize("recipes, message", [
-    (["a=", "noequals"], "--recipe 'noequals' is not NAME=OVERRIDES"),
-    (["a b=seed=1", "c="], "--recipe 'a b=seed=1' is not NAME=OVERRIDES"),
-    (["only="], "give two or more, each name once"),
-    (["x=", "x=seed=1"], "give two or more, each name once")])
-def test_named_recipes_are_refused_in_one_line(recipes, message):
-    command = [sys.executable, str(ROOT / "scripts/bench.py"), "recipe"]
-    for recipe in recipes:
-        command += ["--recipe", recipe]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+@pytest.mark.parametrize("arguments, message", [
+    (["--recipe", "a=", "--recipe", "noequals"], "--recipe 'noequals' is not NAME=OVERRIDES"),
+    (["--recipe", "a b=seed=1", "--recipe", "c="], "--recipe 'a b=seed=1' is not NAME=OVERRIDES"),
+    (["--recipe", "only="], "give two or more, each name once"),
+    (["--recipe", "x=", "--recipe", "x=seed=1"], "give two or more, each name once"),
+    (["--recipe", "target=", "--recipe", "b="], "target names a column of the report"),
+    (["--recipe", "a=", "--recipe", "b=", "--a", "seed=1"],
+     "give --recipe NAME=OVERRIDES for every recipe, or --a and --b, not both")])
+def test_named_recipes_are_refused_in_one_line(arguments, message):
+    result = subprocess.run([sys.executable, str(ROOT / "scripts/bench.py"), "recipe", *arguments],
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr, result.stderr

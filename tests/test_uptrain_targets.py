@@ -68,6 +68,9 @@ def test_aligned_pooling_converts_from_one_command(uptrain_teacher, tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     (["attn=sliding"], "error: attn=sliding is not a conversion target; uptraining converts to softmax GQA/MQA"),
     (["attn=dsa"], "error: attn=dsa is not a conversion target: its lightning indexer has no counterpart"),
+    (["attn=qwen3_next", "attn.n_kv_head=2"], "error: attn.pattern=['gated_delta', 'gated_delta', 'gated_delta', "
+                                              "'softmax'] is not a conversion target: uptraining converts every"),
+    (["attn=mla", "attn.last_kind=softmax"], "error: attn.last_kind=softmax is not a conversion target"),
     ([], "error: give the target: attn.n_kv_head=N (GQA; 1 is MQA) or attn=mla [attn.kv_rank=R]"),
     (["attn=mla", "attn.kv_rank=1000", "attn.rope_dim=4"],
      "error: attn.kv_rank=1000 is more than the rank the checkpoint's keys and values can have, "

@@ -3,11 +3,12 @@
 The defaults are the study's default preset: every cell with a learning-rate sweep and 2 seeds,
 about 40-45 hours on a 2-core CPU for its 16 kinds, about 32 of them the cell of 32 pairs in 256
 tokens (docs/studies.md, "What the default preset costs"); `frontier` is the recall-memory
-frontier's (preset=frontier, about 10 hours). conf/compare.yaml composes them (`compare_settings`) with the `data` group (the
-language-modelling corpus) and a preset (conf/preset/: quick, zoology) on top; its --help lists
-them. lm.studies.compare_settings checks them before any arm is planned, with what no single
-setting's bound can say: the settings of the `data` group, `mqar.seq_len` against `mqar.pairs`,
-`speed.contexts` against `speed.new_tokens`, and the MQAR fillers lm.data.mqar writes.
+frontier's (preset=frontier, about 10 hours). conf/compare.yaml composes them (`compare_settings`)
+with the `data` group (the language-modelling corpus) and a preset (conf/preset/: quick, zoology,
+frontier) on top; its --help lists them. lm.studies.compare_settings checks them before any arm
+is planned, with what no single setting's bound can say: the settings of the `data` group,
+`mqar.seq_len` against `mqar.pairs`, `speed.contexts` against `speed.new_tokens`, and the MQAR
+fillers lm.data.mqar writes.
 """
 
 from __future__ import annotations
@@ -266,8 +267,8 @@ class CompareSettings:
     out: str = setting("checkpoints/compare", "results.json, results.md, mqar_accuracy.png, lm_loss.png, records/, "
                                               "runs/")
     tasks: list[str] = setting(help="which parts run: mqar (recall), lm (language modelling), speed (decoding "
-                                    "speed and cache size), frontier (recall against state size)", bound=each(choice(TASKS)),
-                               factory=lambda: list(DEFAULT_TASKS))
+                                    "speed and cache size), frontier (recall against state size)",
+                               bound=each(choice(TASKS)), factory=lambda: list(DEFAULT_TASKS))
     seed: int = setting(0, "the first seed of every cell; seed=<n> reruns the cells with seeds n, n+1, ...",
                         integer(0))
     seeds: int = setting(2, "seeds per cell: the tables show their mean and spread", integer())
@@ -287,5 +288,5 @@ class CompareSettings:
 
 store("compare_settings", CompareSettings)
 
-__all__ = ["TASKS", "DEFAULT_TASKS", "KNOB_MODEL_KEYS", "CompareSettings", "FrontierSettings", "LanguageSettings", "ModelShape", "RecallSettings", "SpeedSettings",
-           "learning_rates"]
+__all__ = ["TASKS", "DEFAULT_TASKS", "KNOB_MODEL_KEYS", "CompareSettings", "FrontierSettings", "LanguageSettings",
+           "ModelShape", "RecallSettings", "SpeedSettings", "learning_rates"]

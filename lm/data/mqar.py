@@ -39,7 +39,7 @@ from lm.util.errors import DataError
 
 IGNORE = -100  # targets that are not answers (F.cross_entropy's ignore_index)
 PAD = 0  # the filler of the query region: never a key or a value
-SPLIT_SALT = {"train": 0, "val": 1}
+SPLIT_SALT = {"train": 0, "val": 1, "test": 2}  # test: examples neither training nor validation saw
 FILLERS = ("pad", "random")
 BLOCK = 1024  # examples generated together: one random stream each, and the bound on generation's memory
 

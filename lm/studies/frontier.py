@@ -142,8 +142,9 @@ def frontier_run(run_cfg: DictConfig, tests: list[tuple[int, int]], examples: in
 
 @torch.no_grad()
 def recall_accuracy(model, task: RecallTask) -> float:
-    """The fraction of the task's held-out answers the model's arg-max gets right."""
-    inputs, targets = (torch.from_numpy(a) for a in task.generate("val"))
+    """The fraction of the task's test answers the model's arg-max gets right: the "test" split, which
+    neither training nor the validation that chose the learning rate and stopped early has seen."""
+    inputs, targets = (torch.from_numpy(a) for a in task.generate("test"))
     model.eval()
     correct = answered = 0
     for start in range(0, len(inputs), TEST_BATCH):

@@ -32,6 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 BASELINE = ""  # today's default recipe: conf/train.yaml as it is
 CANDIDATE = "optim=muon optim.lr=0.04 optim.schedule=wsd"
+REPORT_KEYS = ("target", "seconds_ratio")  # a target's row holds these beside each recipe's name
 
 
 def compose(name: str, overrides: list[str]):
@@ -163,12 +164,16 @@ def named_recipes(args) -> list[tuple[str, str]]:
     from lm.util.errors import ConfigError
 
     if not args.recipe:
-        return [("a", args.a), ("b", args.b)]
+        return [("a", BASELINE if args.a is None else args.a), ("b", CANDIDATE if args.b is None else args.b)]
+    if args.a is not None or args.b is not None:
+        raise ConfigError("give --recipe NAME=OVERRIDES for every recipe, or --a and --b, not both")
     recipes = []
     for given in args.recipe:
         name, equals, overrides = given.partition("=")
         if not equals or not name.replace("-", "").replace("_", "").isalnum():
             raise ConfigError(f"--recipe {given!r} is not NAME=OVERRIDES (a name of letters, digits, - and _)")
+        if name in REPORT_KEYS:
+            raise ConfigError(f"--recipe {given!r}: {name} names a column of the report; choose another name")
         recipes.append((name, overrides))
     names = [name for name, _ in recipes]
     if len(recipes) < 2 or len(set(names)) < len(names):

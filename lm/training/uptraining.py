@@ -78,6 +78,10 @@ def conversion_target(cfg: DictConfig) -> Target:
     """The `attn` settings as a target: attn=mla (with its attn.* options), or attn.n_kv_head=N."""
     attn = OmegaConf.to_container(cfg.attn, resolve=False)
     kind = attn.get("kind")
+    for key in ("pattern", "global_every", "last_kind"):  # a stack of kinds: the conversion makes one kind
+        if attn.get(key) is not None:
+            raise ConfigError(f"attn.{key}={attn[key]} is not a conversion target: uptraining converts every layer "
+                              "to one kind, softmax GQA/MQA (attn.n_kv_head=N) or attn=mla")
     if kind == "mla":
         options = {k: v for k, v in attn.items() if k not in ("name", "kind", "n_kv_head", "global_every", "last_kind")
                    and v is not None}
