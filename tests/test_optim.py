@@ -157,9 +157,9 @@ def test_every_2d_parameter_of_every_kind_is_a_linear_weight_or_declared_and_pla
             assert {at + "A_log", at + "dt_bias", at + "out_norm"} <= set(placed.adamw_no_decay)
         if isinstance(module, AdditiveAttention):
             assert {at + "score", at + "score_bias"} <= set(placed.adamw)
-        if isinstance(module, LatentAttention):
+        if isinstance(module, LatentAttention):  # MLA's projections, and DSA's indexer's beside them
             assert {at + n for n, m in module.named_modules() if isinstance(m, nn.Linear)} == {
-                n.removesuffix(".weight") for n in placed.muon if n.startswith(at) and n.count(".") == 4}
+                n.removesuffix(".weight") for n in placed.muon if n.startswith(at)}
         if prefix.endswith(".mlp"):
             assert placed.rows[at + "gate_up.weight"] == (48, 48)
         if prefix.endswith(".short_conv"):

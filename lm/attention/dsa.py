@@ -24,7 +24,9 @@ the indexer (O(L HI DI), cheap), takes the top-k with a fixed k, gathers those k
 attends over them in the latent space: the main attention costs O(k), not O(L).
 
 Ties in I (an exact 0 whenever every head's ReLU is 0) go to the earlier position, in training,
-prefill and decoding alike, so a cache reproduces the full forward's choice exactly.
+prefill and decoding alike, so a cache reproduces the full forward's choice wherever the scores
+agree to the last bit (in float64, as the tests run it; in float32 or bf16 a prefill and a decoding
+step sum the scores in different orders, and a near-tie may fall the other way).
 """
 
 from __future__ import annotations

@@ -52,7 +52,10 @@ def layer_specs(kind: str | Sequence[str], n_layer: int, options: Mapping[str, A
     if last_kind is not None:
         if not isinstance(last_kind, str):
             raise ConfigError(f"last_kind={last_kind!r} must name one attention kind")
-        spec_class(last_kind)
+        try:
+            spec_class(last_kind)
+        except ConfigError as e:
+            raise ConfigError(f"last_kind={last_kind!r}: {e}") from None
         kinds[-1] = last_kind
     options = {name: value for name, value in (options or {}).items() if value is not None}
     taken = {kind_: set(option_names(kind_)) for kind_ in set(kinds)}

@@ -56,8 +56,9 @@ class Transformer(nn.Module):
     def reset_parameters(self) -> None:
         """Normal(0, init_std) weights; residual output projections scaled by 1/sqrt(2 n_layer)
         so the residual stream's variance does not grow with depth (GPT-2, Radford et al. 2019), or
-        zero with `zero_init_out` (modded-nanogpt): every block starts as the identity, and the
-        first step's gradients reach only the output projections and the head."""
+        zero with `zero_init_out` (modded-nanogpt): every block starts as the identity on the residual
+        stream, and the first step moves the blocks only through their output projections (the inner
+        weights' gradients pass through those zeros)."""
         std = self.config.init_std
         for name, p in self.named_parameters():
             if p.dim() < 2:

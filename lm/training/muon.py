@@ -21,6 +21,7 @@ Shapes: a fused weight (R, C) holds matrices of r_1 + r_2 + ... = R rows each, i
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
@@ -29,6 +30,7 @@ import torch.optim._muon as torch_muon
 from torch import nn
 
 NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+_SWAP = threading.Lock()  # the swap below changes a module global every torch.optim.Muon in the process reads
 
 
 def newton_schulz(matrix: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
@@ -54,13 +56,14 @@ def newton_schulz_in(dtype: torch.dtype) -> Iterator[None]:
     if dtype == torch.bfloat16:
         yield
         return
-    own = torch_muon._zeropower_via_newtonschulz
-    torch_muon._zeropower_via_newtonschulz = lambda g, coefficients, steps, eps: newton_schulz(
-        g, coefficients, steps, eps, dtype)
-    try:
-        yield
-    finally:
-        torch_muon._zeropower_via_newtonschulz = own
+    with _SWAP:  # one step at a time holds the swap: another thread's Muon never sees it half done
+        own = torch_muon._zeropower_via_newtonschulz
+        torch_muon._zeropower_via_newtonschulz = lambda g, coefficients, steps, eps: newton_schulz(
+            g, coefficients, steps, eps, dtype)
+        try:
+            yield
+        finally:
+            torch_muon._zeropower_via_newtonschulz = own
 
 
 class SplitMuon(torch.optim.Muon):

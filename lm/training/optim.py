@@ -32,6 +32,7 @@ from lm.model.short_conv import ShortConv
 from lm.model.transformer import Transformer
 from lm.training.muon import MuonAdamW, SplitMuon
 from lm.util.checks import require_choice
+from lm.util.distributed import say
 from lm.util.errors import ConfigError
 from lm.util.hardware import multiplies_bf16
 
@@ -159,9 +160,11 @@ def build_optimizer(model: nn.Module, o: OptimConfig) -> torch.optim.Optimizer:
         groups = [{"params": params, **s} for params, s in zip(adamw_split(model), settings, strict=True)]
         return torch.optim.AdamW(groups, fused=o.fused)
     placed = placement(model)
+    dtype = ns_dtype(o.ns_dtype, next(model.parameters()).device)
+    if o.ns_dtype == "auto":  # a choice made by the hardware is said, as trainer.precision=auto's is
+        say(f"optim.ns_dtype=auto: Newton-Schulz in {dtype}")
     muon = SplitMuon([{"params": list(placed.muon.values()), **settings[0]}],
-                     fused_rows={placed.muon[name]: r for name, r in placed.rows.items()},
-                     ns_dtype=ns_dtype(o.ns_dtype, next(model.parameters()).device))
+                     fused_rows={placed.muon[name]: r for name, r in placed.rows.items()}, ns_dtype=dtype)
     adamw = torch.optim.AdamW([{"params": list(placed.adamw.values()), **settings[1]},
                                {"params": list(placed.adamw_no_decay.values()), **settings[2]}], fused=o.fused)
     return MuonAdamW(muon, adamw)
