@@ -230,9 +230,12 @@ def test_a_scripts_settings_come_from_its_dataclass_and_its_help_lists_them(conf
 PRESETS = sorted((ROOT / "conf" / "preset").glob("*.yaml"))
 
 
+MAPPINGS = ("per_kind", "frontier.knobs")  # settings whose value is a mapping of the user's keys
+
+
 def leaves(values: dict, prefix: str = "") -> dict:
     return {k: v for key, value in values.items()
-            for k, v in (leaves(value, f"{prefix}{key}.") if isinstance(value, dict) and key != "per_kind"
+            for k, v in (leaves(value, f"{prefix}{key}.") if isinstance(value, dict) and f"{prefix}{key}" not in MAPPINGS
                          else {f"{prefix}{key}": value}).items()}
 
 
