@@ -234,9 +234,11 @@ MAPPINGS = ("per_kind", "frontier.knobs")  # settings whose value is a mapping o
 
 
 def leaves(values: dict, prefix: str = "") -> dict:
-    return {k: v for key, value in values.items()
-            for k, v in (leaves(value, f"{prefix}{key}.") if isinstance(value, dict) and f"{prefix}{key}" not in MAPPINGS
-                         else {f"{prefix}{key}": value}).items()}
+    found = {}
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        found.update(leaves(value, f"{name}.") if isinstance(value, dict) and name not in MAPPINGS else {name: value})
+    return found
 
 
 @pytest.mark.parametrize("path", PRESETS, ids=[p.stem for p in PRESETS])
