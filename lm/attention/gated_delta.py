@@ -41,6 +41,7 @@ from torch import nn
 from lm.attention.base import AttentionSpec, Example, LayerShape, register
 from lm.attention.cache import CacheContext, CacheSpec
 from lm.attention.convolution import causal_conv, naive_causal_conv, window_after
+from lm.attention.delta_rule import chunkwise_delta_rule
 from lm.attention.projections import qkv_rows
 from lm.attention.shared_caches import RecurrentCache, accumulation_dtype, without_autocast
 from lm.util.checks import require_choice, require_int, require_positive
@@ -61,51 +62,21 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: to
 
     q and k are used as given (the layer L2-normalises them). A position with beta = 0 and g = 0
     leaves the state unchanged, which is how padding is kept out."""
-    B, nh, T, hs = q.shape
-    nkv, hv, C = k.shape[1], v.shape[-1], chunk_size
-    group, N = nh // nkv, -(-T // chunk_size)
-    pad = N * C - T
-    in_dtype, dtype = q.dtype, accumulation_dtype(q.dtype)
-    scale = hs ** -0.5 if scale is None else scale
-    S = q.new_zeros(B, nkv, hs, hv, dtype=dtype) if state is None else state.to(dtype)
+    return chunkwise_delta_rule(head_decay_pairs, q, k, v, beta, g, scale, state, chunk_size)
 
-    # Padded tail positions: zero q, k, v, beta and g = 0 write nothing and keep the state.
-    q = F.pad(q.to(dtype) * scale, (0, 0, 0, pad))
-    q = q.view(B, nkv, group, N, C, hs).transpose(2, 3).reshape(B, nkv, N, group * C, hs)  # (B, nkv, N, gC, hs)
-    k = F.pad(k.to(dtype), (0, 0, 0, pad)).view(B, nkv, N, C, hs)  # (B, nkv, N, C, hs)
-    v = F.pad(v.to(dtype), (0, 0, 0, pad)).view(B, nkv, N, C, hv)  # (B, nkv, N, C, hv)
-    beta = F.pad(beta.to(dtype), (0, pad)).view(B, nkv, N, C)  # (B, nkv, N, C)
-    gamma = F.pad(g.to(dtype), (0, pad)).view(B, nkv, N, C).cumsum(-1)  # in-chunk log decay up to each position
 
-    # decay[i, j] = exp(gamma_i - gamma_j) for j <= i, 0 above the diagonal (masked before exp: no overflow).
+def head_decay_pairs(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor,
+                     gamma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The in-chunk pair terms (lm.attention.delta_rule) with one decay per K/V head: q (B, nkv, n,
+    C, g, hs), k (B, nkv, n, C, hs), beta and gamma (B, nkv, n, C) -> L (B, nkv, n, C, C), scores
+    (B, nkv, n, C*g, C). The pair decay e^(gamma_i - gamma_j) is a C x C matrix per chunk, masked
+    above the diagonal before the exponential (no overflow)."""
+    C, group = q.shape[3], q.shape[4]
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(~causal, -math.inf).exp()  # (B, nkv, N, C, C)
-
-    # The UT transform: solve (I + L) [W_v | W_k] = [diag(b) V | diag(b e^gamma) K] for every chunk at once.
-    lower = (beta[..., None] * (k @ k.transpose(-1, -2)) * decay).tril(-1)  # (B, nkv, N, C, C)
-    rhs = torch.cat((beta[..., None] * v, (beta * gamma.exp())[..., None] * k), dim=-1)  # (B, nkv, N, C, hv+hs)
-    # unitriangular: the solver takes the diagonal as ones and never reads it, so L stands for I + L.
-    w = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
-    w_v, w_k = w.split((hv, hs), dim=-1)  # the writes are U = W_v - W_k S for the state S before the chunk
-
-    # The query side: each of a group's query heads sees its K/V head's in-chunk decay.
-    scores = (q @ k.transpose(-1, -2)).view(B, nkv, N, group, C, C) * decay[:, :, :, None]
-    scores = scores.view(B, nkv, N, group * C, C)  # (B, nkv, N, gC, C)
-    q_decayed = (q.view(B, nkv, N, group, C, hs) * gamma.exp()[:, :, :, None, :, None]).view(B, nkv, N, group * C, hs)
-    k_to_end = k * (gamma[..., -1:] - gamma).exp()[..., None]  # (B, nkv, N, C, hs): decayed to the chunk's end
-    chunk_decay = gamma[..., -1].exp()[..., None, None]  # (B, nkv, N, 1, 1)
-
-    outputs = []
-    # Chunks taken apart once with unbind: indexing chunk n inside the loop would give each index
-    # its own full-size gradient in the backward pass, N times the memory traffic of the whole.
-    per_chunk = (t.unbind(2) for t in (w_v, w_k, q_decayed, scores, k_to_end, chunk_decay))
-    for w_v_n, w_k_n, q_n, scores_n, k_end_n, decay_n in zip(*per_chunk, strict=True):  # only S crosses chunks
-        u = w_v_n - w_k_n @ S  # (B, nkv, C, hv)
-        outputs.append(q_n @ S + scores_n @ u)  # (B, nkv, gC, hv)
-        S = decay_n * S + k_end_n.transpose(-1, -2) @ u  # (B, nkv, hs, hv)
-    out = torch.stack(outputs, dim=2).view(B, nkv, N, group, C, hv)  # (B, nkv, N, g, C, hv)
-    out = out.transpose(2, 3).reshape(B, nh, N * C, hv)[:, :, :T]  # (B, nh, T, hv)
-    return out.to(in_dtype), S
+    decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(~causal, -math.inf).exp()  # (B, nkv, n, C, C)
+    lower = beta[..., None] * (k @ k.transpose(-1, -2)) * decay  # (B, nkv, n, C, C)
+    scores = (q.flatten(3, 4) @ k.transpose(-1, -2)).unflatten(3, (C, group))  # (B, nkv, n, C, g, C)
+    return lower, (scores * decay[..., :, None, :]).flatten(3, 4)  # (B, nkv, n, C*g, C)
 
 
 @without_autocast

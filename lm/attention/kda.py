@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lm.attention.base import AttentionSpec, Example, LayerShape, register
+from lm.attention.delta_rule import chunkwise_delta_rule
 from lm.attention.gated_delta import DeltaRuleLayer, check_delta_rule_options, fla_backend, mamba2_decay_init
 from lm.attention.shared_caches import accumulation_dtype, without_autocast
 
@@ -58,52 +59,75 @@ def kda_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tens
 
     q and k are used as given (the layer L2-normalises them). A position with beta = 0 and g = 0
     leaves the state unchanged, which is how padding is kept out."""
-    B, nh, T, hs = q.shape
-    nkv, hv, C = k.shape[1], v.shape[-1], chunk_size
-    group, N = nh // nkv, -(-T // chunk_size)
-    pad = N * C - T
-    in_dtype, dtype = q.dtype, accumulation_dtype(q.dtype)
-    scale = hs ** -0.5 if scale is None else scale
-    S = q.new_zeros(B, nkv, hs, hv, dtype=dtype) if state is None else state.to(dtype)
+    return chunkwise_delta_rule(channel_decay_pairs, q, k, v, beta, g, scale, state, chunk_size, KDA_SEGMENT)
 
-    # Padded tail positions: zero q, k, v, beta and g = 0 write nothing and keep the state.
-    q = F.pad(q.to(dtype) * scale, (0, 0, 0, pad)).view(B, nkv, group, N, C, hs)  # (B, nkv, g, N, C, hs)
-    q = q.permute(0, 1, 3, 4, 2, 5)  # (B, nkv, N, C, g, hs): a position's query heads side by side
-    k = F.pad(k.to(dtype), (0, 0, 0, pad)).view(B, nkv, N, C, hs)  # (B, nkv, N, C, hs)
-    v = F.pad(v.to(dtype), (0, 0, 0, pad)).view(B, nkv, N, C, hv)  # (B, nkv, N, C, hv)
-    beta = F.pad(beta.to(dtype), (0, pad)).view(B, nkv, N, C, 1)  # (B, nkv, N, C, 1)
-    gamma = F.pad(g.to(dtype), (0, 0, 0, pad)).view(B, nkv, N, C, hs).cumsum(-2)  # in-chunk log decay per channel
 
-    # What needs no state, for every chunk at once: the right-hand side [diag(b) V | diag(b) K e^gamma]
-    # of the UT transform, the queries decayed from the chunk's start, the keys decayed to its end.
-    rhs = torch.cat((beta * v, beta * gamma.exp() * k), dim=-1)  # (B, nkv, N, C, hv+hs)
-    q_decayed = (q * gamma.exp()[..., None, :]).flatten(3, 4)  # (B, nkv, N, C*g, hs)
-    k_to_end = k * (gamma[..., -1:, :] - gamma).exp()  # (B, nkv, N, C, hs)
-    chunk_decay = gamma[..., -1, :].exp()[..., None]  # (B, nkv, N, hs, 1): each key row of S
-    keys_and_queries = torch.cat((k[..., None, :], q), dim=-2)  # (B, nkv, N, C, 1+g, hs): both meet the keys
-    later = ~torch.ones(C, C, dtype=torch.bool, device=q.device).tril()[:, None, :]  # (C, 1, C): j > i
+KDA_SEGMENT = 128
+SUB_CHUNK = 8  # positions per sub-chunk (fla's BC): the pairs formed per channel are C x SUB_CHUNK
 
-    outputs = []
-    # Chunks taken apart once with unbind: indexing chunk n inside the loop would give each index
-    # its own full-size gradient in the backward pass, N times the memory traffic of the whole.
-    per_chunk = (t.unbind(2) for t in (keys_and_queries, k, beta, gamma, rhs, q_decayed, k_to_end, chunk_decay))
-    for kq_n, k_n, b_n, gamma_n, rhs_n, q_n, k_end_n, decay_n in zip(*per_chunk, strict=True):  # only S crosses
-        # seen[i, :, j] = e^(gamma_i - gamma_j) * k_j for j <= i (0 for j > i): key j as position i sees it.
-        gap = gamma_n[..., :, :, None] - gamma_n.transpose(-1, -2)[..., None, :, :]  # (B, nkv, C, hs, C)
-        seen = gap.masked_fill(later, -math.inf).exp() * k_n.transpose(-1, -2)[..., None, :, :]  # (B, nkv, C, hs, C)
-        products = kq_n @ seen  # (B, nkv, C, 1+g, C): k_i and q_i against every key the decay leaves them
-        # L is b_i k_i.seen[i] below the diagonal: the unitriangular solver takes the diagonal as ones
-        # and reads nothing above it, so the product stands for I + L as it is (and its gradient is
-        # zero there).
-        w = torch.linalg.solve_triangular(b_n * products[..., 0, :], rhs_n, upper=False, unitriangular=True)
-        w_v, w_k = w.split((hv, hs), dim=-1)  # the writes are U = W_v - W_k S for the state S before the chunk
-        u = w_v - w_k @ S  # (B, nkv, C, hv)
-        scores = products[..., 1:, :].flatten(2, 3)  # (B, nkv, C*g, C): rows (position, query head), as q_n
-        outputs.append(q_n @ S + scores @ u)  # (B, nkv, C*g, hv)
-        S = decay_n * S + k_end_n.transpose(-1, -2) @ u  # (B, nkv, hs, hv)
-    out = torch.stack(outputs, dim=2).view(B, nkv, N, C, group, hv)  # (B, nkv, N, C, g, hv)
-    out = out.permute(0, 1, 4, 2, 3, 5).reshape(B, nh, N * C, hv)[:, :, :T]  # (B, nh, T, hv)
-    return out.to(in_dtype), S
+
+def sub_chunk_size(C: int) -> int:
+    """The largest divisor of the chunk C up to SUB_CHUNK (C itself for a small chunk)."""
+    return max(d for d in range(1, min(C, SUB_CHUNK) + 1) if C % d == 0)
+
+
+def channel_decay_pairs(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor,
+                        gamma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The in-chunk pair terms (lm.attention.delta_rule) with a decay per key channel: q (B, nkv, n,
+    C, g, hs), k (B, nkv, n, C, hs), beta (B, nkv, n, C), gamma (B, nkv, n, C, hs) -> L (B, nkv, n,
+    C, C), scores (B, nkv, n, C*g, C): k_i, and q_i for each query head, against the keys the decay
+    leaves them, e^(gamma_i - gamma_j) k_j, below the diagonal and, for the queries, on it."""
+    C, group = q.shape[3], q.shape[4]
+    keys_and_queries = torch.cat((k[..., None, :], q), dim=-2)  # (B, nkv, n, C, 1+g, hs): both meet the keys
+    products = pairs_across_sub_chunks(keys_and_queries, k, gamma)  # (B, nkv, n, C, 1+g, C)
+    add_pairs_inside_sub_chunks(products, keys_and_queries, k, gamma)
+    lower = beta[..., None] * products[..., 0, :]  # (B, nkv, n, C, C): b_i k_i . seen_j
+    return lower, products[..., 1:, :].flatten(3, 4)  # scores (B, nkv, n, C*g, C)
+
+
+def pairs_across_sub_chunks(rows: torch.Tensor, k: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
+    """rows (B, nkv, n, C, R, hs) against every key j of an earlier sub-chunk than the row's ->
+    (B, nkv, n, C, R, C), zero for the keys of the row's own sub-chunk and later.
+
+    fla's sub-chunk split: for row i in sub-chunk I, starting at s, and key j in sub-chunk J < I,
+    ending at e < s, the pair's decay factors as
+
+        e^(gamma_i - gamma_j) = e^(gamma_i - gamma_s) e^(gamma_s - gamma_e) e^(gamma_e - gamma_j)
+
+    every factor at most 1 (so no overflow under a strong decay). The first scales the rows, the
+    last the keys, each once; the middle, one vector per pair of sub-chunks, scales the keys as
+    sub-chunk I sees them. The pairs are then one matmul, with no (C, hs, C) tensor."""
+    *batch, C, R, hs = rows.shape
+    sub = sub_chunk_size(C)
+    M = C // sub
+    gamma_sub = gamma.unflatten(-2, (M, sub))  # (B, nkv, n, M, sub, hs)
+    start, end = gamma_sub[..., 0, :], gamma_sub[..., -1, :]  # (B, nkv, n, M, hs): gamma_s and gamma_e of each
+    rows = rows.unflatten(-3, (M, sub)) * (gamma_sub - start[..., None, :]).exp()[..., None, :]  # (.., M, sub, R, hs)
+    keys = k.unflatten(-2, (M, sub)) * (end[..., None, :] - gamma_sub).exp()  # (B, nkv, n, M, sub, hs)
+    earlier = torch.ones(M, M, dtype=torch.bool, device=k.device).tril(-1)[..., None]  # (M, M, 1): J < I
+    middle = (start[..., :, None, :] - end[..., None, :, :]).masked_fill(~earlier, -math.inf).exp()  # (.., M, M, hs)
+    seen = (middle[..., None, :] * keys[..., None, :, :, :]).flatten(-3, -2)  # (B, nkv, n, M, C, hs): by sub-chunk I
+    products = rows.flatten(-3, -2) @ seen.transpose(-1, -2)  # (B, nkv, n, M, sub*R, C)
+    return products.view(*batch, C, R, C)  # (B, nkv, n, C, R, C)
+
+
+def add_pairs_inside_sub_chunks(products: torch.Tensor, rows: torch.Tensor, k: torch.Tensor,
+                                gamma: torch.Tensor) -> None:
+    """Adds into products (B, nkv, n, C, R, C) the pairs of rows (B, nkv, n, C, R, hs) with the keys
+    of their own sub-chunk, j <= i. Inside a sub-chunk no split point lies between i and j, so each
+    pair's decay e^(gamma_i - gamma_j) is formed per channel, masked above the diagonal before the
+    exponential: (sub, hs, sub) per sub-chunk, C x sub x hs per chunk."""
+    *batch, C, R, hs = rows.shape
+    sub = sub_chunk_size(C)
+    M = C // sub
+    gamma_sub = gamma.unflatten(-2, (M, sub))  # (B, nkv, n, M, sub, hs)
+    k_sub = k.unflatten(-2, (M, sub))  # (B, nkv, n, M, sub, hs)
+    later = ~torch.ones(sub, sub, dtype=torch.bool, device=k.device).tril()[:, None, :]  # (sub, 1, sub): j > i
+    gap = gamma_sub[..., :, :, None] - gamma_sub.transpose(-1, -2)[..., None, :, :]  # (B, nkv, n, M, sub, hs, sub)
+    seen = gap.masked_fill_(later, -math.inf).exp_() * k_sub.transpose(-1, -2)[..., None, :, :]  # (.., M, sub, hs, sub)
+    inside = rows.unflatten(-3, (M, sub)) @ seen  # (B, nkv, n, M, sub, R, sub)
+    blocks = products.view(*batch, M, sub, R, M, sub).diagonal(dim1=-5, dim2=-2)  # (B, nkv, n, sub, R, sub, M)
+    blocks += inside.movedim(-4, -1)  # the diagonal blocks, where pairs_across_sub_chunks left zeros
 
 
 # ------------------------------------------------------------------------------------ the kind
