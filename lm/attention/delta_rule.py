@@ -24,6 +24,7 @@ Everything accumulates in float32 (float64 stays float64).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -38,6 +39,15 @@ SEGMENT = 1024  # positions per segment (whole chunks): a few MB of intermediate
 # diagonal only; scores (B, nkv, n, C*g, C), q_i . e^(gamma_i - gamma_j) k_j, on and below it (zero
 # above), its rows (position, query head) in q's order.
 InChunk = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def decay_factor(log_decay: torch.Tensor) -> torch.Tensor:
+    """e^x for log decays x <= 0 (a positive x, at a masked pair, is taken as 0: its factor 1 is
+    masked after), x floored at the log of the dtype's smallest normal number. Below that floor
+    exp's result is subnormal or zero, and torch's CPU exp takes a path there over ten times slower
+    (three times for -inf), while the floor moves the result by less than that smallest number."""
+    floor = math.log(torch.finfo(log_decay.dtype).tiny)
+    return log_decay.clamp(floor, 0.0).exp()
 
 
 def chunkwise_delta_rule(in_chunk: InChunk, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
@@ -87,7 +97,7 @@ def delta_rule_segment(lower: torch.Tensor, scores: torch.Tensor, q: torch.Tenso
     B, nkv, n, C, hs = k.shape
     # The decay from the chunk's start, one column per K/V head or one per key channel.
     gamma = gamma if gamma.dim() == 5 else gamma[..., None]  # (B, nkv, n, C, hs or 1)
-    decay = gamma.exp()  # (B, nkv, n, C, hs or 1)
+    decay = decay_factor(gamma)  # (B, nkv, n, C, hs or 1)
     b = beta[..., None]  # (B, nkv, n, C, 1)
 
     # The UT transform: solve (I + L) [W_v | W_k] = [diag(b) V | diag(b) K e^gamma] for the chunks at once;
@@ -100,8 +110,8 @@ def delta_rule_segment(lower: torch.Tensor, scores: torch.Tensor, q: torch.Tenso
     w_v, w_k = w.split((v.shape[-1], hs), dim=-1)  # the writes are U = W_v - W_k S for the state S before the chunk
 
     # Across chunks, S' = A S + K_end^T W_v: the only step that runs in order, one matmul per chunk.
-    k_to_end = (k * (gamma[..., -1:, :] - gamma).exp()).transpose(-1, -2)  # (B, nkv, n, hs, C): decayed to the end
-    chunk_decay = gamma[..., -1, :].exp().expand(B, nkv, n, hs)  # (B, nkv, n, hs): each key row of S
+    k_to_end = (k * decay_factor(gamma[..., -1:, :] - gamma)).transpose(-1, -2)  # (B, nkv, n, hs, C): to the end
+    chunk_decay = decay_factor(gamma[..., -1, :]).expand(B, nkv, n, hs)  # (B, nkv, n, hs): each key row of S
     transition = torch.diag_embed(chunk_decay) - k_to_end @ w_k  # A (B, nkv, n, hs, hs)
     written = k_to_end @ w_v  # (B, nkv, n, hs, hv)
     before = []

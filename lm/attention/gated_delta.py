@@ -41,7 +41,7 @@ from torch import nn
 from lm.attention.base import AttentionSpec, Example, LayerShape, register
 from lm.attention.cache import CacheContext, CacheSpec
 from lm.attention.convolution import causal_conv, naive_causal_conv, window_after
-from lm.attention.delta_rule import chunkwise_delta_rule
+from lm.attention.delta_rule import chunkwise_delta_rule, decay_factor
 from lm.attention.projections import qkv_rows
 from lm.attention.shared_caches import RecurrentCache, accumulation_dtype, without_autocast
 from lm.util.checks import require_choice, require_int, require_positive
@@ -70,10 +70,9 @@ def head_decay_pairs(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor,
     """The in-chunk pair terms (lm.attention.delta_rule) with one decay per K/V head: q (B, nkv, n,
     C, g, hs), k (B, nkv, n, C, hs), beta and gamma (B, nkv, n, C) -> L (B, nkv, n, C, C), scores
     (B, nkv, n, C*g, C). The pair decay e^(gamma_i - gamma_j) is a C x C matrix per chunk, masked
-    above the diagonal before the exponential (no overflow)."""
+    above the diagonal."""
     C, group = q.shape[3], q.shape[4]
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(~causal, -math.inf).exp()  # (B, nkv, n, C, C)
+    decay = decay_factor(gamma[..., :, None] - gamma[..., None, :]).tril()  # (B, nkv, n, C, C), 0 for j > i
     lower = beta[..., None] * (k @ k.transpose(-1, -2)) * decay  # (B, nkv, n, C, C)
     scores = (q.flatten(3, 4) @ k.transpose(-1, -2)).unflatten(3, (C, group))  # (B, nkv, n, C, g, C)
     return lower, (scores * decay[..., :, None, :]).flatten(3, 4)  # (B, nkv, n, C*g, C)

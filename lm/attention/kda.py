@@ -35,7 +35,6 @@ of rank hs too. No RoPE: position enters through the decay.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lm.attention.base import AttentionSpec, Example, LayerShape, register
-from lm.attention.delta_rule import chunkwise_delta_rule
+from lm.attention.delta_rule import chunkwise_delta_rule, decay_factor
 from lm.attention.gated_delta import DeltaRuleLayer, check_delta_rule_options, fla_backend, mamba2_decay_init
 from lm.attention.shared_caches import accumulation_dtype, without_autocast
 
@@ -77,7 +76,6 @@ def channel_decay_pairs(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor,
     C, g, hs), k (B, nkv, n, C, hs), beta (B, nkv, n, C), gamma (B, nkv, n, C, hs) -> L (B, nkv, n,
     C, C), scores (B, nkv, n, C*g, C): k_i, and q_i for each query head, against the keys the decay
     leaves them, e^(gamma_i - gamma_j) k_j, below the diagonal and, for the queries, on it."""
-    C, group = q.shape[3], q.shape[4]
     keys_and_queries = torch.cat((k[..., None, :], q), dim=-2)  # (B, nkv, n, C, 1+g, hs): both meet the keys
     products = pairs_across_sub_chunks(keys_and_queries, k, gamma)  # (B, nkv, n, C, 1+g, C)
     add_pairs_inside_sub_chunks(products, keys_and_queries, k, gamma)
@@ -102,10 +100,10 @@ def pairs_across_sub_chunks(rows: torch.Tensor, k: torch.Tensor, gamma: torch.Te
     M = C // sub
     gamma_sub = gamma.unflatten(-2, (M, sub))  # (B, nkv, n, M, sub, hs)
     start, end = gamma_sub[..., 0, :], gamma_sub[..., -1, :]  # (B, nkv, n, M, hs): gamma_s and gamma_e of each
-    rows = rows.unflatten(-3, (M, sub)) * (gamma_sub - start[..., None, :]).exp()[..., None, :]  # (.., M, sub, R, hs)
-    keys = k.unflatten(-2, (M, sub)) * (end[..., None, :] - gamma_sub).exp()  # (B, nkv, n, M, sub, hs)
-    earlier = torch.ones(M, M, dtype=torch.bool, device=k.device).tril(-1)[..., None]  # (M, M, 1): J < I
-    middle = (start[..., :, None, :] - end[..., None, :, :]).masked_fill(~earlier, -math.inf).exp()  # (.., M, M, hs)
+    rows = rows.unflatten(-3, (M, sub)) * decay_factor(gamma_sub - start[..., None, :])[..., None, :]
+    keys = k.unflatten(-2, (M, sub)) * decay_factor(end[..., None, :] - gamma_sub)  # (B, nkv, n, M, sub, hs)
+    middle = decay_factor(start[..., :, None, :] - end[..., None, :, :])  # (B, nkv, n, M, M, hs)
+    middle = middle * torch.ones(M, M, dtype=middle.dtype, device=k.device).tril(-1)[..., None]  # zero for J >= I
     seen = (middle[..., None, :] * keys[..., None, :, :, :]).flatten(-3, -2)  # (B, nkv, n, M, C, hs): by sub-chunk I
     products = rows.flatten(-3, -2) @ seen.transpose(-1, -2)  # (B, nkv, n, M, sub*R, C)
     return products.view(*batch, C, R, C)  # (B, nkv, n, C, R, C)
@@ -122,10 +120,11 @@ def add_pairs_inside_sub_chunks(products: torch.Tensor, rows: torch.Tensor, k: t
     M = C // sub
     gamma_sub = gamma.unflatten(-2, (M, sub))  # (B, nkv, n, M, sub, hs)
     k_sub = k.unflatten(-2, (M, sub))  # (B, nkv, n, M, sub, hs)
-    later = ~torch.ones(sub, sub, dtype=torch.bool, device=k.device).tril()[:, None, :]  # (sub, 1, sub): j > i
     gap = gamma_sub[..., :, :, None] - gamma_sub.transpose(-1, -2)[..., None, :, :]  # (B, nkv, n, M, sub, hs, sub)
-    seen = gap.masked_fill_(later, -math.inf).exp_() * k_sub.transpose(-1, -2)[..., None, :, :]  # (.., M, sub, hs, sub)
+    seen = decay_factor(gap) * k_sub.transpose(-1, -2)[..., None, :, :]  # (.., M, sub, hs, sub): 1 for j > i
     inside = rows.unflatten(-3, (M, sub)) @ seen  # (B, nkv, n, M, sub, R, sub)
+    later = ~torch.ones(sub, sub, dtype=torch.bool, device=k.device).tril()[:, None, :]  # (sub, 1, sub): j > i
+    inside.masked_fill_(later, 0.0)  # masked after the product: (sub, R, sub), hs times fewer than the pairs
     blocks = products.view(*batch, M, sub, R, M, sub).diagonal(dim1=-5, dim2=-2)  # (B, nkv, n, sub, R, sub, M)
     blocks += inside.movedim(-4, -1)  # the diagonal blocks, where pairs_across_sub_chunks left zeros
 
