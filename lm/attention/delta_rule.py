@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from lm.attention.shared_caches import accumulation_dtype
 
-SEGMENT = 1024  # positions per segment (whole chunks): a few MB of intermediates at 8 heads of 64
+SEGMENT = 256  # positions per segment (whole chunks): intermediates of a few hundred KB to a few MB
 
 # A segment's chunks in, their in-chunk pair terms out: (L, scores) from q (B, nkv, n, C, g, hs),
 # k (B, nkv, n, C, hs), beta (B, nkv, n, C) and gamma. L (B, nkv, n, C, C) is read strictly below its
@@ -52,7 +52,7 @@ def decay_factor(log_decay: torch.Tensor) -> torch.Tensor:
 
 def chunkwise_delta_rule(in_chunk: InChunk, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
                          g: torch.Tensor, scale: float | None, state: torch.Tensor | None,
-                         chunk_size: int, segment: int = SEGMENT) -> tuple[torch.Tensor, torch.Tensor]:
+                         chunk_size: int, segment: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q (B, nh, T, hs), k (B, nkv, T, hs), v (B, nkv, T, hv), beta (B, nkv, T), g (B, nkv, T) or
     (B, nkv, T, hs) -> out (B, nh, T, hv) in q's dtype, final state (B, nkv, hs, hv) in float32 or
     wider; the decay's pair terms inside each chunk from `in_chunk`."""
@@ -76,7 +76,7 @@ def chunkwise_delta_rule(in_chunk: InChunk, q: torch.Tensor, k: torch.Tensor, v:
 
     # split, not slicing: its backward writes the segments' gradients into one tensor, where every
     # slice would get a gradient the size of the whole.
-    per_segment = max(1, segment // C)
+    per_segment = max(1, (segment or SEGMENT) // C)
     outputs = []
     for q_s, k_s, v_s, beta_s, g_s in zip(*(t.split(per_segment, dim=2) for t in (q, k, v, beta, g)), strict=True):
         gamma_s = g_s.cumsum(3)  # (B, nkv, n, C[, hs]): the in-chunk log decay up to each position

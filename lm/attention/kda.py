@@ -58,16 +58,10 @@ def kda_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tens
 
     q and k are used as given (the layer L2-normalises them). A position with beta = 0 and g = 0
     leaves the state unchanged, which is how padding is kept out."""
-    return chunkwise_delta_rule(channel_decay_pairs, q, k, v, beta, g, scale, state, chunk_size, KDA_SEGMENT)
+    return chunkwise_delta_rule(channel_decay_pairs, q, k, v, beta, g, scale, state, chunk_size)
 
 
-KDA_SEGMENT = 128
-SUB_CHUNK = 8  # positions per sub-chunk (fla's BC): the pairs formed per channel are C x SUB_CHUNK
-
-
-def sub_chunk_size(C: int) -> int:
-    """The largest divisor of the chunk C up to SUB_CHUNK (C itself for a small chunk)."""
-    return max(d for d in range(1, min(C, SUB_CHUNK) + 1) if C % d == 0)
+LEAF = 2  # the blocks whose pairs are formed per channel are halved down to this many positions
 
 
 def channel_decay_pairs(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor,
@@ -75,58 +69,62 @@ def channel_decay_pairs(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor,
     """The in-chunk pair terms (lm.attention.delta_rule) with a decay per key channel: q (B, nkv, n,
     C, g, hs), k (B, nkv, n, C, hs), beta (B, nkv, n, C), gamma (B, nkv, n, C, hs) -> L (B, nkv, n,
     C, C), scores (B, nkv, n, C*g, C): k_i, and q_i for each query head, against the keys the decay
-    leaves them, e^(gamma_i - gamma_j) k_j, below the diagonal and, for the queries, on it."""
-    keys_and_queries = torch.cat((k[..., None, :], q), dim=-2)  # (B, nkv, n, C, 1+g, hs): both meet the keys
-    products = pairs_across_sub_chunks(keys_and_queries, k, gamma)  # (B, nkv, n, C, 1+g, C)
-    add_pairs_inside_sub_chunks(products, keys_and_queries, k, gamma)
+    leaves them, e^(gamma_i - gamma_j) k_j, below the diagonal and, for the queries, on it.
+
+    The chunk is halved, and its halves halved, down to blocks of LEAF positions: the pairs of a
+    block's second half with its first are one matmul (pairs_across_halves), and only the pairs
+    inside the smallest blocks are formed channel by channel (add_pairs_inside_leaves). Elementwise
+    work per chunk is C hs per level plus C hs LEAF, where forming every pair is C hs C."""
+    *batch, C, group, hs = q.shape
+    rows = torch.cat((k[..., None, :], q), dim=-2)  # (B, nkv, n, C, 1+g, hs): keys and queries both meet the keys
+    products = rows.new_zeros(*batch, C, 1 + group, C)  # (B, nkv, n, C, 1+g, C)
+    block = C
+    while block % 2 == 0 and block // 2 >= LEAF:
+        add_pairs_across_halves(products, rows, k, gamma, block)
+        block //= 2
+    add_pairs_inside_leaves(products, rows, k, gamma, block)
     lower = beta[..., None] * products[..., 0, :]  # (B, nkv, n, C, C): b_i k_i . seen_j
     return lower, products[..., 1:, :].flatten(3, 4)  # scores (B, nkv, n, C*g, C)
 
 
-def pairs_across_sub_chunks(rows: torch.Tensor, k: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
-    """rows (B, nkv, n, C, R, hs) against every key j of an earlier sub-chunk than the row's ->
-    (B, nkv, n, C, R, C), zero for the keys of the row's own sub-chunk and later.
+def add_pairs_across_halves(products: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, gamma: torch.Tensor,
+                            block: int) -> None:
+    """Writes into products (B, nkv, n, C, R, C) the pairs of rows (B, nkv, n, C, R, hs) in the
+    second half of each block of `block` positions with the keys of its first half.
 
-    fla's sub-chunk split: for row i in sub-chunk I, starting at s, and key j in sub-chunk J < I,
-    ending at e < s, the pair's decay factors as
-
-        e^(gamma_i - gamma_j) = e^(gamma_i - gamma_s) e^(gamma_s - gamma_e) e^(gamma_e - gamma_j)
-
-    every factor at most 1 (so no overflow under a strong decay). The first scales the rows, the
-    last the keys, each once; the middle, one vector per pair of sub-chunks, scales the keys as
-    sub-chunk I sees them. The pairs are then one matmul, with no (C, hs, C) tensor."""
+    The split of fla's sub-chunks: with gamma_s the log decay at the second half's first position,
+    e^(gamma_i - gamma_j) = e^(gamma_i - gamma_s) e^(gamma_s - gamma_j), both factors at most 1 for
+    j < s <= i (no overflow under a strong decay); the first scales the rows, the second the keys,
+    and the pairs are one matmul per block."""
     *batch, C, R, hs = rows.shape
-    sub = sub_chunk_size(C)
-    M = C // sub
-    gamma_sub = gamma.unflatten(-2, (M, sub))  # (B, nkv, n, M, sub, hs)
-    start, end = gamma_sub[..., 0, :], gamma_sub[..., -1, :]  # (B, nkv, n, M, hs): gamma_s and gamma_e of each
-    rows = rows.unflatten(-3, (M, sub)) * decay_factor(gamma_sub - start[..., None, :])[..., None, :]
-    keys = k.unflatten(-2, (M, sub)) * decay_factor(end[..., None, :] - gamma_sub)  # (B, nkv, n, M, sub, hs)
-    middle = decay_factor(start[..., :, None, :] - end[..., None, :, :])  # (B, nkv, n, M, M, hs)
-    middle = middle * torch.ones(M, M, dtype=middle.dtype, device=k.device).tril(-1)[..., None]  # zero for J >= I
-    seen = (middle[..., None, :] * keys[..., None, :, :, :]).flatten(-3, -2)  # (B, nkv, n, M, C, hs): by sub-chunk I
-    products = rows.flatten(-3, -2) @ seen.transpose(-1, -2)  # (B, nkv, n, M, sub*R, C)
-    return products.view(*batch, C, R, C)  # (B, nkv, n, C, R, C)
+    nb, h = C // block, block // 2
+    gamma = gamma.view(*batch, nb, 2, h, hs)  # (B, nkv, n, nb, 2, h, hs): the blocks' halves
+    start = gamma[..., 1, :1, :]  # (B, nkv, n, nb, 1, hs): gamma_s
+    late = rows.view(*batch, nb, 2, h, R, hs)[..., 1, :, :, :]  # (B, nkv, n, nb, h, R, hs)
+    late = late * decay_factor(gamma[..., 1, :, :] - start)[..., None, :]
+    early = k.view(*batch, nb, 2, h, hs)[..., 0, :, :] * decay_factor(start - gamma[..., 0, :, :])  # (.., nb, h, hs)
+    pairs = late.flatten(-3, -2) @ early.transpose(-1, -2)  # (B, nkv, n, nb, h*R, h)
+    # products' rows of each block's second half and columns of its first: (B, nkv, n, h, R, h, nb)
+    blocks = products.view(*batch, nb, 2, h, R, nb, 2, h).diagonal(dim1=-7, dim2=-3)[..., 1, :, :, 0, :, :]
+    blocks.copy_(pairs.view(*batch, nb, h, R, h).movedim(-4, -1))
 
 
-def add_pairs_inside_sub_chunks(products: torch.Tensor, rows: torch.Tensor, k: torch.Tensor,
-                                gamma: torch.Tensor) -> None:
+def add_pairs_inside_leaves(products: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, gamma: torch.Tensor,
+                            leaf: int) -> None:
     """Adds into products (B, nkv, n, C, R, C) the pairs of rows (B, nkv, n, C, R, hs) with the keys
-    of their own sub-chunk, j <= i. Inside a sub-chunk no split point lies between i and j, so each
-    pair's decay e^(gamma_i - gamma_j) is formed per channel, masked above the diagonal before the
-    exponential: (sub, hs, sub) per sub-chunk, C x sub x hs per chunk."""
+    of their own block of `leaf` positions, j <= i. No split lies between i and j there, so each
+    pair's decay e^(gamma_i - gamma_j) is formed per channel: (leaf, hs, leaf) per block."""
     *batch, C, R, hs = rows.shape
-    sub = sub_chunk_size(C)
-    M = C // sub
-    gamma_sub = gamma.unflatten(-2, (M, sub))  # (B, nkv, n, M, sub, hs)
-    k_sub = k.unflatten(-2, (M, sub))  # (B, nkv, n, M, sub, hs)
-    gap = gamma_sub[..., :, :, None] - gamma_sub.transpose(-1, -2)[..., None, :, :]  # (B, nkv, n, M, sub, hs, sub)
-    seen = decay_factor(gap) * k_sub.transpose(-1, -2)[..., None, :, :]  # (.., M, sub, hs, sub): 1 for j > i
-    inside = rows.unflatten(-3, (M, sub)) @ seen  # (B, nkv, n, M, sub, R, sub)
-    later = ~torch.ones(sub, sub, dtype=torch.bool, device=k.device).tril()[:, None, :]  # (sub, 1, sub): j > i
-    inside.masked_fill_(later, 0.0)  # masked after the product: (sub, R, sub), hs times fewer than the pairs
-    blocks = products.view(*batch, M, sub, R, M, sub).diagonal(dim1=-5, dim2=-2)  # (B, nkv, n, sub, R, sub, M)
-    blocks += inside.movedim(-4, -1)  # the diagonal blocks, where pairs_across_sub_chunks left zeros
+    M = C // leaf
+    gamma = gamma.unflatten(-2, (M, leaf))  # (B, nkv, n, M, leaf, hs)
+    k = k.unflatten(-2, (M, leaf))  # (B, nkv, n, M, leaf, hs)
+    gap = gamma[..., :, :, None] - gamma.transpose(-1, -2)[..., None, :, :]  # (B, nkv, n, M, leaf, hs, leaf)
+    seen = decay_factor(gap) * k.transpose(-1, -2)[..., None, :, :]  # (.., M, leaf, hs, leaf): 1 for j > i
+    inside = rows.unflatten(-3, (M, leaf)) @ seen  # (B, nkv, n, M, leaf, R, leaf)
+    later = ~torch.ones(leaf, leaf, dtype=torch.bool, device=k.device).tril()[:, None, :]  # (leaf, 1, leaf): j > i
+    inside.masked_fill_(later, 0.0)  # masked after the product: (leaf, R, leaf), hs times fewer than the pairs
+    blocks = products.view(*batch, M, leaf, R, M, leaf).diagonal(dim1=-5, dim2=-2)  # (B, nkv, n, leaf, R, leaf, M)
+    blocks += inside.movedim(-4, -1)
 
 
 # ------------------------------------------------------------------------------------ the kind
