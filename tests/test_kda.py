@@ -41,7 +41,7 @@ def assert_same(ours, theirs, tol):
         torch.testing.assert_close(a, b, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("T,chunk", [(1, 64), (7, 4), (64, 64), (130, 64), (37, 8)])
+@pytest.mark.parametrize("T,chunk", [(1, 64), (7, 4), (64, 64), (130, 64), (37, 8), (37, 12)])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("with_state", [True, False], ids=["carried", "fresh"])
 def test_the_chunkwise_rule_equals_the_token_by_token_twin_in_float64(T, chunk, heads, with_state):

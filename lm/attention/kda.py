@@ -61,9 +61,6 @@ def kda_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tens
     return chunkwise_delta_rule(channel_decay_pairs, q, k, v, beta, g, scale, state, chunk_size)
 
 
-LEAF = 2  # the blocks whose pairs are formed per channel are halved down to this many positions
-
-
 def channel_decay_pairs(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor,
                         gamma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The in-chunk pair terms (lm.attention.delta_rule) with a decay per key channel: q (B, nkv, n,
@@ -71,18 +68,24 @@ def channel_decay_pairs(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor,
     C, C), scores (B, nkv, n, C*g, C): k_i, and q_i for each query head, against the keys the decay
     leaves them, e^(gamma_i - gamma_j) k_j, below the diagonal and, for the queries, on it.
 
-    The chunk is halved, and its halves halved, down to blocks of LEAF positions: the pairs of a
-    block's second half with its first are one matmul (pairs_across_halves), and only the pairs
-    inside the smallest blocks are formed channel by channel (add_pairs_inside_leaves). Elementwise
-    work per chunk is C hs per level plus C hs LEAF, where forming every pair is C hs C."""
+    The chunk is halved, and its halves halved, down to single positions: the pairs of each block's
+    second half with its first are one matmul (add_pairs_across_halves), and a position's pair with
+    itself has no decay. Each level scales every row or key once, C hs exponentials per chunk, so
+    log2(C) levels cost C hs log2(C) where forming every pair's decay per channel costs C hs C.
+    A chunk that is not a power of two is padded to one with positions that meet nothing."""
     *batch, C, group, hs = q.shape
+    size = 1 << (C - 1).bit_length()  # the power of two at or above C
     rows = torch.cat((k[..., None, :], q), dim=-2)  # (B, nkv, n, C, 1+g, hs): keys and queries both meet the keys
-    products = rows.new_zeros(*batch, C, 1 + group, C)  # (B, nkv, n, C, 1+g, C)
-    block = C
-    while block % 2 == 0 and block // 2 >= LEAF:
+    if size > C:  # zero rows and keys; gamma held at its last value, a decay of 1 that no factor exceeds
+        rows, k = F.pad(rows, (0, 0, 0, 0, 0, size - C)), F.pad(k, (0, 0, 0, size - C))
+        gamma = torch.cat((gamma, gamma[..., -1:, :].expand(*batch, size - C, hs)), dim=-2)
+    products = rows.new_zeros(*batch, size, 1 + group, size)  # (B, nkv, n, size, 1+g, size)
+    block = size
+    while block > 1:
         add_pairs_across_halves(products, rows, k, gamma, block)
         block //= 2
-    add_pairs_inside_leaves(products, rows, k, gamma, block)
+    add_pairs_with_themselves(products, rows, k)
+    products = products[..., :C, :, :C]  # (B, nkv, n, C, 1+g, C)
     lower = beta[..., None] * products[..., 0, :]  # (B, nkv, n, C, C): b_i k_i . seen_j
     return lower, products[..., 1:, :].flatten(3, 4)  # scores (B, nkv, n, C*g, C)
 
@@ -109,22 +112,11 @@ def add_pairs_across_halves(products: torch.Tensor, rows: torch.Tensor, k: torch
     blocks.copy_(pairs.view(*batch, nb, h, R, h).movedim(-4, -1))
 
 
-def add_pairs_inside_leaves(products: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, gamma: torch.Tensor,
-                            leaf: int) -> None:
-    """Adds into products (B, nkv, n, C, R, C) the pairs of rows (B, nkv, n, C, R, hs) with the keys
-    of their own block of `leaf` positions, j <= i. No split lies between i and j there, so each
-    pair's decay e^(gamma_i - gamma_j) is formed per channel: (leaf, hs, leaf) per block."""
-    *batch, C, R, hs = rows.shape
-    M = C // leaf
-    gamma = gamma.unflatten(-2, (M, leaf))  # (B, nkv, n, M, leaf, hs)
-    k = k.unflatten(-2, (M, leaf))  # (B, nkv, n, M, leaf, hs)
-    gap = gamma[..., :, :, None] - gamma.transpose(-1, -2)[..., None, :, :]  # (B, nkv, n, M, leaf, hs, leaf)
-    seen = decay_factor(gap) * k.transpose(-1, -2)[..., None, :, :]  # (.., M, leaf, hs, leaf): 1 for j > i
-    inside = rows.unflatten(-3, (M, leaf)) @ seen  # (B, nkv, n, M, leaf, R, leaf)
-    later = ~torch.ones(leaf, leaf, dtype=torch.bool, device=k.device).tril()[:, None, :]  # (leaf, 1, leaf): j > i
-    inside.masked_fill_(later, 0.0)  # masked after the product: (leaf, R, leaf), hs times fewer than the pairs
-    blocks = products.view(*batch, M, leaf, R, M, leaf).diagonal(dim1=-5, dim2=-2)  # (B, nkv, n, leaf, R, leaf, M)
-    blocks += inside.movedim(-4, -1)
+def add_pairs_with_themselves(products: torch.Tensor, rows: torch.Tensor, k: torch.Tensor) -> None:
+    """Writes into products (B, nkv, n, C, R, C) each row's pair with its own position's key, whose
+    decay is e^0 = 1: rows (B, nkv, n, C, R, hs) . k (B, nkv, n, C, hs)."""
+    same = products.diagonal(dim1=-3, dim2=-1)  # (B, nkv, n, R, C)
+    same.copy_((rows * k[..., None, :]).sum(-1).transpose(-1, -2))
 
 
 # ------------------------------------------------------------------------------------ the kind
