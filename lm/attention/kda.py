@@ -80,36 +80,55 @@ def channel_decay_pairs(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor,
         rows, k = F.pad(rows, (0, 0, 0, 0, 0, size - C)), F.pad(k, (0, 0, 0, size - C))
         gamma = torch.cat((gamma, gamma[..., -1:, :].expand(*batch, size - C, hs)), dim=-2)
     products = rows.new_zeros(*batch, size, 1 + group, size)  # (B, nkv, n, size, 1+g, size)
-    block = size
-    while block > 1:
-        add_pairs_across_halves(products, rows, k, gamma, block)
-        block //= 2
+    step = decay_factor(torch.diff(gamma, dim=-2, prepend=gamma[..., :1, :]))  # e^(gamma_i - gamma_{i-1}), 1 at 0
+    from_start = to_end = torch.ones_like(step)  # blocks of one position: no decay inside
+    half = 1
+    while half < size:
+        from_start, to_end = add_pairs_across_halves(products, rows, k, step, from_start, to_end, half)
+        half *= 2
     add_pairs_with_themselves(products, rows, k)
     products = products[..., :C, :, :C]  # (B, nkv, n, C, 1+g, C)
     lower = beta[..., None] * products[..., 0, :]  # (B, nkv, n, C, C): b_i k_i . seen_j
     return lower, products[..., 1:, :].flatten(3, 4)  # scores (B, nkv, n, C*g, C)
 
 
-def add_pairs_across_halves(products: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, gamma: torch.Tensor,
-                            block: int) -> None:
+def add_pairs_across_halves(products: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, step: torch.Tensor,
+                            from_start: torch.Tensor, to_end: torch.Tensor,
+                            half: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Writes into products (B, nkv, n, C, R, C) the pairs of rows (B, nkv, n, C, R, hs) in the
-    second half of each block of `block` positions with the keys of its first half.
+    second half of each block of 2 * half positions with the keys k (B, nkv, n, C, hs) of its first
+    half; returns from_start and to_end for blocks of 2 * half.
 
-    The split of fla's sub-chunks: with gamma_s the log decay at the second half's first position,
-    e^(gamma_i - gamma_j) = e^(gamma_i - gamma_s) e^(gamma_s - gamma_j), both factors at most 1 for
-    j < s <= i (no overflow under a strong decay); the first scales the rows, the second the keys,
-    and the pairs are one matmul per block."""
+    For blocks of `half`, from_start (B, nkv, n, C, hs) holds e^(gamma_i - gamma_b), b the first
+    position of i's block, and to_end e^(gamma_e - gamma_i), e its last; step e^(gamma_i - gamma_(i-1)).
+    With s the first position of the second half (fla's sub-chunk split),
+
+        e^(gamma_i - gamma_j) = from_start_i * step_s * to_end_j        j < s <= i
+
+    every factor at most 1 (no overflow under a strong decay, no exponential per level): the first
+    scales the rows, the others the keys, and the pairs are one matmul per block."""
     *batch, C, R, hs = rows.shape
-    nb, h = C // block, block // 2
-    gamma = gamma.view(*batch, nb, 2, h, hs)  # (B, nkv, n, nb, 2, h, hs): the blocks' halves
-    start = gamma[..., 1, :1, :]  # (B, nkv, n, nb, 1, hs): gamma_s
-    late = rows.view(*batch, nb, 2, h, R, hs)[..., 1, :, :, :]  # (B, nkv, n, nb, h, R, hs)
-    late = late * decay_factor(gamma[..., 1, :, :] - start)[..., None, :]
-    early = k.view(*batch, nb, 2, h, hs)[..., 0, :, :] * decay_factor(start - gamma[..., 0, :, :])  # (.., nb, h, hs)
-    pairs = late.flatten(-3, -2) @ early.transpose(-1, -2)  # (B, nkv, n, nb, h*R, h)
-    # products' rows of each block's second half and columns of its first: (B, nkv, n, h, R, h, nb)
-    blocks = products.view(*batch, nb, 2, h, R, nb, 2, h).diagonal(dim1=-7, dim2=-3)[..., 1, :, :, 0, :, :]
-    blocks.copy_(pairs.view(*batch, nb, h, R, h).movedim(-4, -1))
+    nb = C // (2 * half)
+    from_start = from_start.view(*batch, nb, 2, half, hs)  # (B, nkv, n, nb, 2, half, hs): the blocks' halves
+    to_end = to_end.view(*batch, nb, 2, half, hs)
+    bridge = step.view(*batch, nb, 2, half, hs)[..., 1, 0, :]  # (B, nkv, n, nb, hs): step_s
+    late = rows.view(*batch, nb, 2, half, R, hs)[..., 1, :, :, :]  # (B, nkv, n, nb, half, R, hs): rows i >= s
+    early = k.view(*batch, nb, 2, half, hs)[..., 0, :, :]  # (B, nkv, n, nb, half, hs): keys j < s
+    late = late * from_start[..., 1, :, None, :]
+    early = early * (to_end[..., 0, :, :] * bridge[..., None, :])
+    pairs = late.flatten(-3, -2) @ early.transpose(-1, -2)  # (B, nkv, n, nb, half*R, half)
+    # products' rows of each block's second half and columns of its first: (B, nkv, n, half, R, half, nb)
+    blocks = products.view(*batch, nb, 2, half, R, nb, 2, half).diagonal(dim1=-7, dim2=-3)[..., 1, :, :, 0, :, :]
+    blocks.copy_(pairs.view(*batch, nb, half, R, half).movedim(-4, -1))
+
+    # The doubled blocks' factors: the second half's from_start continues from the first's start,
+    # the first half's to_end runs on to the second's end.
+    ones = torch.ones_like(bridge)
+    across = from_start[..., 0, -1, :] * bridge  # (B, nkv, n, nb, hs): e^(gamma_s - gamma_b)
+    through = bridge * from_start[..., 1, -1, :]  # (B, nkv, n, nb, hs): e^(gamma_E - gamma_(s-1)), E the last
+    from_start = from_start * torch.stack((ones, across), dim=-2)[..., None, :]  # (B, nkv, n, nb, 2, half, hs)
+    to_end = to_end * torch.stack((through, ones), dim=-2)[..., None, :]
+    return from_start.view(*batch, C, hs), to_end.view(*batch, C, hs)
 
 
 def add_pairs_with_themselves(products: torch.Tensor, rows: torch.Tensor, k: torch.Tensor) -> None:
