@@ -34,10 +34,10 @@ from lm.attention.shared_caches import accumulation_dtype
 
 SEGMENT = 256  # positions per segment (whole chunks): intermediates of a few hundred KB to a few MB
 
-# A segment's chunks in, their in-chunk pair terms out: (L, scores) from q (B, nkv, n, C, g, hs),
+# A segment's chunks in, their in-chunk pair terms out: (L, scores) from q (B, nkv, n, g, C, hs),
 # k (B, nkv, n, C, hs), beta (B, nkv, n, C) and gamma. L (B, nkv, n, C, C) is read strictly below its
-# diagonal only; scores (B, nkv, n, C*g, C), q_i . e^(gamma_i - gamma_j) k_j, on and below it (zero
-# above), its rows (position, query head) in q's order.
+# diagonal only; scores (B, nkv, n, g*C, C), q_i . e^(gamma_i - gamma_j) k_j, on and below it (zero
+# above), its rows (query head, position) in q's order.
 InChunk = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -67,7 +67,7 @@ def chunkwise_delta_rule(in_chunk: InChunk, q: torch.Tensor, k: torch.Tensor, v:
 
     # Padded tail positions: zero q, k, v, beta and g = 0 write nothing and keep the state.
     q = F.pad(q.to(dtype) * scale, (0, 0, 0, pad)).view(B, nkv, group, N, C, hs)  # (B, nkv, g, N, C, hs)
-    q = q.permute(0, 1, 3, 4, 2, 5)  # (B, nkv, N, C, g, hs): a position's query heads side by side
+    q = q.transpose(2, 3)  # (B, nkv, N, g, C, hs): a group's query heads, each over the chunk
     k = F.pad(k.to(dtype), (0, 0, 0, pad)).view(B, nkv, N, C, hs)  # (B, nkv, N, C, hs)
     v = F.pad(v.to(dtype), (0, 0, 0, pad)).view(B, nkv, N, C, hv)  # (B, nkv, N, C, hv)
     beta = F.pad(beta.to(dtype), (0, pad)).view(B, nkv, N, C)  # (B, nkv, N, C)
@@ -83,8 +83,8 @@ def chunkwise_delta_rule(in_chunk: InChunk, q: torch.Tensor, k: torch.Tensor, v:
         lower, scores = in_chunk(q_s, k_s, beta_s, gamma_s)
         out, S = delta_rule_segment(lower, scores, q_s, k_s, v_s, beta_s, gamma_s, S)
         outputs.append(out)
-    out = torch.cat(outputs, dim=2).view(B, nkv, N, C, group, hv)  # (B, nkv, N, C, g, hv)
-    out = out.permute(0, 1, 4, 2, 3, 5).reshape(B, nh, N * C, hv)[:, :, :T]  # (B, nh, T, hv)
+    out = torch.cat(outputs, dim=2).view(B, nkv, N, group, C, hv)  # (B, nkv, N, g, C, hv)
+    out = out.transpose(2, 3).reshape(B, nh, N * C, hv)[:, :, :T]  # (B, nh, T, hv)
     return out.to(in_dtype), S
 
 
@@ -93,7 +93,7 @@ def delta_rule_segment(lower: torch.Tensor, scores: torch.Tensor, q: torch.Tenso
                        S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A segment's n chunks, given their pair terms (lower, scores) as in_chunk returns them and their
     q, k, v, beta, gamma as chunkwise_delta_rule splits them; S (B, nkv, hs, hv) the state before
-    -> out (B, nkv, n, C*g, hv), the state after."""
+    -> out (B, nkv, n, g*C, hv), the state after."""
     B, nkv, n, C, hs = k.shape
     # The decay from the chunk's start, one column per K/V head or one per key channel.
     gamma = gamma if gamma.dim() == 5 else gamma[..., None]  # (B, nkv, n, C, hs or 1)
@@ -122,5 +122,5 @@ def delta_rule_segment(lower: torch.Tensor, scores: torch.Tensor, q: torch.Tenso
 
     # The writes and the outputs, for the chunks at once.
     u = w_v - w_k @ S_before  # (B, nkv, n, C, hv)
-    q_decayed = (q * decay[..., None, :]).flatten(3, 4)  # (B, nkv, n, C*g, hs)
-    return q_decayed @ S_before + scores @ u, S  # (B, nkv, n, C*g, hv)
+    q_decayed = (q * decay[..., None, :, :]).flatten(3, 4)  # (B, nkv, n, g*C, hs)
+    return q_decayed @ S_before + scores @ u, S  # (B, nkv, n, g*C, hv)

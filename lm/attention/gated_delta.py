@@ -68,14 +68,13 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: to
 def head_decay_pairs(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor,
                      gamma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The in-chunk pair terms (lm.attention.delta_rule) with one decay per K/V head: q (B, nkv, n,
-    C, g, hs), k (B, nkv, n, C, hs), beta and gamma (B, nkv, n, C) -> L (B, nkv, n, C, C), scores
-    (B, nkv, n, C*g, C). The pair decay e^(gamma_i - gamma_j) is a C x C matrix per chunk, masked
+    g, C, hs), k (B, nkv, n, C, hs), beta and gamma (B, nkv, n, C) -> L (B, nkv, n, C, C), scores
+    (B, nkv, n, g*C, C). The pair decay e^(gamma_i - gamma_j) is a C x C matrix per chunk, masked
     above the diagonal."""
-    C, group = q.shape[3], q.shape[4]
     decay = decay_factor(gamma[..., :, None] - gamma[..., None, :]).tril()  # (B, nkv, n, C, C), 0 for j > i
     lower = beta[..., None] * (k @ k.transpose(-1, -2)) * decay  # (B, nkv, n, C, C)
-    scores = (q.flatten(3, 4) @ k.transpose(-1, -2)).unflatten(3, (C, group))  # (B, nkv, n, C, g, C)
-    return lower, (scores * decay[..., :, None, :]).flatten(3, 4)  # (B, nkv, n, C*g, C)
+    scores = q @ k[..., None, :, :].transpose(-1, -2)  # (B, nkv, n, g, C, C)
+    return lower, (scores * decay[..., None, :, :]).flatten(3, 4)  # (B, nkv, n, g*C, C)
 
 
 @without_autocast

@@ -64,78 +64,87 @@ def kda_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tens
 def channel_decay_pairs(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor,
                         gamma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The in-chunk pair terms (lm.attention.delta_rule) with a decay per key channel: q (B, nkv, n,
-    C, g, hs), k (B, nkv, n, C, hs), beta (B, nkv, n, C), gamma (B, nkv, n, C, hs) -> L (B, nkv, n,
-    C, C), scores (B, nkv, n, C*g, C): k_i, and q_i for each query head, against the keys the decay
+    g, C, hs), k (B, nkv, n, C, hs), beta (B, nkv, n, C), gamma (B, nkv, n, C, hs) -> L (B, nkv, n,
+    C, C), scores (B, nkv, n, g*C, C): k_i, and q_i for each query head, against the keys the decay
     leaves them, e^(gamma_i - gamma_j) k_j, below the diagonal and, for the queries, on it.
 
     The chunk is halved, and its halves halved, down to single positions: the pairs of each block's
     second half with its first are one matmul (add_pairs_across_halves), and a position's pair with
-    itself has no decay. Each level scales every row or key once, C hs exponentials per chunk, so
-    log2(C) levels cost C hs log2(C) where forming every pair's decay per channel costs C hs C.
-    A chunk that is not a power of two is padded to one with positions that meet nothing."""
-    *batch, C, group, hs = q.shape
+    itself has no decay. The decay factors of each level are products of the finer level's
+    (doubled_factors), so the elementwise work per chunk is C hs per level, log2(C) levels, and C hs
+    exponentials in all, where forming every pair's decay per channel costs C hs C of each. A chunk
+    that is not a power of two is padded to one with positions that meet nothing."""
+    *batch, group, C, hs = q.shape
     size = 1 << (C - 1).bit_length()  # the power of two at or above C
-    rows = torch.cat((k[..., None, :], q), dim=-2)  # (B, nkv, n, C, 1+g, hs): keys and queries both meet the keys
+    rows = torch.cat((k[..., None, :, :], q), dim=-3)  # (B, nkv, n, 1+g, C, hs): keys and queries both meet the keys
     if size > C:  # zero rows and keys; gamma held at its last value, a decay of 1 that no factor exceeds
-        rows, k = F.pad(rows, (0, 0, 0, 0, 0, size - C)), F.pad(k, (0, 0, 0, size - C))
+        rows, k = F.pad(rows, (0, 0, 0, size - C)), F.pad(k, (0, 0, 0, size - C))
         gamma = torch.cat((gamma, gamma[..., -1:, :].expand(*batch, size - C, hs)), dim=-2)
-    products = rows.new_zeros(*batch, size, 1 + group, size)  # (B, nkv, n, size, 1+g, size)
-    step = decay_factor(torch.diff(gamma, dim=-2, prepend=gamma[..., :1, :]))  # e^(gamma_i - gamma_{i-1}), 1 at 0
-    from_start = to_end = torch.ones_like(step)  # blocks of one position: no decay inside
+    products = rows.new_zeros(*batch, 1 + group, size, size)  # (B, nkv, n, 1+g, size, size)
+    step = decay_factor(torch.diff(gamma, dim=-2, prepend=gamma[..., :1, :]))  # e^(gamma_i - gamma_(i-1)), 1 at 0
+    from_start = to_end = None  # blocks of one position: no decay inside
     half = 1
     while half < size:
-        from_start, to_end = add_pairs_across_halves(products, rows, k, step, from_start, to_end, half)
+        add_pairs_across_halves(products, rows, k, step, from_start, to_end, half)
+        if 2 * half < size:
+            from_start, to_end = doubled_factors(step, from_start, to_end, half)
         half *= 2
-    add_pairs_with_themselves(products, rows, k)
-    products = products[..., :C, :, :C]  # (B, nkv, n, C, 1+g, C)
-    lower = beta[..., None] * products[..., 0, :]  # (B, nkv, n, C, C): b_i k_i . seen_j
-    return lower, products[..., 1:, :].flatten(3, 4)  # scores (B, nkv, n, C*g, C)
+    products.diagonal(dim1=-2, dim2=-1).copy_((rows * k[..., None, :, :]).sum(-1))  # i = j: no decay
+    products = products[..., :C, :C]  # (B, nkv, n, 1+g, C, C)
+    lower = beta[..., None] * products[..., 0, :, :]  # (B, nkv, n, C, C): b_i k_i . seen_j
+    return lower, products[..., 1:, :, :].flatten(3, 4)  # scores (B, nkv, n, g*C, C)
 
 
 def add_pairs_across_halves(products: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, step: torch.Tensor,
-                            from_start: torch.Tensor, to_end: torch.Tensor,
-                            half: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Writes into products (B, nkv, n, C, R, C) the pairs of rows (B, nkv, n, C, R, hs) in the
+                            from_start: torch.Tensor | None, to_end: torch.Tensor | None, half: int) -> None:
+    """Writes into products (B, nkv, n, R, C, C) the pairs of rows (B, nkv, n, R, C, hs) in the
     second half of each block of 2 * half positions with the keys k (B, nkv, n, C, hs) of its first
-    half; returns from_start and to_end for blocks of 2 * half.
+    half.
 
     For blocks of `half`, from_start (B, nkv, n, C, hs) holds e^(gamma_i - gamma_b), b the first
-    position of i's block, and to_end e^(gamma_e - gamma_i), e its last; step e^(gamma_i - gamma_(i-1)).
-    With s the first position of the second half (fla's sub-chunk split),
+    position of i's block, and to_end e^(gamma_e - gamma_i), e its last (None: blocks of one
+    position, all ones); step is e^(gamma_i - gamma_(i-1)). With s the first position of the second
+    half (fla's sub-chunk split),
 
         e^(gamma_i - gamma_j) = from_start_i * step_s * to_end_j        j < s <= i
 
-    every factor at most 1 (no overflow under a strong decay, no exponential per level): the first
-    scales the rows, the others the keys, and the pairs are one matmul per block."""
-    *batch, C, R, hs = rows.shape
+    every factor at most 1 (no overflow under a strong decay): the first scales the rows, the others
+    the keys, and the pairs are one matmul per block."""
+    *batch, R, C, hs = rows.shape
     nb = C // (2 * half)
+    late = rows.view(*batch, R, nb, 2, half, hs)[..., 1, :, :]  # (B, nkv, n, R, nb, half, hs): rows i >= s
+    early = k.view(*batch, nb, 2, half, hs)[..., 0, :, :]  # (B, nkv, n, nb, half, hs): keys j < s
+    to_next = step.view(*batch, nb, 2, half, hs)[..., 1, :1, :]  # (B, nkv, n, nb, 1, hs): step_s
+    if from_start is not None:
+        late = late * from_start.view(*batch, 1, nb, 2, half, hs)[..., 1, :, :]
+        to_next = to_end.view(*batch, nb, 2, half, hs)[..., 0, :, :] * to_next  # (B, nkv, n, nb, half, hs)
+    # A block's rows, R * half of them, side by side: one matmul per block, not one per block and row kind.
+    late = late.transpose(-4, -3).reshape(*batch, nb, R * half, hs)  # (B, nkv, n, nb, R*half, hs)
+    pairs = late @ (early * to_next).transpose(-1, -2)  # (B, nkv, n, nb, R*half, half)
+    # products' rows of each block's second half and columns of its first: (B, nkv, n, R, half, half, nb)
+    blocks = products.view(*batch, R, nb, 2, half, nb, 2, half).diagonal(dim1=-6, dim2=-3)[..., 1, :, 0, :, :]
+    blocks.copy_(pairs.reshape(*batch, nb, R, half, half).movedim(-4, -1))
+
+
+def doubled_factors(step: torch.Tensor, from_start: torch.Tensor | None, to_end: torch.Tensor | None,
+                    half: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """from_start and to_end (add_pairs_across_halves) for blocks of 2 * half from those for blocks
+    of half: the second half's from_start continues from the first's start, the first half's to_end
+    runs on to the second's end, each by one factor per block and channel."""
+    *batch, C, hs = step.shape
+    nb = C // (2 * half)
+    bridge = step.view(*batch, nb, 2, half, hs)[..., 1, 0, :]  # (B, nkv, n, nb, hs): step_s
+    ones = torch.ones_like(bridge)
+    if from_start is None:  # from blocks of one position, whose factors are 1: [1, step_s] and [step_s, 1]
+        return torch.stack((ones, bridge), dim=-2).view(*batch, C, hs), torch.stack((bridge, ones), dim=-2).view(
+            *batch, C, hs)
     from_start = from_start.view(*batch, nb, 2, half, hs)  # (B, nkv, n, nb, 2, half, hs): the blocks' halves
     to_end = to_end.view(*batch, nb, 2, half, hs)
-    bridge = step.view(*batch, nb, 2, half, hs)[..., 1, 0, :]  # (B, nkv, n, nb, hs): step_s
-    late = rows.view(*batch, nb, 2, half, R, hs)[..., 1, :, :, :]  # (B, nkv, n, nb, half, R, hs): rows i >= s
-    early = k.view(*batch, nb, 2, half, hs)[..., 0, :, :]  # (B, nkv, n, nb, half, hs): keys j < s
-    late = late * from_start[..., 1, :, None, :]
-    early = early * (to_end[..., 0, :, :] * bridge[..., None, :])
-    pairs = late.flatten(-3, -2) @ early.transpose(-1, -2)  # (B, nkv, n, nb, half*R, half)
-    # products' rows of each block's second half and columns of its first: (B, nkv, n, half, R, half, nb)
-    blocks = products.view(*batch, nb, 2, half, R, nb, 2, half).diagonal(dim1=-7, dim2=-3)[..., 1, :, :, 0, :, :]
-    blocks.copy_(pairs.view(*batch, nb, half, R, half).movedim(-4, -1))
-
-    # The doubled blocks' factors: the second half's from_start continues from the first's start,
-    # the first half's to_end runs on to the second's end.
-    ones = torch.ones_like(bridge)
     across = from_start[..., 0, -1, :] * bridge  # (B, nkv, n, nb, hs): e^(gamma_s - gamma_b)
     through = bridge * from_start[..., 1, -1, :]  # (B, nkv, n, nb, hs): e^(gamma_E - gamma_(s-1)), E the last
     from_start = from_start * torch.stack((ones, across), dim=-2)[..., None, :]  # (B, nkv, n, nb, 2, half, hs)
     to_end = to_end * torch.stack((through, ones), dim=-2)[..., None, :]
     return from_start.view(*batch, C, hs), to_end.view(*batch, C, hs)
-
-
-def add_pairs_with_themselves(products: torch.Tensor, rows: torch.Tensor, k: torch.Tensor) -> None:
-    """Writes into products (B, nkv, n, C, R, C) each row's pair with its own position's key, whose
-    decay is e^0 = 1: rows (B, nkv, n, C, R, hs) . k (B, nkv, n, C, hs)."""
-    same = products.diagonal(dim1=-3, dim2=-1)  # (B, nkv, n, R, C)
-    same.copy_((rows * k[..., None, :]).sum(-1).transpose(-1, -2))
 
 
 # ------------------------------------------------------------------------------------ the kind
