@@ -34,11 +34,14 @@ from lm.attention.shared_caches import accumulation_dtype
 
 SEGMENT = 256  # positions per segment (whole chunks): intermediates of a few hundred KB to a few MB
 
-# A segment's chunks in, their in-chunk pair terms out: (L, scores) from q (B, nkv, n, g, C, hs),
-# k (B, nkv, n, C, hs), beta (B, nkv, n, C) and gamma. L (B, nkv, n, C, C) is read strictly below its
-# diagonal only; scores (B, nkv, n, g*C, C), q_i . e^(gamma_i - gamma_j) k_j, on and below it (zero
-# above), its rows (query head, position) in q's order.
-InChunk = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# A segment's chunks in, the decay's in-chunk terms out. From q (B, nkv, n, g, C, hs), k (B, nkv, n,
+# C, hs), beta (B, nkv, n, C) and g, the log decay at each position ((B, nkv, n, C) or (B, nkv, n,
+# C, hs)): L (B, nkv, n, C, C), read strictly below its diagonal only; scores (B, nkv, n, g*C, C),
+# q_i . e^(gamma_i - gamma_j) k_j on and below it (zero above), its rows (query head, position) in
+# q's order; and the decay e^gamma from the chunk's start and e^(gamma_C - gamma) to its end, each
+# (B, nkv, n, C, 1) or (B, nkv, n, C, hs), with gamma the in-chunk cumulative log decay.
+InChunk = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                   tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 def decay_factor(log_decay: torch.Tensor) -> torch.Tensor:
@@ -55,7 +58,7 @@ def chunkwise_delta_rule(in_chunk: InChunk, q: torch.Tensor, k: torch.Tensor, v:
                          chunk_size: int, segment: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q (B, nh, T, hs), k (B, nkv, T, hs), v (B, nkv, T, hv), beta (B, nkv, T), g (B, nkv, T) or
     (B, nkv, T, hs) -> out (B, nh, T, hv) in q's dtype, final state (B, nkv, hs, hv) in float32 or
-    wider; the decay's pair terms inside each chunk from `in_chunk`."""
+    wider; the decay's terms inside each chunk from `in_chunk`."""
     B, nh, T, hs = q.shape
     nkv, hv, C = k.shape[1], v.shape[-1], chunk_size
     group, N = nh // nkv, -(-T // chunk_size)
@@ -79,25 +82,20 @@ def chunkwise_delta_rule(in_chunk: InChunk, q: torch.Tensor, k: torch.Tensor, v:
     per_segment = max(1, (segment or SEGMENT) // C)
     outputs = []
     for q_s, k_s, v_s, beta_s, g_s in zip(*(t.split(per_segment, dim=2) for t in (q, k, v, beta, g)), strict=True):
-        gamma_s = g_s.cumsum(3)  # (B, nkv, n, C[, hs]): the in-chunk log decay up to each position
-        lower, scores = in_chunk(q_s, k_s, beta_s, gamma_s)
-        out, S = delta_rule_segment(lower, scores, q_s, k_s, v_s, beta_s, gamma_s, S)
+        out, S = delta_rule_segment(*in_chunk(q_s, k_s, beta_s, g_s), q_s, k_s, v_s, beta_s, S)
         outputs.append(out)
     out = torch.cat(outputs, dim=2).view(B, nkv, N, group, C, hv)  # (B, nkv, N, g, C, hv)
     out = out.transpose(2, 3).reshape(B, nh, N * C, hv)[:, :, :T]  # (B, nh, T, hv)
     return out.to(in_dtype), S
 
 
-def delta_rule_segment(lower: torch.Tensor, scores: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       beta: torch.Tensor, gamma: torch.Tensor,
+def delta_rule_segment(lower: torch.Tensor, scores: torch.Tensor, decay: torch.Tensor, to_end: torch.Tensor,
+                       q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor,
                        S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A segment's n chunks, given their pair terms (lower, scores) as in_chunk returns them and their
-    q, k, v, beta, gamma as chunkwise_delta_rule splits them; S (B, nkv, hs, hv) the state before
-    -> out (B, nkv, n, g*C, hv), the state after."""
+    """A segment's n chunks, given their in-chunk terms (lower, scores, decay, to_end) as in_chunk
+    returns them and their q, k, v, beta as chunkwise_delta_rule splits them; S (B, nkv, hs, hv) the
+    state before -> out (B, nkv, n, g*C, hv), the state after."""
     B, nkv, n, C, hs = k.shape
-    # The decay from the chunk's start, one column per K/V head or one per key channel.
-    gamma = gamma if gamma.dim() == 5 else gamma[..., None]  # (B, nkv, n, C, hs or 1)
-    decay = decay_factor(gamma)  # (B, nkv, n, C, hs or 1)
     b = beta[..., None]  # (B, nkv, n, C, 1)
 
     # The UT transform: solve (I + L) [W_v | W_k] = [diag(b) V | diag(b) K e^gamma] for the chunks at once;
@@ -110,8 +108,8 @@ def delta_rule_segment(lower: torch.Tensor, scores: torch.Tensor, q: torch.Tenso
     w_v, w_k = w.split((v.shape[-1], hs), dim=-1)  # the writes are U = W_v - W_k S for the state S before the chunk
 
     # Across chunks, S' = A S + K_end^T W_v: the only step that runs in order, one matmul per chunk.
-    k_to_end = (k * decay_factor(gamma[..., -1:, :] - gamma)).transpose(-1, -2)  # (B, nkv, n, hs, C): to the end
-    chunk_decay = decay_factor(gamma[..., -1, :]).expand(B, nkv, n, hs)  # (B, nkv, n, hs): each key row of S
+    k_to_end = (k * to_end).transpose(-1, -2)  # (B, nkv, n, hs, C): keys decayed to the chunk's end
+    chunk_decay = decay[..., -1, :].expand(B, nkv, n, hs)  # (B, nkv, n, hs): each key row of S
     transition = torch.diag_embed(chunk_decay) - k_to_end @ w_k  # A (B, nkv, n, hs, hs)
     written = k_to_end @ w_v  # (B, nkv, n, hs, hv)
     before = []

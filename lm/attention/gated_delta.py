@@ -66,15 +66,17 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: to
 
 
 def head_decay_pairs(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor,
-                     gamma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The in-chunk pair terms (lm.attention.delta_rule) with one decay per K/V head: q (B, nkv, n,
-    g, C, hs), k (B, nkv, n, C, hs), beta and gamma (B, nkv, n, C) -> L (B, nkv, n, C, C), scores
-    (B, nkv, n, g*C, C). The pair decay e^(gamma_i - gamma_j) is a C x C matrix per chunk, masked
-    above the diagonal."""
+                     g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The in-chunk terms (lm.attention.delta_rule) with one decay per K/V head: q (B, nkv, n, g, C,
+    hs), k (B, nkv, n, C, hs), beta and g (B, nkv, n, C) -> L (B, nkv, n, C, C), scores (B, nkv, n,
+    g*C, C), the decay from the chunk's start and to its end (B, nkv, n, C, 1). The pair decay
+    e^(gamma_i - gamma_j) is a C x C matrix per chunk, zero above the diagonal."""
+    gamma = g.cumsum(-1)  # (B, nkv, n, C): the in-chunk log decay up to each position
     decay = decay_factor(gamma[..., :, None] - gamma[..., None, :]).tril()  # (B, nkv, n, C, C), 0 for j > i
     lower = beta[..., None] * (k @ k.transpose(-1, -2)) * decay  # (B, nkv, n, C, C)
     scores = q @ k[..., None, :, :].transpose(-1, -2)  # (B, nkv, n, g, C, C)
-    return lower, (scores * decay[..., None, :, :]).flatten(3, 4)  # (B, nkv, n, g*C, C)
+    scores = (scores * decay[..., None, :, :]).flatten(3, 4)  # (B, nkv, n, g*C, C)
+    return lower, scores, decay_factor(gamma)[..., None], decay_factor(gamma[..., -1:] - gamma)[..., None]
 
 
 @without_autocast

@@ -62,48 +62,50 @@ def kda_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tens
 
 
 def channel_decay_pairs(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor,
-                        gamma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The in-chunk pair terms (lm.attention.delta_rule) with a decay per key channel: q (B, nkv, n,
-    g, C, hs), k (B, nkv, n, C, hs), beta (B, nkv, n, C), gamma (B, nkv, n, C, hs) -> L (B, nkv, n,
-    C, C), scores (B, nkv, n, g*C, C): k_i, and q_i for each query head, against the keys the decay
-    leaves them, e^(gamma_i - gamma_j) k_j, below the diagonal and, for the queries, on it.
+                        g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The in-chunk terms (lm.attention.delta_rule) with a decay per key channel: q (B, nkv, n, g, C,
+    hs), k (B, nkv, n, C, hs), beta (B, nkv, n, C), g (B, nkv, n, C, hs) -> L (B, nkv, n, C, C),
+    scores (B, nkv, n, g*C, C): k_i, and q_i for each query head, against the keys the decay leaves
+    them, e^(gamma_i - gamma_j) k_j, below the diagonal and, for the queries, on it; the decay from
+    the chunk's start and to its end (B, nkv, n, C, hs).
 
     The chunk is halved, and its halves halved, down to single positions: the pairs of each block's
     second half with its first are one matmul (add_pairs_across_halves), and a position's pair with
     itself has no decay. The decay factors of each level are products of the finer level's
-    (doubled_factors), so the elementwise work per chunk is C hs per level, log2(C) levels, and C hs
-    exponentials in all, where forming every pair's decay per channel costs C hs C of each. A chunk
-    that is not a power of two is padded to one with positions that meet nothing."""
+    (doubled_factors), down to each position's own e^(g_i): C hs exponentials per chunk and C hs
+    products per level, log2(C) levels, where forming every pair's decay per channel costs C hs C
+    exponentials. A chunk that is not a power of two is padded to one with positions that meet
+    nothing and do not decay."""
     *batch, group, C, hs = q.shape
     size = 1 << (C - 1).bit_length()  # the power of two at or above C
     rows = torch.cat((k[..., None, :, :], q), dim=-3)  # (B, nkv, n, 1+g, C, hs): keys and queries both meet the keys
-    if size > C:  # zero rows and keys; gamma held at its last value, a decay of 1 that no factor exceeds
-        rows, k = F.pad(rows, (0, 0, 0, size - C)), F.pad(k, (0, 0, 0, size - C))
-        gamma = torch.cat((gamma, gamma[..., -1:, :].expand(*batch, size - C, hs)), dim=-2)
+    if size > C:
+        rows, k, g = F.pad(rows, (0, 0, 0, size - C)), F.pad(k, (0, 0, 0, size - C)), F.pad(g, (0, 0, 0, size - C))
     products = rows.new_zeros(*batch, 1 + group, size, size)  # (B, nkv, n, 1+g, size, size)
-    step = decay_factor(torch.diff(gamma, dim=-2, prepend=gamma[..., :1, :]))  # e^(gamma_i - gamma_(i-1)), 1 at 0
-    from_start = to_end = None  # blocks of one position: no decay inside
+    step = decay_factor(g)  # (B, nkv, n, size, hs): e^(gamma_i - gamma_(i-1))
+    from_start = to_end = torch.ones_like(step)  # blocks of one position: no decay inside
     half = 1
     while half < size:
         add_pairs_across_halves(products, rows, k, step, from_start, to_end, half)
-        if 2 * half < size:
-            from_start, to_end = doubled_factors(step, from_start, to_end, half)
+        from_start, to_end = doubled_factors(step, from_start, to_end, half)
         half *= 2
     products.diagonal(dim1=-2, dim2=-1).copy_((rows * k[..., None, :, :]).sum(-1))  # i = j: no decay
     products = products[..., :C, :C]  # (B, nkv, n, 1+g, C, C)
     lower = beta[..., None] * products[..., 0, :, :]  # (B, nkv, n, C, C): b_i k_i . seen_j
-    return lower, products[..., 1:, :, :].flatten(3, 4)  # scores (B, nkv, n, g*C, C)
+    scores = products[..., 1:, :, :].flatten(3, 4)  # (B, nkv, n, g*C, C)
+    decay = step[..., :1, :] * from_start  # e^gamma_i = e^(g_0) e^(gamma_i - gamma_0)
+    return lower, scores, decay[..., :C, :], to_end[..., :C, :]
 
 
 def add_pairs_across_halves(products: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, step: torch.Tensor,
-                            from_start: torch.Tensor | None, to_end: torch.Tensor | None, half: int) -> None:
+                            from_start: torch.Tensor, to_end: torch.Tensor, half: int) -> None:
     """Writes into products (B, nkv, n, R, C, C) the pairs of rows (B, nkv, n, R, C, hs) in the
     second half of each block of 2 * half positions with the keys k (B, nkv, n, C, hs) of its first
     half.
 
     For blocks of `half`, from_start (B, nkv, n, C, hs) holds e^(gamma_i - gamma_b), b the first
-    position of i's block, and to_end e^(gamma_e - gamma_i), e its last (None: blocks of one
-    position, all ones); step is e^(gamma_i - gamma_(i-1)). With s the first position of the second
+    position of i's block, and to_end e^(gamma_e - gamma_i), e its last; step is e^(gamma_i -
+    gamma_(i-1)) = e^(g_i). With s the first position of the second
     half (fla's sub-chunk split),
 
         e^(gamma_i - gamma_j) = from_start_i * step_s * to_end_j        j < s <= i
@@ -115,9 +117,8 @@ def add_pairs_across_halves(products: torch.Tensor, rows: torch.Tensor, k: torch
     late = rows.view(*batch, R, nb, 2, half, hs)[..., 1, :, :]  # (B, nkv, n, R, nb, half, hs): rows i >= s
     early = k.view(*batch, nb, 2, half, hs)[..., 0, :, :]  # (B, nkv, n, nb, half, hs): keys j < s
     to_next = step.view(*batch, nb, 2, half, hs)[..., 1, :1, :]  # (B, nkv, n, nb, 1, hs): step_s
-    if from_start is not None:
-        late = late * from_start.view(*batch, 1, nb, 2, half, hs)[..., 1, :, :]
-        to_next = to_end.view(*batch, nb, 2, half, hs)[..., 0, :, :] * to_next  # (B, nkv, n, nb, half, hs)
+    late = late * from_start.view(*batch, 1, nb, 2, half, hs)[..., 1, :, :]
+    to_next = to_end.view(*batch, nb, 2, half, hs)[..., 0, :, :] * to_next  # (B, nkv, n, nb, half, hs)
     # A block's rows, R * half of them, side by side: one matmul per block, not one per block and row kind.
     late = late.transpose(-4, -3).reshape(*batch, nb, R * half, hs)  # (B, nkv, n, nb, R*half, hs)
     pairs = late @ (early * to_next).transpose(-1, -2)  # (B, nkv, n, nb, R*half, half)
@@ -126,7 +127,7 @@ def add_pairs_across_halves(products: torch.Tensor, rows: torch.Tensor, k: torch
     blocks.copy_(pairs.reshape(*batch, nb, R, half, half).movedim(-4, -1))
 
 
-def doubled_factors(step: torch.Tensor, from_start: torch.Tensor | None, to_end: torch.Tensor | None,
+def doubled_factors(step: torch.Tensor, from_start: torch.Tensor, to_end: torch.Tensor,
                     half: int) -> tuple[torch.Tensor, torch.Tensor]:
     """from_start and to_end (add_pairs_across_halves) for blocks of 2 * half from those for blocks
     of half: the second half's from_start continues from the first's start, the first half's to_end
@@ -135,9 +136,6 @@ def doubled_factors(step: torch.Tensor, from_start: torch.Tensor | None, to_end:
     nb = C // (2 * half)
     bridge = step.view(*batch, nb, 2, half, hs)[..., 1, 0, :]  # (B, nkv, n, nb, hs): step_s
     ones = torch.ones_like(bridge)
-    if from_start is None:  # from blocks of one position, whose factors are 1: [1, step_s] and [step_s, 1]
-        return torch.stack((ones, bridge), dim=-2).view(*batch, C, hs), torch.stack((bridge, ones), dim=-2).view(
-            *batch, C, hs)
     from_start = from_start.view(*batch, nb, 2, half, hs)  # (B, nkv, n, nb, 2, half, hs): the blocks' halves
     to_end = to_end.view(*batch, nb, 2, half, hs)
     across = from_start[..., 0, -1, :] * bridge  # (B, nkv, n, nb, hs): e^(gamma_s - gamma_b)
