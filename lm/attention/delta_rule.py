@@ -60,33 +60,38 @@ def chunkwise_delta_rule(in_chunk: InChunk, q: torch.Tensor, k: torch.Tensor, v:
     (B, nkv, T, hs) -> out (B, nh, T, hv) in q's dtype, final state (B, nkv, hs, hv) in float32 or
     wider; the decay's terms inside each chunk from `in_chunk`."""
     B, nh, T, hs = q.shape
-    nkv, hv, C = k.shape[1], v.shape[-1], chunk_size
-    group, N = nh // nkv, -(-T // chunk_size)
-    pad = N * C - T
-    in_dtype, dtype = q.dtype, accumulation_dtype(q.dtype)
+    hv, dtype = v.shape[-1], accumulation_dtype(q.dtype)
     scale = hs ** -0.5 if scale is None else scale
-    S = q.new_zeros(B, nkv, hs, hv, dtype=dtype) if state is None else state.to(dtype)
-    per_channel = g.dim() == 4
-
-    # Padded tail positions: zero q, k, v, beta and g = 0 write nothing and keep the state.
-    q = F.pad(q.to(dtype) * scale, (0, 0, 0, pad)).view(B, nkv, group, N, C, hs)  # (B, nkv, g, N, C, hs)
-    q = q.transpose(2, 3)  # (B, nkv, N, g, C, hs): a group's query heads, each over the chunk
-    k = F.pad(k.to(dtype), (0, 0, 0, pad)).view(B, nkv, N, C, hs)  # (B, nkv, N, C, hs)
-    v = F.pad(v.to(dtype), (0, 0, 0, pad)).view(B, nkv, N, C, hv)  # (B, nkv, N, C, hv)
-    beta = F.pad(beta.to(dtype), (0, pad)).view(B, nkv, N, C)  # (B, nkv, N, C)
-    g = F.pad(g.to(dtype), (0, 0, 0, pad) if per_channel else (0, pad))
-    g = g.view(B, nkv, N, C, *g.shape[3:])  # (B, nkv, N, C[, hs])
-
-    # split, not slicing: its backward writes the segments' gradients into one tensor, where every
-    # slice would get a gradient the size of the whole.
-    per_segment = max(1, (segment or SEGMENT) // C)
+    S = q.new_zeros(B, k.shape[1], hs, hv, dtype=dtype) if state is None else state.to(dtype)
+    # Segments taken from the inputs as they come, converted and chunked one at a time: whole-sequence
+    # copies would be fresh mappings (32 MB a tensor at 16k x 8 heads x 64) whose page faults cost more
+    # than the work. split, not slicing: its backward writes the segments' gradients into one tensor,
+    # where every slice would get a gradient the size of the whole.
+    step = chunk_size * max(1, (segment or SEGMENT) // chunk_size)
     outputs = []
-    for q_s, k_s, v_s, beta_s, g_s in zip(*(t.split(per_segment, dim=2) for t in (q, k, v, beta, g)), strict=True):
+    for q_s, k_s, v_s, beta_s, g_s in zip(*(t.split(step, dim=2) for t in (q, k, v, beta, g)), strict=True):
+        q_s, k_s, v_s, beta_s, g_s = in_chunks(q_s, k_s, v_s, beta_s, g_s, scale, chunk_size, dtype)
         out, S = delta_rule_segment(*in_chunk(q_s, k_s, beta_s, g_s), q_s, k_s, v_s, beta_s, S)
         outputs.append(out)
-    out = torch.cat(outputs, dim=2).view(B, nkv, N, group, C, hv)  # (B, nkv, N, g, C, hv)
-    out = out.transpose(2, 3).reshape(B, nh, N * C, hv)[:, :, :T]  # (B, nh, T, hv)
-    return out.to(in_dtype), S
+    return torch.cat(outputs, dim=2)[:, :, :T].to(q.dtype), S  # (B, nh, T, hv)
+
+
+def in_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
+              scale: float, C: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """A segment's q (B, nh, Ts, hs), k, v (B, nkv, Ts, hs), beta (B, nkv, Ts) and g (B, nkv, Ts[, hs])
+    in `dtype` and in chunks of C, q times `scale`, the tail padded: q (B, nkv, n, g, C, hs), k, v
+    (B, nkv, n, C, hs), beta (B, nkv, n, C), g (B, nkv, n, C[, hs]). Padded positions (zero q, k, v,
+    beta and g = 0) write nothing and keep the state."""
+    B, nh, Ts, hs = q.shape
+    nkv = k.shape[1]
+    n, pad = -(-Ts // C), -Ts % C
+    q = F.pad(q.to(dtype) * scale, (0, 0, 0, pad)).view(B, nkv, nh // nkv, n, C, hs)  # (B, nkv, g, n, C, hs)
+    q = q.transpose(2, 3)  # (B, nkv, n, g, C, hs): a group's query heads, each over the chunk
+    k = F.pad(k.to(dtype), (0, 0, 0, pad)).view(B, nkv, n, C, hs)  # (B, nkv, n, C, hs)
+    v = F.pad(v.to(dtype), (0, 0, 0, pad)).view(B, nkv, n, C, -1)  # (B, nkv, n, C, hv)
+    beta = F.pad(beta.to(dtype), (0, pad)).view(B, nkv, n, C)  # (B, nkv, n, C)
+    g = F.pad(g.to(dtype), (0, 0, 0, pad) if g.dim() == 4 else (0, pad))
+    return q, k, v, beta, g.view(B, nkv, n, C, *g.shape[3:])  # g (B, nkv, n, C[, hs])
 
 
 def delta_rule_segment(lower: torch.Tensor, scores: torch.Tensor, decay: torch.Tensor, to_end: torch.Tensor,
@@ -94,7 +99,7 @@ def delta_rule_segment(lower: torch.Tensor, scores: torch.Tensor, decay: torch.T
                        S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A segment's n chunks, given their in-chunk terms (lower, scores, decay, to_end) as in_chunk
     returns them and their q, k, v, beta as chunkwise_delta_rule splits them; S (B, nkv, hs, hv) the
-    state before -> out (B, nkv, n, g*C, hv), the state after."""
+    state before -> out (B, nh, n*C, hv), the state after."""
     B, nkv, n, C, hs = k.shape
     b = beta[..., None]  # (B, nkv, n, C, 1)
 
@@ -121,4 +126,5 @@ def delta_rule_segment(lower: torch.Tensor, scores: torch.Tensor, decay: torch.T
     # The writes and the outputs, for the chunks at once.
     u = w_v - w_k @ S_before  # (B, nkv, n, C, hv)
     q_decayed = (q * decay[..., None, :, :]).flatten(3, 4)  # (B, nkv, n, g*C, hs)
-    return q_decayed @ S_before + scores @ u, S  # (B, nkv, n, g*C, hv)
+    out = (q_decayed @ S_before + scores @ u).unflatten(3, (q.shape[3], C))  # (B, nkv, n, g, C, hv)
+    return out.permute(0, 1, 3, 2, 4, 5).reshape(B, -1, n * C, out.shape[-1]), S  # (B, nh, n*C, hv)
