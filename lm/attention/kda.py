@@ -76,9 +76,12 @@ def channel_decay_pairs(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor,
     products per level, log2(C) levels, where forming every pair's decay per channel costs C hs C
     exponentials. A chunk that is not a power of two is padded to one with positions that meet
     nothing and do not decay."""
-    *batch, group, C, hs = q.shape
+    *outer, group, C, hs = q.shape
     size = 1 << (C - 1).bit_length()  # the power of two at or above C
-    rows = torch.cat((k[..., None, :, :], q), dim=-3)  # (B, nkv, n, 1+g, C, hs): keys and queries both meet the keys
+    # (B, nkv, n) as one batch dimension Z: every elementwise pass below is cheaper to set up over fewer dimensions
+    rows = torch.cat((k[..., None, :, :], q), dim=-3).view(-1, 1 + group, C, hs)  # (Z, 1+g, C, hs): keys and queries
+    k, g, beta = k.reshape(-1, C, hs), g.reshape(-1, C, hs), beta.reshape(-1, C)  # (Z, C, hs), (Z, C)
+    batch = (rows.shape[0],)
     if size > C:
         rows, k, g = F.pad(rows, (0, 0, 0, size - C)), F.pad(k, (0, 0, 0, size - C)), F.pad(g, (0, 0, 0, size - C))
     products = rows.new_zeros(*batch, 1 + group, size, size)  # (B, nkv, n, 1+g, size, size)
@@ -91,10 +94,11 @@ def channel_decay_pairs(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor,
         half *= 2
     products.diagonal(dim1=-2, dim2=-1).copy_((rows * k[..., None, :, :]).sum(-1))  # i = j: no decay
     products = products[..., :C, :C]  # (B, nkv, n, 1+g, C, C)
-    lower = beta[..., None] * products[..., 0, :, :]  # (B, nkv, n, C, C): b_i k_i . seen_j
-    scores = products[..., 1:, :, :].flatten(3, 4)  # (B, nkv, n, g*C, C)
+    lower = beta[..., None] * products[..., 0, :, :]  # (Z, C, C): b_i k_i . seen_j
+    scores = products[..., 1:, :, :].reshape(*outer, group * C, C)  # (B, nkv, n, g*C, C)
     decay = step[..., :1, :] * from_start  # e^gamma_i = e^(g_0) e^(gamma_i - gamma_0)
-    return lower, scores, decay[..., :C, :], to_end[..., :C, :]
+    return lower.view(*outer, C, C), scores, decay[..., :C, :].view(*outer, C, hs), to_end[..., :C, :].reshape(
+        *outer, C, hs)
 
 
 def add_pairs_across_halves(products: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, step: torch.Tensor,
