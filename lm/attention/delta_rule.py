@@ -129,7 +129,7 @@ def delta_rule_segment(lower: torch.Tensor, scores: torch.Tensor, decay: torch.T
 
     # The writes and the outputs, for the chunks at once.
     u = torch.baddbmm(w_v, w_k, S_before, alpha=-1)  # (Z, C, hv)
-    q_decayed = (q.reshape(Z, group, C, hs) * decay[:, None]).view(Z, group * C, hs)  # (Z, g*C, hs)
+    q_decayed = (q.reshape(Z, group, C, hs) * decay[:, None]).reshape(Z, group * C, hs)  # (Z, g*C, hs)
     out = torch.baddbmm(q_decayed @ S_before, scores.reshape(Z, group * C, C), u)  # (Z, g*C, hv)
     out = out.view(B, nkv, n, group, C, hv).transpose(2, 3)  # (B, nkv, g, n, C, hv)
     return out.reshape(B, nkv * group, n * C, hv), S.view(B, nkv, hs, hv)  # (B, nh, n*C, hv)
