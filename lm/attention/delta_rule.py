@@ -1,6 +1,6 @@
 """The chunkwise delta rule that Gated DeltaNet (lm.attention.gated_delta) and Kimi Delta Attention
 (lm.attention.kda) share: the sequence taken in segments, each chunk's UT transform, and the state
-carried across chunks. Each kind supplies only what differs, the in-chunk products of its decay.
+carried across chunks. Each kind supplies only what differs, the in-chunk terms of its decay.
 
 Shapes: B batch, T sequence length, nh query heads, nkv K/V heads, g = nh / nkv, hs head size of
 keys, hv of values, N chunks of C positions (n of them in a segment), gamma the in-chunk cumulative
@@ -13,13 +13,14 @@ hs, multiplying the key rows of S) and L[i, j] = b_i k_i . (e^(gamma_i - gamma_j
     o_i = (q_i e^gamma_i) S + sum_{j <= i} (q_i . e^(gamma_i - gamma_j) k_j) u_j
     S'  = Diag(e^gamma_C) S + (K e^(gamma_C - gamma))^T U = A S + K_end^T W_v,   A = Diag(e^gamma_C) - K_end^T W_k
 
-Two choices make it fast on a CPU. The state crosses a chunk as one product, S' = A S + K_end^T W_v,
+What makes it fast on a CPU. The state crosses a chunk as one product, S' = A S + K_end^T W_v,
 with A and K_end^T W_v formed for every chunk at once beforehand, so the loop that must run in order
 is one small matmul per chunk; the states it leaves are stacked, and the writes and outputs are then
-batched products over all chunks. And the sequence goes in segments of about SEGMENT positions, as
-linear attention's does (lm.attention.linear): a segment's intermediates stay in cache, where
-whole-sequence ones are fresh mappings whose page faults cost more than their arithmetic.
-Everything accumulates in float32 (float64 stays float64).
+batched products over all chunks. The sequence goes in segments of SEGMENT positions, as linear
+attention's does (lm.attention.linear), converted and chunked one at a time: a segment's
+intermediates stay in cache, where whole-sequence ones are fresh mappings whose page faults cost
+more than their arithmetic. Exponentials never reach subnormal results (decay_factor), where
+torch's CPU exp is over ten times slower. Everything accumulates in float32 (float64 stays float64).
 """
 
 from __future__ import annotations
@@ -33,6 +34,15 @@ import torch.nn.functional as F
 from lm.attention.shared_caches import accumulation_dtype
 
 SEGMENT = 256  # positions per segment (whole chunks): intermediates of a few hundred KB to a few MB
+
+
+def state_flops(T: int, n_head: int, n_kv_head: int, hs: int, C: int) -> float:
+    """The work outside the in-chunk pairs, per chunk of C: the triangular solve for [W_v | W_k]
+    (C^2 x 2hs, half of it), A and K_end^T W_v (C hs^2 each), A S in the loop (hs^3), the writes
+    U = W_v - W_k S (C hs^2) and, per query head, the outputs from S and U (C hs^2 + C^2 hs)."""
+    per_kv_head = T * C * 2 * hs + 3 * 2 * T * hs * hs + 2 * T * hs * hs * hs // C
+    per_q_head = 2 * T * hs * hs + 2 * T * C * hs
+    return n_kv_head * per_kv_head + n_head * per_q_head
 
 # A segment's chunks in, the decay's in-chunk terms out. From q (B, nkv, n, g, C, hs), k (B, nkv, n,
 # C, hs), beta (B, nkv, n, C) and g, the log decay at each position ((B, nkv, n, C) or (B, nkv, n,

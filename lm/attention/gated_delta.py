@@ -15,9 +15,11 @@ The training path is chunkwise (the paper's WY representation, computed as a uni
 triangular solve, the "UT transform"): inside a chunk every position's write u_j depends on the
 earlier writes of the chunk, U = (I + L)^-1 (diag(b) V - diag(b e^gamma) K S) with L the
 strictly lower b_j e^(gamma_j - gamma_l) k_j.k_l, gamma the in-chunk cumulative log decay; the
-chunk's outputs and final state are then products with U. Only the state crosses chunks, so the
-loop over chunks does three small matmuls each, and nothing larger than C x C is formed per chunk.
-Everything accumulates in float32 (float64 stays float64).
+chunk's outputs and final state are then products with U. Only the state crosses chunks, one
+matmul per chunk, and nothing larger than C x C is formed per chunk; what this rule shares with
+KDA's (the segments, the solve, the state across chunks) is lm.attention.delta_rule, and what is
+its own is the C x C matrix of pair decays (head_decay_pairs). Everything accumulates in float32
+(float64 stays float64).
 
 The layer around the op (fla's GatedDeltaNet layer): Q, K, V projections through a short causal
 depthwise convolution and SiLU, q and k L2-normalised, b = sigmoid(x W_b), g = -exp(A) softplus(x W_a
@@ -41,7 +43,7 @@ from torch import nn
 from lm.attention.base import AttentionSpec, Example, LayerShape, register
 from lm.attention.cache import CacheContext, CacheSpec
 from lm.attention.convolution import causal_conv, naive_causal_conv, window_after
-from lm.attention.delta_rule import chunkwise_delta_rule, decay_factor
+from lm.attention.delta_rule import chunkwise_delta_rule, decay_factor, state_flops
 from lm.attention.projections import qkv_rows
 from lm.attention.shared_caches import RecurrentCache, accumulation_dtype, without_autocast
 from lm.util.checks import require_choice, require_int, require_positive
@@ -129,13 +131,11 @@ class GatedDeltaSpec(AttentionSpec):
         return GatedDeltaNet(self, shape)
 
     def flops(self, T: int, n_head: int, n_kv_head: int, head_dim: int) -> float:
-        """Per chunk of C: k k^T and the decayed q k^T (C x C x hs), the triangular solve for
-        [W_v | W_k] (C^2 x 2hs), the writes U = W_v - W_k S (C hs^2), the outputs from S and U
-        (gC hs^2 + gC^2 hs) and the state update (C hs^2)."""
+        """Per chunk of C: k k^T and, per query head, q k^T (C x C x hs), then the state's work
+        (lm.attention.delta_rule.state_flops)."""
         C, hs = self.chunk_size, head_dim
-        per_kv_head = 2 * T * C * hs + T * C * 2 * hs + 2 * T * hs * hs + 2 * T * hs * hs
-        per_q_head = 2 * T * C * hs + 2 * T * hs * hs + 2 * T * C * hs
-        return n_kv_head * per_kv_head + n_head * per_q_head
+        pairs = (n_kv_head + n_head) * 2 * T * C * hs
+        return pairs + state_flops(T, n_head, n_kv_head, hs, C)
 
 
 def l2_normalised(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -21,10 +21,14 @@ With gamma_i (hs,) the in-chunk cumulative log decay up to position i and S the 
     S'      = e^gamma_C * S + (K * e^(gamma_C - gamma))^T U                    (rows of S scaled per channel)
 
 A pair's decay does not factor into a term of i times a term of j without e^(-gamma_j), which
-overflows under a strong decay, so each chunk forms e^(gamma_i - gamma_j) <= 1 for its C x C pairs
-and hs channels, masked above the diagonal before the exponential; one chunk at a time, inside the
-loop that carries S, so the forward pass holds one chunk's (C, hs, C) pairs, never the sequence's.
-Everything accumulates in float32 (float64 stays float64).
+overflows under a strong decay; forming it for the C x C pairs and hs channels costs C hs
+exponentials per position. fla's sub-chunk split factors it through a position between them
+instead: e^(gamma_i - gamma_j) = e^(gamma_i - gamma_s) e^(gamma_s - gamma_j), both at most 1 for
+j < s <= i, so the pairs across the split are a matmul. Here the chunk is halved recursively
+(channel_decay_pairs): each level's pairs are one matmul of scaled rows and keys, the factors are
+products of the finer level's, and no tensor larger than C x C x (1 + g) or C x hs is formed per
+chunk. What the rule shares with gated delta's (the segments, the solve, the state across chunks)
+is lm.attention.delta_rule. Everything accumulates in float32 (float64 stays float64).
 
 The layer around the op (fla's KimiDeltaAttention layer): gated delta's fused Q, K, V rows through
 the short causal convolution and SiLU, q and k L2-normalised; b = sigmoid(x W_b) per K/V head;
@@ -42,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lm.attention.base import AttentionSpec, Example, LayerShape, register
-from lm.attention.delta_rule import chunkwise_delta_rule, decay_factor
+from lm.attention.delta_rule import chunkwise_delta_rule, decay_factor, state_flops
 from lm.attention.gated_delta import DeltaRuleLayer, check_delta_rule_options, fla_backend, mamba2_decay_init
 from lm.attention.shared_caches import accumulation_dtype, without_autocast
 
@@ -174,14 +178,12 @@ class KimiDeltaSpec(AttentionSpec):
         return KimiDeltaNet(self, shape)
 
     def flops(self, T: int, n_head: int, n_kv_head: int, head_dim: int) -> float:
-        """Per chunk of C: the decayed keys e^(gamma_i - gamma_j) k_j (C x C x hs), k_i and the g
-        query heads against them (C x C x hs each), the triangular solve for [W_v | W_k]
-        (C^2 x 2hs), the writes U = W_v - W_k S (C hs^2), the outputs from S and U
-        (gC hs^2 + gC^2 hs) and the state update (C hs^2)."""
+        """Per chunk of C: k_i and, per query head, q_i against the earlier keys (C x C x hs / 2
+        each: the pairs below the diagonal, one halving level at a time), then the state's work
+        (lm.attention.delta_rule.state_flops)."""
         C, hs = self.chunk_size, head_dim
-        per_kv_head = 2 * T * C * hs + 2 * T * C * hs + T * C * 2 * hs + 2 * T * hs * hs + 2 * T * hs * hs
-        per_q_head = 2 * T * C * hs + 2 * T * hs * hs + 2 * T * C * hs
-        return n_kv_head * per_kv_head + n_head * per_q_head
+        pairs = (n_kv_head + n_head) * T * C * hs
+        return pairs + state_flops(T, n_head, n_kv_head, hs, C)
 
 
 class KimiDeltaNet(DeltaRuleLayer):
