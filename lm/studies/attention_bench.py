@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import itertools
 import math
+import statistics
 import time
 from pathlib import Path
 
@@ -166,12 +168,14 @@ def attention_on(device: torch.device, args) -> dict:
         writer.writeheader()
         writer.writerows(rows)
     print_attention_ratios(rows, max(args.lengths))
+    alternating = print_alternating_forward(cases, args) if args.rounds else {}
     whole_layer = print_whole_layer_times(args)
     label = f"{torch.cuda.get_device_name(device)} bf16" if device.type == "cuda" else "CPU fp32"
     png_path = plot_attention(rows, args.heads, out_dir / "attention.png", label)
     print(f"wrote {csv_path} and {png_path}")
     return {"device": describe_device(device), "precision": precision, "d_model": args.d_model,
             "measured_peak_flops": peak, "rows": rows, "whole_layer_forward_s": whole_layer,
+            "alternating_forward_s": {f"{name}@{n}": t for (name, n), t in alternating.items()},
             "csv": str(csv_path), "png": str(png_path)}
 
 
@@ -203,6 +207,34 @@ def print_attention_ratios(rows: list[dict], n_max: int) -> None:
     if all(single):
         print(f"  one head of size d_model: softmax {single[0]['forward_s']:.3f} s vs linear "
               f"{single[1]['forward_s']:.3f} s forward ({single[0]['forward_s'] / single[1]['forward_s']:.1f}x)")
+
+
+def print_alternating_forward(cases: list, args) -> dict[tuple[str, int], float]:
+    """Median forward seconds of each case's op over args.rounds rounds that take the kinds in turn
+    at each length (after one round of warm-up): on a shared machine the kinds then see the same
+    load, so their ratios hold where one absolute time does not. Prints them, and every kind's
+    ratio to every faster one at that length when there are at most four kinds."""
+    ops_at: dict[int, list] = {}
+    for name, spec, n_kv_head, heads, n in cases:
+        torch.manual_seed(0)
+        module, _ = attention_layer(spec, n_kv_head, args.d_model, heads)
+        ops_at.setdefault(n, []).append((name, *module.benchmark_op(n)))
+    medians = {}
+    for n, ops in ops_at.items():
+        times: dict[str, list[float]] = {name: [] for name, _, _ in ops}
+        for _ in range(args.rounds + 1):
+            for name, op, inputs in ops:
+                with torch.no_grad():
+                    times[name].append(timed(lambda op=op, inputs=inputs: op(*inputs)))
+        at_n = {name: statistics.median(t[1:]) for name, t in times.items()}
+        medians.update({(name, n): t for name, t in at_n.items()})
+        print(f"forward at N={n}, median of {args.rounds} alternating rounds: "
+              + ", ".join(f"{name} {t:.4f} s" for name, t in at_n.items()))
+        if len(at_n) <= 4:  # slower / faster
+            slowest_first = sorted(at_n, key=at_n.get, reverse=True)
+            print("  " + ", ".join(f"{a} / {b} {at_n[a] / at_n[b]:.2f}x"
+                                   for a, b in itertools.combinations(slowest_first, 2)))
+    return medians
 
 
 def print_whole_layer_times(args) -> dict[str, float]:

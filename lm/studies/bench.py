@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     attention.add_argument("--d-model", type=int, default=512)
     attention.add_argument("--heads", type=int, default=8)
     attention.add_argument("--repeats", type=int, default=2, help="measured runs per case; the best is kept")
+    attention.add_argument("--rounds", type=int, default=0,
+                           help="then the forwards again in this many alternating rounds per N: medians and ratios")
     attention.add_argument("--no-single-head", dest="single_head", action="store_false",
                            help="skip the one-head comparison at the longest N")
     attention.add_argument("--out", default="bench", help="folder for attention.csv and attention.png")
