@@ -10,7 +10,7 @@ from lm.studies.bench import build_parser, main
 from lm.util.cli import exit_on_user_error
 from lm.util.errors import ConfigError
 
-ZERO_TAKES_MEANING = {"warmup", "positions"}  # no warm-up steps; a latency taken at the first position
+ZERO_TAKES_MEANING = {"warmup", "positions", "rounds"}  # no warm-up steps; first-position latency; no rounds
 
 
 def check_arguments(argv: list[str]) -> None:
