@@ -82,14 +82,14 @@ def channel_decay_pairs(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor,
     nothing and do not decay."""
     *outer, group, C, hs = q.shape
     size = 1 << (C - 1).bit_length()  # the power of two at or above C
-    # (B, nkv, n) as one batch dimension Z: every elementwise pass below is cheaper to set up over fewer dimensions
+    # (B, nkv, n) as one batch dimension Z, the chunks: each elementwise pass below sets up faster over fewer dimensions
     rows = torch.cat((k[..., None, :, :], q), dim=-3).view(-1, 1 + group, C, hs)  # (Z, 1+g, C, hs): keys and queries
     k, g, beta = k.reshape(-1, C, hs), g.reshape(-1, C, hs), beta.reshape(-1, C)  # (Z, C, hs), (Z, C)
-    batch = (rows.shape[0],)
+    batch = (rows.shape[0],)  # Z
     if size > C:
         rows, k, g = F.pad(rows, (0, 0, 0, size - C)), F.pad(k, (0, 0, 0, size - C)), F.pad(g, (0, 0, 0, size - C))
-    products = rows.new_zeros(*batch, 1 + group, size, size)  # (B, nkv, n, 1+g, size, size)
-    step = decay_factor(g)  # (B, nkv, n, size, hs): e^(gamma_i - gamma_(i-1))
+    products = rows.new_zeros(*batch, 1 + group, size, size)  # (Z, 1+g, size, size)
+    step = decay_factor(g)  # (Z, size, hs): e^(gamma_i - gamma_(i-1))
     from_start = to_end = torch.ones_like(step)  # blocks of one position: no decay inside
     half = 1
     while half < size:
@@ -97,7 +97,7 @@ def channel_decay_pairs(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor,
         from_start, to_end = doubled_factors(step, from_start, to_end, half)
         half *= 2
     products.diagonal(dim1=-2, dim2=-1).copy_((rows * k[..., None, :, :]).sum(-1))  # i = j: no decay
-    products = products[..., :C, :C]  # (B, nkv, n, 1+g, C, C)
+    products = products[..., :C, :C]  # (Z, 1+g, C, C)
     lower = beta[..., None] * products[..., 0, :, :]  # (Z, C, C): b_i k_i . seen_j
     scores = products[..., 1:, :, :].reshape(*outer, group * C, C)  # (B, nkv, n, g*C, C)
     decay = step[..., :1, :] * from_start  # e^gamma_i = e^(g_0) e^(gamma_i - gamma_0)
@@ -107,11 +107,11 @@ def channel_decay_pairs(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor,
 
 def add_pairs_across_halves(products: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, step: torch.Tensor,
                             from_start: torch.Tensor, to_end: torch.Tensor, half: int) -> None:
-    """Writes into products (B, nkv, n, R, C, C) the pairs of rows (B, nkv, n, R, C, hs) in the
-    second half of each block of 2 * half positions with the keys k (B, nkv, n, C, hs) of its first
+    """Writes into products (Z, R, C, C) the pairs of rows (Z, R, C, hs) in the
+    second half of each block of 2 * half positions with the keys k (Z, C, hs) of its first
     half.
 
-    For blocks of `half`, from_start (B, nkv, n, C, hs) holds e^(gamma_i - gamma_b), b the first
+    For blocks of `half`, from_start (Z, C, hs) holds e^(gamma_i - gamma_b), b the first
     position of i's block, and to_end e^(gamma_e - gamma_i), e its last; step is e^(gamma_i -
     gamma_(i-1)) = e^(g_i). With s the first position of the second
     half (fla's sub-chunk split),
@@ -122,15 +122,15 @@ def add_pairs_across_halves(products: torch.Tensor, rows: torch.Tensor, k: torch
     the keys, and the pairs are one matmul per block."""
     *batch, R, C, hs = rows.shape
     nb = C // (2 * half)
-    late = rows.view(*batch, R, nb, 2, half, hs)[..., 1, :, :]  # (B, nkv, n, R, nb, half, hs): rows i >= s
-    early = k.view(*batch, nb, 2, half, hs)[..., 0, :, :]  # (B, nkv, n, nb, half, hs): keys j < s
-    to_next = step.view(*batch, nb, 2, half, hs)[..., 1, :1, :]  # (B, nkv, n, nb, 1, hs): step_s
+    late = rows.view(*batch, R, nb, 2, half, hs)[..., 1, :, :]  # (Z, R, nb, half, hs): rows i >= s
+    early = k.view(*batch, nb, 2, half, hs)[..., 0, :, :]  # (Z, nb, half, hs): keys j < s
+    to_next = step.view(*batch, nb, 2, half, hs)[..., 1, :1, :]  # (Z, nb, 1, hs): step_s
     late = late * from_start.view(*batch, 1, nb, 2, half, hs)[..., 1, :, :]
-    to_next = to_end.view(*batch, nb, 2, half, hs)[..., 0, :, :] * to_next  # (B, nkv, n, nb, half, hs)
+    to_next = to_end.view(*batch, nb, 2, half, hs)[..., 0, :, :] * to_next  # (Z, nb, half, hs)
     # A block's rows, R * half of them, side by side: one matmul per block, not one per block and row kind.
-    late = late.transpose(-4, -3).reshape(*batch, nb, R * half, hs)  # (B, nkv, n, nb, R*half, hs)
-    pairs = late @ (early * to_next).transpose(-1, -2)  # (B, nkv, n, nb, R*half, half)
-    # products' rows of each block's second half and columns of its first: (B, nkv, n, R, half, half, nb)
+    late = late.transpose(-4, -3).reshape(*batch, nb, R * half, hs)  # (Z, nb, R*half, hs)
+    pairs = late @ (early * to_next).transpose(-1, -2)  # (Z, nb, R*half, half)
+    # products' rows of each block's second half and columns of its first: (Z, R, half, half, nb)
     blocks = products.view(*batch, R, nb, 2, half, nb, 2, half).diagonal(dim1=-6, dim2=-3)[..., 1, :, 0, :, :]
     blocks.copy_(pairs.reshape(*batch, nb, R, half, half).movedim(-4, -1))
 
@@ -142,13 +142,13 @@ def doubled_factors(step: torch.Tensor, from_start: torch.Tensor, to_end: torch.
     runs on to the second's end, each by one factor per block and channel."""
     *batch, C, hs = step.shape
     nb = C // (2 * half)
-    bridge = step.view(*batch, nb, 2, half, hs)[..., 1, 0, :]  # (B, nkv, n, nb, hs): step_s
+    bridge = step.view(*batch, nb, 2, half, hs)[..., 1, 0, :]  # (Z, nb, hs): step_s
     ones = torch.ones_like(bridge)
-    from_start = from_start.view(*batch, nb, 2, half, hs)  # (B, nkv, n, nb, 2, half, hs): the blocks' halves
+    from_start = from_start.view(*batch, nb, 2, half, hs)  # (Z, nb, 2, half, hs): the blocks' halves
     to_end = to_end.view(*batch, nb, 2, half, hs)
-    across = from_start[..., 0, -1, :] * bridge  # (B, nkv, n, nb, hs): e^(gamma_s - gamma_b)
-    through = bridge * from_start[..., 1, -1, :]  # (B, nkv, n, nb, hs): e^(gamma_E - gamma_(s-1)), E the last
-    from_start = from_start * torch.stack((ones, across), dim=-2)[..., None, :]  # (B, nkv, n, nb, 2, half, hs)
+    across = from_start[..., 0, -1, :] * bridge  # (Z, nb, hs): e^(gamma_s - gamma_b)
+    through = bridge * from_start[..., 1, -1, :]  # (Z, nb, hs): e^(gamma_E - gamma_(s-1)), E the last
+    from_start = from_start * torch.stack((ones, across), dim=-2)[..., None, :]  # (Z, nb, 2, half, hs)
     to_end = to_end * torch.stack((through, ones), dim=-2)[..., None, :]
     return from_start.view(*batch, C, hs), to_end.view(*batch, C, hs)
 
