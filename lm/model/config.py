@@ -11,10 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from lm.attention import AttentionSpec, LayerShape, as_layer_specs, layer_specs
+from lm.model.layers import MLPS
 from lm.util.checks import require_bool, require_int, require_positive
 from lm.util.errors import ConfigError
-
-MLP_CHOICES = ("swiglu", "relu2")  # lm.model.layers.MLPS builds them; named here so a config stays importable alone
 
 
 @dataclass
@@ -53,8 +52,8 @@ class ModelConfig:
             require_positive(name, getattr(self, name))
         require_bool("tie_embeddings", self.tie_embeddings)
         require_bool("zero_init_out", self.zero_init_out)
-        if self.mlp not in MLP_CHOICES:
-            raise ConfigError(f"mlp={self.mlp!r} is not one of {', '.join(MLP_CHOICES)}")
+        if self.mlp not in MLPS:
+            raise ConfigError(f"mlp={self.mlp!r} is not one of {', '.join(MLPS)}")
         require_int("short_conv", self.short_conv, minimum=0)
         if self.d_model % self.n_head:
             raise ConfigError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 import torch.optim._muon as torch_muon
@@ -58,8 +59,7 @@ def newton_schulz_in(dtype: torch.dtype) -> Iterator[None]:
         return
     with _SWAP:  # one step at a time holds the swap: another thread's Muon never sees it half done
         own = torch_muon._zeropower_via_newtonschulz
-        torch_muon._zeropower_via_newtonschulz = lambda g, coefficients, steps, eps: newton_schulz(
-            g, coefficients, steps, eps, dtype)
+        torch_muon._zeropower_via_newtonschulz = partial(newton_schulz, dtype=dtype)
         try:
             yield
         finally:
@@ -87,8 +87,7 @@ class SplitMuon(torch.optim.Muon):
             if sum(rows) != p.shape[0] or min(rows) < 1:
                 raise ValueError(f"rows {tuple(rows)} do not cut a fused weight of {p.shape[0]} rows")
 
-    @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None):  # torch's step is no_grad itself
         with newton_schulz_in(NS_DTYPES[self.ns_dtype]):
             return super().step(closure)
 
