@@ -10,7 +10,7 @@ WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, len(os.sched_getaffinit
 XDIST = -n $(WORKERS) --dist worksteal
 
 .DEFAULT_GOAL := help
-.PHONY: help install train test test-slow test-all test-gpu gpu-wheels lint bench clean
+.PHONY: help install train test test-slow test-all test-gpu gpu-wheels llama-server lint bench clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -38,6 +38,23 @@ test-all: install ## every test, slow ones included (installs llama-cpp-python, 
 test-gpu: install ## the gpu tier (tests marked gpu: bf16, fused SDPA, CUDA graphs, trainer=gpu, FSDP); needs CUDA
 	$(PY) -c "import sys, torch; sys.exit(None if torch.cuda.is_available() else 'error: torch sees no CUDA device')"
 	$(PY) -m pytest -m gpu -q --durations=15
+
+# llama.cpp's own server, for `bench.py serve`: built from the llama.cpp sources inside the llama-cpp-python
+# release the `llama` extra installs, so the server and the Python binding are one version of llama.cpp
+LLAMA_SRC := .cache/llama-server
+llama-server: $(VENV)/bin/llama-server ## build llama.cpp's server into .venv/bin (cmake and a C++ compiler; minutes)
+
+$(VENV)/bin/llama-server: $(STAMP)
+	$(PY) -m pip install -q -c constraints.txt -e '.[llama]'
+	rm -rf $(LLAMA_SRC) && mkdir -p $(LLAMA_SRC)
+	$(PY) -m pip download -q -c constraints.txt --no-deps --no-binary :all: -d $(LLAMA_SRC) \
+	  "llama-cpp-python==$$($(PY) -c 'import llama_cpp; print(llama_cpp.__version__)')"
+	tar xzf $(LLAMA_SRC)/llama_cpp_python-*.tar.gz -C $(LLAMA_SRC)
+	cmake -S $(LLAMA_SRC)/llama_cpp_python-*/vendor/llama.cpp -B $(LLAMA_SRC)/build -DCMAKE_BUILD_TYPE=Release \
+	  -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+	  -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON
+	cmake --build $(LLAMA_SRC)/build --target llama-server -j
+	cp $(LLAMA_SRC)/build/bin/llama-server $@
 
 gpu-wheels: ## .whl/: what a GPU machine with its own torch and no index lacks (gpu/wheels.txt), for `bash gpu/run`
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: -d .whl -r gpu/wheels.txt

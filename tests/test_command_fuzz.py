@@ -131,11 +131,13 @@ UPTRAIN = [
 ]
 
 SERVE = [  # scripts/serve.py: every setting is checked before the port is bound or the checkpoint read
-    ("port=-1", "port"), ("port=65536", "port"), ("port=abc", "port"), ("max_batch=0", "max_batch"),
-    ("max_batch=1.5", "max_batch"), ("max_queue=-1", "max_queue"), ("max_new_tokens=0", "max_new_tokens"),
-    (f"max_prompt_tokens={HUGE}.5", "max_prompt_tokens"), ("compile=maybe", "compile"), ("quantize=int3", "quantize"),
-    ("int8_kernel=bogus", "int8_kernel"), ("device=tpu", "device"), ("drain_s=-1", "drain_s"),
-    ("chat_template={empty}/none.jinja", "chat_template"), ("model_name=' '", "model_name"),
+    ("port=-1", "port"), ("port=65536", "port=65536 must be an integer from 0 to 65535"), ("port=abc", "port"),
+    ("max_batch=0", "max_batch=0 must be an integer >= 1"), ("max_batch=1.5", "max_batch"),
+    ("max_queue=-1", "max_queue"), ("max_new_tokens=0", "max_new_tokens"),
+    (f"max_prompt_tokens={HUGE}.5", "max_prompt_tokens"), ("compile=maybe", "compile"),
+    ("quantize=int3", "quantize='int3' is not one of ['int8']"), ("int8_kernel=bogus", "int8_kernel"),
+    ("device=tpu", "device"), ("drain_s=-1", "drain_s"),
+    ("chat_template={empty}/none.jinja", "none.jinja' is not a file"), ("model_name=' '", "model_name"),
     ("ckpt={empty}/none.ckpt", "none.ckpt"),
 ]
 
@@ -244,6 +246,21 @@ BENCH = [  # scripts/bench.py (argparse): a size that cannot be measured, named 
     # argparse's own refusals, one line too
     (["attention", "--lengths", "abc"], "--lengths: invalid int value: 'abc'"), (["nope"], "invalid choice: 'nope'"),
     (["serve", "--bogus", "1"], "unrecognized arguments: --bogus 1"),
+    (["serve", "--kinds", "linear"], "--int8 holds ['softmax-gqa']: not among --kinds"),
+    # serve's llama.cpp rows: a program that is not there, a kind it is not given or cannot run (/bin/sh stands in)
+    (["serve", "--llama-server", "{empty}/llama-server"], "llama-server: not an executable file"),
+    (["serve", "--llama-server", "/bin/sh", "--llama-kind", "nope"], "--llama-kind nope: not one of --kinds"),
+    (["serve", "--llama-server", "/bin/sh", "--kinds", "linear", "--int8", "--llama-kind", "linear"],
+     "no GGUF equivalent"),
+    # recipe: the overrides compose before anything trains, and the named recipes are checked as a set
+    (["recipe", "--b", "optim=nope"], "optim"),
+    (["recipe", "--recipe", "a=", "--recipe", "noequals"], "--recipe 'noequals' is not NAME=OVERRIDES"),
+    (["recipe", "--recipe", "a b=seed=1", "--recipe", "c="], "--recipe 'a b=seed=1' is not NAME=OVERRIDES"),
+    (["recipe", "--recipe", "only="], "give two or more, each name once"),
+    (["recipe", "--recipe", "x=", "--recipe", "x=seed=1"], "give two or more, each name once"),
+    (["recipe", "--recipe", "target=", "--recipe", "b="], "target names a column of the report"),
+    (["recipe", "--recipe", "a=", "--recipe", "b=", "--a", "seed=1"],
+     "give --recipe NAME=OVERRIDES for every recipe, or --a and --b, not both"),
 ]
 
 

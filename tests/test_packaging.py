@@ -52,7 +52,7 @@ def test_no_dependency_of_the_package_is_pinned_exactly():
 
 def test_every_pip_install_of_the_makefile_applies_constraints_txt():
     installs = [line for line in (ROOT / "Makefile").read_text().splitlines() if "pip install" in line]
-    assert len(installs) == 2  # the venv, and llama-cpp-python for test-all
+    assert len(installs) == 3  # the venv, and llama-cpp-python for test-all and for llama-server
     assert [line for line in installs if "-c constraints.txt" not in line] == []
 
 

@@ -1,5 +1,6 @@
-"""scripts/serve.py: settings refused in one line before anything loads, a checkpoint served as the
-script serves it, and SIGTERM letting the running requests finish before the process exits."""
+"""scripts/serve.py: a port in use refused in one line, a checkpoint served as the script serves it, and
+SIGTERM letting the running requests finish before the process exits. Every other setting's refusal
+is a row of tests/test_command_fuzz.py's SERVE table."""
 
 import json
 import os
@@ -16,6 +17,7 @@ from conftest import compose_config  # noqa: E402
 from serving import CHAT_TEMPLATE, greedy_text, model, running, tokenizer, write_checkpoint  # noqa: E402
 
 from lm.serving.run import prepare  # noqa: E402
+from lm.studies.serve_bench import find_llama_server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,21 +32,6 @@ def checkpoint(tmp_path_factory):
 def run_script(*args, env=None):
     return subprocess.run([sys.executable, str(ROOT / "scripts/serve.py"), *args], capture_output=True, text=True,
                           env={**os.environ, **(env or {})}, timeout=120)
-
-
-@pytest.mark.parametrize(("args", "words"), [
-    (["port=70000"], "port=70000 must be an integer from 0 to 65535"),
-    (["max_batch=0"], "max_batch=0 must be an integer >= 1"),
-    (["quantize=int4"], "quantize='int4' is not one of ['int8']"),
-    (["chat_template=/nonexistent.jinja"], "chat_template='/nonexistent.jinja' is not a file"),
-    (["device=tpu"], "device"),
-    (["ckpt=/nonexistent.ckpt"], "does not exist"),
-    (["compile=maybe"], "compile"),
-])
-def test_bad_settings_are_one_line_and_exit_2(checkpoint, args, words):
-    result = run_script(f"ckpt={checkpoint}", *args)
-    assert result.returncode == 2, result.stderr
-    assert result.stderr.count("\n") == 1 and words in result.stderr
 
 
 def test_a_port_in_use_is_one_line(checkpoint):
@@ -107,13 +94,36 @@ def test_bench_serve_measures_each_kind_at_each_concurrency(tmp_path):
                              str(out)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     kinds = json.loads(out.read_text())["kinds"]
-    assert list(kinds) == ["softmax-gqa", "linear", "softmax-gqa int8"]
+    llama = ["llama.cpp F32", "llama.cpp Q8_0"] if find_llama_server(None) else []  # where `make llama-server` ran
+    assert list(kinds) == ["softmax-gqa", "linear", "softmax-gqa int8", *llama]
     for rows in kinds.values():
         assert [(r["clients"], r["slots"], r["requests"]) for r in rows] == [(1, 1, 1), (3, 2, 3)]
         # random weights may end a completion at the end-of-text token; most run to --new-tokens
         assert all(0 < r["tokens"] <= 6 * r["requests"] and r["tokens_per_s"] > 0 for r in rows)
         assert all(r["ttft_p50"] <= r["ttft_p95"] for r in rows)
     assert (tmp_path / "serve.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_bench_serve_puts_llama_cpps_server_beside_ours_on_the_same_weights(tmp_path):
+    if find_llama_server(None) is None:
+        pytest.skip("no llama-server here (make llama-server)")
+    out = tmp_path / "results.json"
+    result = subprocess.run([sys.executable, str(ROOT / "scripts/bench.py"), "serve", "--kinds", "softmax-gqa",
+                             "--int8", "--clients", "1", "2", "--requests", "1", "--prompt-tokens", "16",
+                             "--new-tokens", "8", "--out", "", "--json", str(out)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    results = json.loads(out.read_text())
+    assert list(results["kinds"]) == ["softmax-gqa", "llama.cpp F32", "llama.cpp Q8_0"]
+    for label in ("llama.cpp F32", "llama.cpp Q8_0"):
+        rows = results["kinds"][label]
+        assert [(r["clients"], r["slots"]) for r in rows] == [(1, 1), (2, 2)]
+        assert all(0 < r["tokens"] <= 8 * r["requests"] for r in rows)
+    # The same weights in f32, with llama-server's K/V cache in f32: its greedy tokens are ours
+    f32 = results["greedy"]["llama.cpp F32"]
+    assert f32["prompts"] == 4 and f32["equal"] == 4 and f32["tokens_equal"] == 1.0, f32
+    assert "llama.cpp F32: 4/4 prompts equal over 8 tokens" in result.stdout
 
 
 def test_bench_serve_refuses_an_unknown_kind_before_serving(capsys):

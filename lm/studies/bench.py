@@ -123,6 +123,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--requests", type=int, default=2, help="completions each client sends in turn")
     serve.add_argument("--prompt-tokens", type=int, default=64)
     serve.add_argument("--new-tokens", type=int, default=128)
+    serve.add_argument("--compile", action="store_true", help="lm's servers with compile=true (one graph for "
+                                                                  "every step; compiled before the timing)")
+    serve.add_argument("--llama-server", default=None, metavar="PATH",
+                       help="llama.cpp's server program (default: llama-server beside this Python, as "
+                            "`make llama-server` builds it, or on PATH; rows left out where there is none)")
+    serve.add_argument("--llama-kind", default=None, help="the kind whose weights llama-server serves (a softmax "
+                                                          "kind of --kinds; default: the first of --int8, else "
+                                                          "of --kinds)")
     serve.add_argument("--out", default="bench", help="folder for serve.png")
     serve.set_defaults(run=bench_serve)
     recipe = sub.add_parser("recipe", help="training recipes in turns: tokens and seconds to held-out bits per byte")

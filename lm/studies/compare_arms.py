@@ -82,22 +82,26 @@ def _entry(base: str, options: dict, configs: list[str], name: str | None = None
                       f"nor a registered kind ({', '.join(available_kinds())})")
 
 
-COMPOSED: dict[tuple, DictConfig] = {}  # (attn config, overrides) -> conf/train.yaml composed; one plan's
+COMPOSED: dict[tuple, DictConfig] = {}  # (attn config, overrides[, kind, data]) -> conf/train.yaml composed; one plan's
 
 
 def training_config(entry: Entry, task_overrides: list[str], values: dict, data: dict | None = None) -> DictConfig:
     """conf/train.yaml with this entry's attention and the study's settings (`data` replaces the
-    data group whole). Hydra composes it once per attention config and task within a plan (a
-    grid has hundreds of arms); each arm gets its own copy."""
+    data group whole). Hydra composes it once per attention config and task within a plan, and the
+    entry's kind and data replace their groups once (a grid has hundreds of arms); each arm is one
+    merge onto that, which copies it."""
     overrides = (f"attn={entry.attn}" if entry.attn else "attn=mha", "logger=none", *task_overrides)
     if overrides not in COMPOSED:
         COMPOSED[overrides] = compose(config_name="train", overrides=list(overrides))
-    cfg = OmegaConf.merge(COMPOSED[overrides])  # a copy: the changes below stay this arm's
-    if entry.attn is None:  # a registered kind without a YAML: its spec's defaults, every head its own K/V
-        cfg.attn = OmegaConf.create({"name": entry.kind, "kind": entry.kind, "n_kv_head": None})
-    if data is not None:
-        cfg.data = OmegaConf.create(data)
-    return OmegaConf.merge(cfg, values, {"attn": entry.options})
+    key = (*overrides, entry.kind, repr(data))
+    if key not in COMPOSED:
+        base = OmegaConf.merge(COMPOSED[overrides])  # a copy: the replacements below stay this key's
+        if entry.attn is None:  # a registered kind without a YAML: its spec's defaults, every head its own K/V
+            base.attn = OmegaConf.create({"name": entry.kind, "kind": entry.kind, "n_kv_head": None})
+        if data is not None:
+            base.data = OmegaConf.create(data)
+        COMPOSED[key] = base
+    return OmegaConf.merge(COMPOSED[key], values, {"attn": entry.options})
 
 
 def lr_tag(lr: float) -> str:

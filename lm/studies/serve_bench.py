@@ -11,6 +11,11 @@ the responses count, over the wall-clock from the first request sent to the last
 to first token (request sent to the first text) and inter-token latency (a request's first to last
 text over its tokens after the first), each as median and 95th percentile over the requests. The
 clients share the machine with the server, as a load generator on one box does.
+
+Beside them, where llama.cpp's own server is built (`make llama-server`, or `--llama-server PATH`):
+`llama-server` on the same weights of one softmax kind exported to GGUF (F32 and Q8_0), with as many
+parallel slots, the same threads, prompts and clients, and its greedy tokens compared with
+`lm.generate`'s on the same prompts.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import asyncio
 import json
 import os
 import random
+import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -89,9 +96,82 @@ class ServerProcess:
             self.process.kill()
 
 
+def find_llama_server(path: str | None) -> Path | None:
+    """`--llama-server PATH`, else `llama-server` beside this Python (where `make llama-server` puts it) or
+    on PATH; None where there is none. A path given that is not a program is an error, not a skip."""
+    if path:
+        found = shutil.which(path)
+        if found is None:
+            raise ConfigError(f"--llama-server {path}: not an executable file")
+        return Path(found)
+    beside = Path(sys.executable).parent / "llama-server"
+    found = beside if os.access(beside, os.X_OK) else shutil.which("llama-server")
+    return Path(found) if found else None
+
+
+def free_port() -> int:
+    """A loopback port free now (llama-server takes no port 0)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LlamaServerProcess:
+    """llama.cpp's `llama-server` on a GGUF file: `slots` parallel sequences of `context` tokens each,
+    decoded together (its continuous batching), on `threads` threads; `url` once its model is loaded."""
+
+    def __init__(self, binary: Path, gguf: Path, slots: int, context: int, threads: int,
+                 cache_type: str | None = None, timeout: float = 300):
+        import httpx
+
+        port = free_port()
+        command = [str(binary), "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+                   "--parallel", str(slots), "--ctx-size", str(slots * context), "--threads", str(threads),
+                   "--threads-batch", str(threads), "--cont-batching", "--n-gpu-layers", "0"]
+        if cache_type:
+            command += ["--cache-type-k", cache_type, "--cache-type-v", cache_type]
+        self.log = tempfile.TemporaryFile(mode="w+")  # its log, read back only to say why it did not start
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + timeout
+        while True:  # /health answers 503 while the model loads, 200 once it serves
+            if self.process.poll() is not None:
+                self.log.seek(0)
+                raise ConfigError(f"llama-server exited with {self.process.returncode}: "
+                                  f"{self.log.read().strip().splitlines()[-1:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                self.close()
+                raise ConfigError(f"llama-server did not answer /health within {timeout:.0f} s")
+            time.sleep(0.2)
+
+    def greedy(self, prompt: list[int], new_tokens: int) -> list[int]:
+        """Its greedy continuation of `prompt` as token ids (the native /completion route returns them)."""
+        import httpx
+
+        body = {"prompt": prompt, "n_predict": new_tokens, "temperature": 0, "top_k": 1, "cache_prompt": False,
+                "return_tokens": True}
+        reply = httpx.post(f"{self.url}/completion", json=body, timeout=600)
+        reply.raise_for_status()
+        return reply.json()["tokens"]
+
+    def close(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self.log.close()
+
+
 async def one_request(client, url: str, prompt: list[int], new_tokens: int) -> dict:
     """One streamed completion: when it was sent, when each piece of text came, its tokens."""
-    body = {"model": "bench", "prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "stream": True}
+    body = {"model": "bench", "prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}  # usage on a final chunk, from either server
     sent, arrivals, tokens = time.perf_counter(), [], 0
     async with client.stream("POST", f"{url}/v1/completions", json=body) as reply:
         if reply.status_code != 200:
@@ -107,12 +187,15 @@ async def one_request(client, url: str, prompt: list[int], new_tokens: int) -> d
     return {"sent": sent, "arrivals": arrivals, "tokens": tokens}
 
 
-async def drive(url: str, clients: int, requests: int, prompt_tokens: int, new_tokens: int, vocab: int) -> dict:
-    """`clients` concurrent clients, each sending `requests` completions in turn."""
+async def drive(url: str, clients: int, requests: int, prompt_tokens: int, new_tokens: int, vocab: int,
+                seed: int = 0) -> dict:
+    """`clients` concurrent clients, each sending `requests` completions in turn, every prompt its own."""
     import httpx
 
-    rng = random.Random(clients)
-    limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
+    rng = random.Random(f"{seed}-{clients}")
+    # A connection per request: llama-server may close one after a streamed answer, and a request sent
+    # on it then fails; loopback connections cost a fraction of a millisecond, and both servers pay it.
+    limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), limits=limits) as client:
 
         async def one_client() -> list[dict]:
@@ -144,31 +227,65 @@ def percentile(values: list[float], q: int) -> float:
 
 
 def bench_serve(args) -> dict:
-    """Prints a table per kind; returns every cell unrounded (--json)."""
+    """Prints a table per kind (and per llama.cpp weight type); returns every cell unrounded (--json)."""
     from lm.formats.checkpoint import save_checkpoint
 
     max_seq_len = args.prompt_tokens + args.new_tokens
     models = {name: kind_model(name, max_seq_len) for name in args.kinds}  # every name checked before any run
+    missing = [name for name in args.int8 if name not in args.kinds]
+    if missing:
+        raise ConfigError(f"--int8 holds {missing}: not among --kinds {args.kinds}")
+    llama = find_llama_server(args.llama_server)
+    if llama is not None and args.llama_kind is not None and args.llama_kind not in args.kinds:
+        raise ConfigError(f"--llama-kind {args.llama_kind}: not one of --kinds {args.kinds}")
+    llama_kind = args.llama_kind
+    if llama is not None:  # llama.cpp runs the llama architecture: softmax attention only, said before serving
+        from lm.formats.gguf import check_exportable
+
+        if llama_kind is not None:
+            check_exportable(models[llama_kind])
+        else:  # the first it runs of the int8 kinds (so Q8_0 meets lm's int8 on the same weights), else of --kinds
+            llama_kind = next((name for name in [*args.int8, *args.kinds] if exportable(models[name])), None)
     tokenizer = reference_tokenizer()
-    contenders = [(name, []) for name in args.kinds] + [(f"{name} int8", ["quantize=int8"]) for name in args.int8]
     print(f"serving the reference shape ({REFERENCE['n_layer']} layers, d_model {REFERENCE['d_model']}); "
           f"prompts of {args.prompt_tokens} tokens, {args.new_tokens} new tokens each, {args.requests} request(s) "
           f"per client; max_batch = clients up to {args.slots}; server threads: torch's default "
-          f"({os.cpu_count()} CPUs here)")
-    results = {}
+          f"({torch.get_num_threads()} here); lm's decoding step {'compiled' if args.compile else 'eager'}")
+    if llama is None:
+        print("llama.cpp rows: no llama-server here (`make llama-server` builds llama.cpp's own server)")
+    elif llama_kind is None:
+        print("llama.cpp rows: no kind of --kinds is one llama.cpp runs (softmax MHA, GQA or MQA)")
+    else:
+        print(f"llama.cpp rows: {llama} serving {llama_kind}'s weights")
+    results, greedy = {}, {}
     with tempfile.TemporaryDirectory() as folder:
-        for label, settings in contenders:
+        servers = {}  # label -> (slots -> a started server with .url and .close())
+        ours = [(name, []) for name in args.kinds] + [(f"{name} int8", ["quantize=int8"]) for name in args.int8]
+        for label, settings in ours:
             name = label.removesuffix(" int8")
             ckpt = Path(folder) / name / "bench.ckpt"
             if not ckpt.exists():
                 ckpt.parent.mkdir(parents=True, exist_ok=True)
                 save_checkpoint(ckpt, models[name].state_dict(), models[name].config, tokenizer.to_str())
+            settings = ["model_name=bench", *settings, f"max_new_tokens={args.new_tokens}",
+                        f"max_prompt_tokens={args.prompt_tokens}", f"compile={str(args.compile).lower()}"]
+            servers[label] = lambda slots, c=ckpt, s=settings: ServerProcess(c, slots, s)
+        if llama is not None and llama_kind is not None:
+            from lm.formats.gguf import export_gguf
+
+            for dtype, kind in (("f32", "F32"), ("q8_0", "Q8_0")):
+                gguf = export_gguf(models[llama_kind], tokenizer, Path(folder) / f"bench-{dtype}.gguf", dtype)
+                servers[f"llama.cpp {kind}"] = lambda slots, g=gguf: LlamaServerProcess(
+                    llama, g, slots, max_seq_len + 16, torch.get_num_threads())  # room: it marks a full slot truncated
+                greedy[f"llama.cpp {kind}"] = greedy_agreement(llama, gguf, models[llama_kind], args)
+        for label, start in servers.items():
             rows = []
             for slots in sorted({min(c, args.slots) for c in args.clients}):
-                server = ServerProcess(ckpt, slots, ["model_name=bench", *settings,
-                                                     f"max_new_tokens={args.new_tokens}",
-                                                     f"max_prompt_tokens={args.prompt_tokens}"])
+                server = start(slots)
                 try:
+                    # One request first, not counted: what happens once per server (compiling, the first
+                    # allocations) is not a cost of serving, for either server.
+                    asyncio.run(drive(server.url, 1, 1, args.prompt_tokens, 2, REFERENCE["vocab_size"], seed=1))
                     for clients in [c for c in args.clients if min(c, args.slots) == slots]:
                         row = asyncio.run(drive(server.url, clients, args.requests, args.prompt_tokens,
                                                 args.new_tokens, REFERENCE["vocab_size"]))
@@ -177,9 +294,47 @@ def bench_serve(args) -> dict:
                     server.close()
             results[label] = sorted(rows, key=lambda r: r["clients"])
             print_table(label, results[label])
+    if greedy:
+        print(f"\nllama.cpp's greedy tokens against lm.generate's ({llama_kind}, the same weights; "
+              f"llama-server with its K/V cache in f32):")
+        for label, agreement in greedy.items():
+            print(f"  {label}: {agreement['equal']}/{agreement['prompts']} prompts equal over {args.new_tokens} "
+                  f"tokens; {agreement['tokens_equal']:.1%} of tokens before a first difference")
     if args.out:
         plot(results, Path(args.out))
-    return {"kinds": results}
+    return {"kinds": results, "llama_server": str(llama) if llama and llama_kind else None, "llama_kind": llama_kind,
+            "greedy": greedy}
+
+
+def exportable(model: Transformer) -> bool:
+    from lm.formats.gguf import check_exportable
+
+    try:
+        check_exportable(model)
+    except ConfigError:
+        return False
+    return True
+
+
+def greedy_agreement(binary: Path, gguf: Path, model: Transformer, args, prompts: int = 4) -> dict:
+    """llama-server's greedy tokens on `gguf` against lm.generate's on `model` (the same weights), for
+    a few random prompts of the benchmark's length. Its K/V cache is f32 here (f16 by default), so a
+    difference is the weights' type or the arithmetic, not the cache's rounding."""
+    from lm.generation import generate
+
+    rng = random.Random(0)
+    asked = [[rng.randrange(1, REFERENCE["vocab_size"]) for _ in range(args.prompt_tokens)] for _ in range(prompts)]
+    ours = [row[len(p):] for p, row in zip(asked, generate(model, asked, args.new_tokens), strict=True)]
+    server = LlamaServerProcess(binary, gguf, 1, args.prompt_tokens + args.new_tokens + 16, torch.get_num_threads(),
+                                cache_type="f32")
+    try:
+        theirs = [server.greedy(p, args.new_tokens) for p in asked]
+    finally:
+        server.close()
+    before = [next((i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b), min(len(x), len(y)))
+              for x, y in zip(ours, theirs, strict=True)]
+    return {"prompts": prompts, "equal": sum(x == y for x, y in zip(ours, theirs, strict=True)),
+            "tokens_equal": sum(before) / sum(map(len, ours)), "first_difference": before}
 
 
 def print_table(label: str, rows: list[dict]) -> None:
