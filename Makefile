@@ -13,7 +13,7 @@ XDIST = -n $(WORKERS) --dist worksteal
 .PHONY: help install train test test-slow test-all test-gpu gpu-wheels llama-server lint bench clean
 
 help: ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
 
 install: $(STAMP) ## build .venv: CPU torch pinned by constraints.txt, lm editable, dev + hf + gguf + eval + serve extras
 
@@ -44,16 +44,16 @@ test-gpu: install ## the gpu tier (tests marked gpu: bf16, fused SDPA, CUDA grap
 LLAMA_SRC := .cache/llama-server
 llama-server: $(VENV)/bin/llama-server ## build llama.cpp's server into .venv/bin (cmake and a C++ compiler; minutes)
 
-$(VENV)/bin/llama-server: $(STAMP)
+$(VENV)/bin/llama-server: | $(STAMP)
 	$(PY) -m pip install -q -c constraints.txt -e '.[llama]'
 	rm -rf $(LLAMA_SRC) && mkdir -p $(LLAMA_SRC)
-	$(PY) -m pip download -q -c constraints.txt --no-deps --no-binary :all: -d $(LLAMA_SRC) \
-	  "llama-cpp-python==$$($(PY) -c 'import llama_cpp; print(llama_cpp.__version__)')"
+	$(PY) -m pip download -q -c constraints.txt --no-deps --no-binary llama-cpp-python -d $(LLAMA_SRC) \
+	  "llama-cpp-python==$$($(PY) -c "import importlib.metadata as m; print(m.version('llama-cpp-python'))")"
 	tar xzf $(LLAMA_SRC)/llama_cpp_python-*.tar.gz -C $(LLAMA_SRC)
 	cmake -S $(LLAMA_SRC)/llama_cpp_python-*/vendor/llama.cpp -B $(LLAMA_SRC)/build -DCMAKE_BUILD_TYPE=Release \
 	  -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
 	  -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON
-	cmake --build $(LLAMA_SRC)/build --target llama-server -j
+	cmake --build $(LLAMA_SRC)/build --target llama-server -j $$(getconf _NPROCESSORS_ONLN)
 	cp $(LLAMA_SRC)/build/bin/llama-server $@
 
 gpu-wheels: ## .whl/: what a GPU machine with its own torch and no index lacks (gpu/wheels.txt), for `bash gpu/run`

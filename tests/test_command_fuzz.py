@@ -138,7 +138,7 @@ SERVE = [  # scripts/serve.py: every setting is checked before the port is bound
     ("quantize=int3", "quantize='int3' is not one of ['int8']"), ("int8_kernel=bogus", "int8_kernel"),
     ("device=tpu", "device"), ("drain_s=-1", "drain_s"),
     ("chat_template={empty}/none.jinja", "none.jinja' is not a file"), ("model_name=' '", "model_name"),
-    ("ckpt={empty}/none.ckpt", "none.ckpt"),
+    ("ckpt={empty}/none.ckpt", "none.ckpt' does not exist"),
 ]
 
 if not torch.cuda.is_available():  # this torch has no CUDA: the device check must say so before loading
@@ -248,8 +248,9 @@ BENCH = [  # scripts/bench.py (argparse): a size that cannot be measured, named 
     (["serve", "--bogus", "1"], "unrecognized arguments: --bogus 1"),
     (["serve", "--kinds", "linear"], "--int8 holds ['softmax-gqa']: not among --kinds"),
     # serve's llama.cpp rows: a program that is not there, a kind it is not given or cannot run (/bin/sh stands in)
-    (["serve", "--llama-server", "{empty}/llama-server"], "llama-server: not an executable file"),
-    (["serve", "--llama-server", "/bin/sh", "--llama-kind", "nope"], "--llama-kind nope: not one of --kinds"),
+    (["serve", "--kinds", "softmax-gqa", "--llama-server", "{empty}/llama-server"],
+     "llama-server: not an executable file"),
+    (["serve", "--kinds", "softmax-gqa", "--llama-kind", "nope"], "--llama-kind nope: not one of --kinds"),
     (["serve", "--llama-server", "/bin/sh", "--kinds", "linear", "--int8", "--llama-kind", "linear"],
      "no GGUF equivalent"),
     # recipe: the overrides compose before anything trains, and the named recipes are checked as a set

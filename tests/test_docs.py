@@ -130,7 +130,9 @@ def check_composed(script: str, cfg) -> None:
         from lm.studies import compare
 
         # Which arms run and what is reported (report_only, records_from, arm) are compare.run's to read,
-        # not the plan's: planned without them, a plan that read one fails here rather than passing.
+        # not the plan's: their values are checked here, and planned without them, a plan that read one
+        # fails here rather than passing.
+        compare.check_study_settings(cfg)
         planned = cfg.copy()
         with open_dict(planned):
             for key in RUN_ONLY:

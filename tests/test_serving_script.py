@@ -120,10 +120,12 @@ def test_bench_serve_puts_llama_cpps_server_beside_ours_on_the_same_weights(tmp_
         rows = results["kinds"][label]
         assert [(r["clients"], r["slots"]) for r in rows] == [(1, 1), (2, 2)]
         assert all(0 < r["tokens"] <= 8 * r["requests"] for r in rows)
-    # The same weights in f32, with llama-server's K/V cache in f32: its greedy tokens are ours
+    # The same weights in f32, with llama-server's K/V cache in f32: its greedy tokens are ours up to a
+    # near-tie (weights scaled so that the blocks, not the embedding, pick tokens: they vary)
     f32 = results["greedy"]["llama.cpp F32"]
-    assert f32["prompts"] == 4 and f32["equal"] == 4 and f32["tokens_equal"] == 1.0, f32
-    assert "llama.cpp F32: 4/4 prompts equal over 8 tokens" in result.stdout
+    assert f32["prompts"] == 4 and min(f32["distinct_tokens"]) > 1, f32
+    assert all(margin < 0.05 for margin in f32["margins_at_difference"]), f32
+    assert "llama.cpp F32: " in result.stdout and "prompts equal over 8 tokens" in result.stdout
 
 
 def test_bench_serve_refuses_an_unknown_kind_before_serving(capsys):

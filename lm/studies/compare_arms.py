@@ -82,7 +82,7 @@ def _entry(base: str, options: dict, configs: list[str], name: str | None = None
                       f"nor a registered kind ({', '.join(available_kinds())})")
 
 
-COMPOSED: dict[tuple, DictConfig] = {}  # (attn config, overrides[, kind, data]) -> conf/train.yaml composed; one plan's
+COMPOSED: dict[tuple, DictConfig] = {}  # overrides, or (overrides, kind, data) -> conf/train.yaml composed; one plan's
 
 
 def training_config(entry: Entry, task_overrides: list[str], values: dict, data: dict | None = None) -> DictConfig:
@@ -93,7 +93,7 @@ def training_config(entry: Entry, task_overrides: list[str], values: dict, data:
     overrides = (f"attn={entry.attn}" if entry.attn else "attn=mha", "logger=none", *task_overrides)
     if overrides not in COMPOSED:
         COMPOSED[overrides] = compose(config_name="train", overrides=list(overrides))
-    key = (*overrides, entry.kind, repr(data))
+    key = (overrides, entry.kind, repr(data))
     if key not in COMPOSED:
         base = OmegaConf.merge(COMPOSED[overrides])  # a copy: the replacements below stay this key's
         if entry.attn is None:  # a registered kind without a YAML: its spec's defaults, every head its own K/V

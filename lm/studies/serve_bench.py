@@ -89,11 +89,16 @@ class ServerProcess:
         threading.Thread(target=self.process.stderr.read, daemon=True).start()
 
     def close(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
+        stop(self.process)
+
+
+def stop(process: subprocess.Popen) -> None:
+    """SIGTERM, as a user stops a server; SIGKILL if it has not exited within 30 s."""
+    process.terminate()
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        process.kill()
 
 
 def find_llama_server(path: str | None) -> Path | None:
@@ -122,8 +127,6 @@ class LlamaServerProcess:
 
     def __init__(self, binary: Path, gguf: Path, slots: int, context: int, threads: int,
                  cache_type: str | None = None, timeout: float = 300):
-        import httpx
-
         port = free_port()
         command = [str(binary), "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
                    "--parallel", str(slots), "--ctx-size", str(slots * context), "--threads", str(threads),
@@ -133,19 +136,27 @@ class LlamaServerProcess:
         self.log = tempfile.TemporaryFile(mode="w+")  # its log, read back only to say why it did not start
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{port}"
+        try:
+            self._wait_until_loaded(timeout)
+        except BaseException:  # Ctrl-C while it loads too: no server is left running
+            self.close()
+            raise
+
+    def _wait_until_loaded(self, timeout: float) -> None:
+        import httpx
+
         deadline = time.monotonic() + timeout
         while True:  # /health answers 503 while the model loads, 200 once it serves
             if self.process.poll() is not None:
                 self.log.seek(0)
-                raise ConfigError(f"llama-server exited with {self.process.returncode}: "
-                                  f"{self.log.read().strip().splitlines()[-1:]}")
+                last = (self.log.read().strip().splitlines() or ["no output"])[-1]
+                raise ConfigError(f"llama-server exited with {self.process.returncode}: {last}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return
             except httpx.TransportError:
                 pass
             if time.monotonic() > deadline:
-                self.close()
                 raise ConfigError(f"llama-server did not answer /health within {timeout:.0f} s")
             time.sleep(0.2)
 
@@ -153,18 +164,18 @@ class LlamaServerProcess:
         """Its greedy continuation of `prompt` as token ids (the native /completion route returns them)."""
         import httpx
 
+        # ignore_eos: lm.generate, given no eos_id, runs on past the end-of-text token too
         body = {"prompt": prompt, "n_predict": new_tokens, "temperature": 0, "top_k": 1, "cache_prompt": False,
-                "return_tokens": True}
+                "return_tokens": True, "ignore_eos": True}
         reply = httpx.post(f"{self.url}/completion", json=body, timeout=600)
-        reply.raise_for_status()
-        return reply.json()["tokens"]
+        tokens = reply.json().get("tokens") if reply.status_code == 200 else None
+        if not isinstance(tokens, list):
+            raise ConfigError(f"llama-server's /completion answered {reply.status_code} without token ids "
+                              f"(a llama-server too old for return_tokens?): {reply.text[:200]}")
+        return tokens
 
     def close(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
+        stop(self.process)
         self.log.close()
 
 
@@ -234,10 +245,10 @@ def bench_serve(args) -> dict:
     models = {name: kind_model(name, max_seq_len) for name in args.kinds}  # every name checked before any run
     missing = [name for name in args.int8 if name not in args.kinds]
     if missing:
-        raise ConfigError(f"--int8 holds {missing}: not among --kinds {args.kinds}")
-    llama = find_llama_server(args.llama_server)
-    if llama is not None and args.llama_kind is not None and args.llama_kind not in args.kinds:
+        raise ConfigError(f"--int8 holds {missing}: not among --kinds {args.kinds} (--int8 alone: no int8 rows)")
+    if args.llama_kind is not None and args.llama_kind not in args.kinds:
         raise ConfigError(f"--llama-kind {args.llama_kind}: not one of --kinds {args.kinds}")
+    llama = find_llama_server(args.llama_server)
     llama_kind = args.llama_kind
     if llama is not None:  # llama.cpp runs the llama architecture: softmax attention only, said before serving
         from lm.formats.gguf import check_exportable
@@ -277,7 +288,8 @@ def bench_serve(args) -> dict:
                 gguf = export_gguf(models[llama_kind], tokenizer, Path(folder) / f"bench-{dtype}.gguf", dtype)
                 servers[f"llama.cpp {kind}"] = lambda slots, g=gguf: LlamaServerProcess(
                     llama, g, slots, max_seq_len + 16, torch.get_num_threads())  # room: it marks a full slot truncated
-                greedy[f"llama.cpp {kind}"] = greedy_agreement(llama, gguf, models[llama_kind], args)
+                greedy[f"llama.cpp {kind}"] = greedy_agreement(llama, models[llama_kind], tokenizer, dtype,
+                                                               Path(folder), args)
         for label, start in servers.items():
             rows = []
             for slots in sorted({min(c, args.slots) for c in args.clients}):
@@ -295,15 +307,19 @@ def bench_serve(args) -> dict:
             results[label] = sorted(rows, key=lambda r: r["clients"])
             print_table(label, results[label])
     if greedy:
-        print(f"\nllama.cpp's greedy tokens against lm.generate's ({llama_kind}, the same weights; "
-              f"llama-server with its K/V cache in f32):")
+        print(f"\nllama.cpp's greedy tokens against lm.generate's ({llama_kind}'s weights with the block matrices "
+              f"x3, so the blocks choose the tokens; llama-server with its K/V cache in f32):")
         for label, agreement in greedy.items():
             print(f"  {label}: {agreement['equal']}/{agreement['prompts']} prompts equal over {args.new_tokens} "
-                  f"tokens; {agreement['tokens_equal']:.1%} of tokens before a first difference")
+                  f"tokens; {agreement['tokens_equal']:.1%} of tokens before a first difference; "
+                  f"{min(agreement['distinct_tokens'])} or more distinct tokens in each continuation")
+            if agreement["margins_at_difference"]:
+                print(f"    where they part, our logits of the two tokens differ by "
+                      f"{max(agreement['margins_at_difference']):.3f} standard deviations of our logits at most")
     if args.out:
         plot(results, Path(args.out))
-    return {"kinds": results, "llama_server": str(llama) if llama and llama_kind else None, "llama_kind": llama_kind,
-            "greedy": greedy}
+    version = llama_server_version(llama) if llama and llama_kind else None
+    return {"kinds": results, "llama_server": version, "llama_kind": llama_kind, "greedy": greedy}
 
 
 def exportable(model: Transformer) -> bool:
@@ -316,15 +332,27 @@ def exportable(model: Transformer) -> bool:
     return True
 
 
-def greedy_agreement(binary: Path, gguf: Path, model: Transformer, args, prompts: int = 4) -> dict:
-    """llama-server's greedy tokens on `gguf` against lm.generate's on `model` (the same weights), for
-    a few random prompts of the benchmark's length. Its K/V cache is f32 here (f16 by default), so a
-    difference is the weights' type or the arithmetic, not the cache's rounding."""
+def greedy_agreement(binary: Path, model: Transformer, tokenizer, dtype: str, folder: Path, args,
+                     prompts: int = 4) -> dict:
+    """llama-server's greedy tokens against lm.generate's on the same weights, for a few random prompts
+    of the benchmark's length. The weights are `model`'s with every block matrix scaled by 3: at their
+    initial scale the tied embedding decides each token and a random model only repeats its prompt's
+    last one, which both would do whatever their blocks computed. llama-server's K/V cache is f32
+    here (f16 by default), so a difference is the weights' type or the arithmetic, not the cache."""
+    import copy
+
+    from lm.formats.gguf import export_gguf
     from lm.generation import generate
 
+    scaled = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, parameter in scaled.named_parameters():
+            if name.startswith("blocks.") and parameter.ndim == 2:
+                parameter.mul_(3)
+    gguf = export_gguf(scaled, tokenizer, folder / f"greedy-{dtype}.gguf", dtype)
     rng = random.Random(0)
     asked = [[rng.randrange(1, REFERENCE["vocab_size"]) for _ in range(args.prompt_tokens)] for _ in range(prompts)]
-    ours = [row[len(p):] for p, row in zip(asked, generate(model, asked, args.new_tokens), strict=True)]
+    ours = [row[len(p):] for p, row in zip(asked, generate(scaled, asked, args.new_tokens), strict=True)]
     server = LlamaServerProcess(binary, gguf, 1, args.prompt_tokens + args.new_tokens + 16, torch.get_num_threads(),
                                 cache_type="f32")
     try:
@@ -333,8 +361,24 @@ def greedy_agreement(binary: Path, gguf: Path, model: Transformer, args, prompts
         server.close()
     before = [next((i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b), min(len(x), len(y)))
               for x, y in zip(ours, theirs, strict=True)]
+    # Where the two part, how far apart our logits put their two tokens, over the spread of our logits
+    # there: a near-tie (a small fraction) flips with any change of summation order; a real error does not.
+    margins = []
+    for p, x, y, i in zip(asked, ours, theirs, before, strict=True):
+        if i < min(len(x), len(y)):
+            with torch.no_grad():
+                logits = scaled(torch.tensor([p + x[:i]]))[0, -1]  # (V,) at the first token they differ on
+            margins.append(float((logits[x[i]] - logits[y[i]]) / logits.std()))
     return {"prompts": prompts, "equal": sum(x == y for x, y in zip(ours, theirs, strict=True)),
-            "tokens_equal": sum(before) / sum(map(len, ours)), "first_difference": before}
+            "tokens_equal": sum(before) / sum(map(len, ours)), "first_difference": before,
+            "margins_at_difference": margins, "distinct_tokens": [len(set(x)) for x in ours]}
+
+
+def llama_server_version(binary: Path) -> str:
+    """Its `--version` line ("version: 0.5.0-dev (build 1, commit 0c1e570)"), for the results."""
+    done = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)
+    lines = [line for line in (done.stdout + done.stderr).splitlines() if line.startswith("version:")]
+    return lines[0].removeprefix("version:").strip() if lines else "unknown"
 
 
 def print_table(label: str, rows: list[dict]) -> None:
