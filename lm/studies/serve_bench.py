@@ -43,6 +43,7 @@ from lm.util.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 HYBRID = "hybrid-gated_delta-softmax"  # gated delta with a softmax layer every third, as hybrids ship
+LLAMA_TYPES = ("f32", "q8_0")  # the GGUF weight types llama-server serves: its rows "llama.cpp F32", "... Q8_0"
 SERVE_KINDS = ["softmax-mha", "softmax-gqa", "sliding", "linear", "gated_delta", "mla", HYBRID]
 
 
@@ -284,12 +285,11 @@ def bench_serve(args) -> dict:
         if llama is not None and llama_kind is not None:
             from lm.formats.gguf import export_gguf
 
-            for dtype, kind in (("f32", "F32"), ("q8_0", "Q8_0")):
+            for dtype in LLAMA_TYPES:
                 gguf = export_gguf(models[llama_kind], tokenizer, Path(folder) / f"bench-{dtype}.gguf", dtype)
-                servers[f"llama.cpp {kind}"] = lambda slots, g=gguf: LlamaServerProcess(
+                servers[f"llama.cpp {dtype.upper()}"] = lambda slots, g=gguf: LlamaServerProcess(
                     llama, g, slots, max_seq_len + 16, torch.get_num_threads())  # room: it marks a full slot truncated
-                greedy[f"llama.cpp {kind}"] = greedy_agreement(llama, models[llama_kind], tokenizer, dtype,
-                                                               Path(folder), args)
+            greedy = greedy_agreement(llama, models[llama_kind], tokenizer, Path(folder), args)
         for label, start in servers.items():
             rows = []
             for slots in sorted({min(c, args.slots) for c in args.clients}):
@@ -332,13 +332,13 @@ def exportable(model: Transformer) -> bool:
     return True
 
 
-def greedy_agreement(binary: Path, model: Transformer, tokenizer, dtype: str, folder: Path, args,
-                     prompts: int = 4) -> dict:
-    """llama-server's greedy tokens against lm.generate's on the same weights, for a few random prompts
-    of the benchmark's length. The weights are `model`'s with every block matrix scaled by 3: at their
-    initial scale the tied embedding decides each token and a random model only repeats its prompt's
-    last one, which both would do whatever their blocks computed. llama-server's K/V cache is f32
-    here (f16 by default), so a difference is the weights' type or the arithmetic, not the cache."""
+def greedy_agreement(binary: Path, model: Transformer, tokenizer, folder: Path, args, prompts: int = 4) -> dict:
+    """{"llama.cpp F32": ..., "llama.cpp Q8_0": ...}: llama-server's greedy tokens against lm.generate's
+    on the same weights, for a few random prompts of the benchmark's length. The weights are `model`'s
+    with every block matrix scaled by 3: at their initial scale the tied embedding decides each token
+    and a random model only repeats its prompt's last one, which both would do whatever their blocks
+    computed. llama-server's K/V cache is f32 here (f16 by default), so a difference is the weights'
+    type or the arithmetic, not the cache."""
     import copy
 
     from lm.formats.gguf import export_gguf
@@ -349,27 +349,35 @@ def greedy_agreement(binary: Path, model: Transformer, tokenizer, dtype: str, fo
         for name, parameter in scaled.named_parameters():
             if name.startswith("blocks.") and parameter.ndim == 2:
                 parameter.mul_(3)
-    gguf = export_gguf(scaled, tokenizer, folder / f"greedy-{dtype}.gguf", dtype)
     rng = random.Random(0)
     asked = [[rng.randrange(1, REFERENCE["vocab_size"]) for _ in range(args.prompt_tokens)] for _ in range(prompts)]
     ours = [row[len(p):] for p, row in zip(asked, generate(scaled, asked, args.new_tokens), strict=True)]
-    server = LlamaServerProcess(binary, gguf, 1, args.prompt_tokens + args.new_tokens + 16, torch.get_num_threads(),
-                                cache_type="f32")
-    try:
-        theirs = [server.greedy(p, args.new_tokens) for p in asked]
-    finally:
-        server.close()
+    agreements = {}
+    for dtype in LLAMA_TYPES:
+        gguf = export_gguf(scaled, tokenizer, folder / f"greedy-{dtype}.gguf", dtype)
+        server = LlamaServerProcess(binary, gguf, 1, args.prompt_tokens + args.new_tokens + 16,
+                                    torch.get_num_threads(), cache_type="f32")
+        try:
+            theirs = [server.greedy(p, args.new_tokens) for p in asked]
+        finally:
+            server.close()
+        agreements[f"llama.cpp {dtype.upper()}"] = agreement(scaled, asked, ours, theirs)
+    return agreements
+
+
+def agreement(model: Transformer, prompts: list[list[int]], ours: list[list[int]], theirs: list[list[int]]) -> dict:
+    """How far two greedy continuations of each prompt run together, and where they part, how far
+    apart `model`'s logits put the two tokens over the spread of its logits there: a near-tie (a small
+    fraction) flips with any change of summation order; a real error does not."""
     before = [next((i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b), min(len(x), len(y)))
               for x, y in zip(ours, theirs, strict=True)]
-    # Where the two part, how far apart our logits put their two tokens, over the spread of our logits
-    # there: a near-tie (a small fraction) flips with any change of summation order; a real error does not.
     margins = []
-    for p, x, y, i in zip(asked, ours, theirs, before, strict=True):
+    for p, x, y, i in zip(prompts, ours, theirs, before, strict=True):
         if i < min(len(x), len(y)):
             with torch.no_grad():
-                logits = scaled(torch.tensor([p + x[:i]]))[0, -1]  # (V,) at the first token they differ on
+                logits = model(torch.tensor([p + x[:i]]))[0, -1]  # (V,) at the first token they differ on
             margins.append(float((logits[x[i]] - logits[y[i]]) / logits.std()))
-    return {"prompts": prompts, "equal": sum(x == y for x, y in zip(ours, theirs, strict=True)),
+    return {"prompts": len(prompts), "equal": sum(x == y for x, y in zip(ours, theirs, strict=True)),
             "tokens_equal": sum(before) / sum(map(len, ours)), "first_difference": before,
             "margins_at_difference": margins, "distinct_tokens": [len(set(x)) for x in ours]}
 
