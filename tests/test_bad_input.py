@@ -91,7 +91,7 @@ def test_non_finite_loss_keeps_the_last_good_checkpoint_or_skips(train_config, t
                "checkpoint.every_n_steps=1"]
     with pytest.raises(TrainingError, match="at step"):
         train(train_config(*explode))
-    last = tmp_path / "checkpoints" / "mha-tiny" / "last.ckpt"
+    last = tmp_path / "checkpoints" / "mha-nano" / "last.ckpt"
     state = torch.load(last, weights_only=True)["state_dict"]
     assert all(torch.isfinite(v).all() for v in state.values())  # the last good weights
 

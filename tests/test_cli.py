@@ -87,7 +87,7 @@ def test_a_hub_dataset_unreachable_offline_is_one_line(tmp_path):
         "error: data.name='someone/no-such-dataset' is not a local folder and the Hugging Face Hub cannot be "
         "reached (Couldn't reach 'someone/no-such-dataset' on the Hub (OfflineModeIsEnabled)); offline, only "
         "datasets already in the datasets cache load"], done.stderr
-    assert not (tmp_path / "ck" / "mha-tiny").exists()  # no run folder left behind
+    assert not (tmp_path / "ck" / "mha-nano").exists()  # no run folder left behind
 
 
 def test_hydras_console_does_not_repeat_what_a_library_printed_itself(capsys):

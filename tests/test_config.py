@@ -124,7 +124,7 @@ def test_config_round_trips_through_a_plain_dict():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("override, message", [
-    ("attn.n_kv_head=4", "error: n_head=6 is not divisible by n_kv_head=4"),
+    ("attn.n_kv_head=3", "error: n_head=4 is not divisible by n_kv_head=3"),
     ("trainer.max_steps=0", "error: trainer.max_steps=0 must be an integer >= 1"),
     ("model.d_model=abc", "error: d_model='abc' must be an integer >= 1"),
     ("attn=sliding attn.window=0", "error: window=0 must be an integer >= 1"),

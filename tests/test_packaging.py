@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 from packaging.requirements import Requirement
 from packaging.version import Version
 
+from lm.config.optim import MuonConfig
 from lm.training.module import OptimConfig
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
@@ -87,10 +88,11 @@ def test_the_optim_yaml_composes_the_dataclass_and_states_no_value():
     restates none, so a run and a LitLM built in code train alike."""
     stated = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "optim" / "adamw.yaml"))
     assert stated == {"defaults": [{"/optim/settings@_here_": "adamw"}]}
-    assert OmegaConf.to_container(compose_config("train", []).optim) == dataclasses.asdict(OptimConfig())
+    assert OmegaConf.to_container(compose_config("train", ["optim=adamw"]).optim) == dataclasses.asdict(OptimConfig())
 
 
 def test_the_composed_training_config_trains_with_the_dataclass_defaults():
-    # No other config file (a preset, the experiment default) overrides the optimiser quietly.
-    cfg = compose_config("train", [])
-    assert OptimConfig(**cfg.optim) == OptimConfig()
+    # No other config file (a preset, the experiment default) overrides the optimiser quietly: the
+    # default is optim=muon, and each option composes its dataclass's defaults
+    assert MuonConfig(**compose_config("train", []).optim) == MuonConfig()
+    assert OptimConfig(**compose_config("train", ["optim=adamw"]).optim) == OptimConfig()

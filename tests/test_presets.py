@@ -27,8 +27,8 @@ GLOBAL_KINDS = {"softmax", "mla"}  # every other kind here is local: a window or
 
 
 def model_config(name: str, *overrides: str):
-    """The model `python scripts/train.py attn=<name> [overrides]` builds (model=tiny by default)."""
-    return model_config_from(compose_config("train", [f"attn={name}", *overrides]), VOCAB)
+    """The model `python scripts/train.py model=tiny attn=<name> [overrides]` builds."""
+    return model_config_from(compose_config("train", ["model=tiny", f"attn={name}", *overrides]), VOCAB)
 
 
 def tiny_model(name: str) -> Transformer:

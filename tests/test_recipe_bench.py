@@ -17,14 +17,16 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_two_recipes_in_turns_give_their_curves_and_time_to_each_target(tmp_path, small_corpus):
     tiny = (f"data=text data.paths=[{small_corpus}/*.py] data.vocab_size=300 data.cache_dir={tmp_path}/cache "
             "model.n_layer=1 model.d_model=32 model.n_head=2 model.d_ff=64 model.max_seq_len=32 data.batch_size=4 "
-            "trainer.max_steps=12")
+            "trainer.max_steps=12 optim=adamw")
     out = tmp_path / "results.json"
     result = subprocess.run([sys.executable, str(ROOT / "scripts/bench.py"), "recipe", "--a", tiny, "--b",
-                             f"{tiny} optim=muon optim.lr=0.02 optim.schedule=wsd", "--eval-every", "128",
-                             "--held-out-tokens", "2000", "--targets", "99", "0.001", "--out", str(tmp_path),
+                             f"{tiny} optim=muon optim.lr=0.02 data.vocab_size=400", "--eval-every", "128",
+                             "--held-out-tokens", "30000", "--targets", "99", "0.001", "--out", str(tmp_path),
                              "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     results = json.loads(out.read_text())
+    # the same documents for both, chosen with a's tokenizer, whatever b's vocabulary
+    assert results["contenders"]["a"]["held_out_bytes"] == results["contenders"]["b"]["held_out_bytes"] > 0
     for name in ("a", "b"):
         run = results["contenders"][name]
         assert run["steps"] == 12 and run["tokens"] == 12 * 4 * 32

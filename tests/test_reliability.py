@@ -149,7 +149,7 @@ def test_a_failed_save_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatc
 
 
 def test_resume_without_a_checkpoint_is_one_clear_error(train_config):
-    with pytest.raises(ConfigError, match="resume=true but run 'mha-tiny' has no checkpoint"):
+    with pytest.raises(ConfigError, match="resume=true but run 'mha-nano' has no checkpoint"):
         train(train_config("resume=true"))
 
 
@@ -221,7 +221,7 @@ def test_a_second_run_of_the_same_name_is_refused_and_a_killed_one_leaves_no_loc
     cfg = train_config("trainer.max_steps=2")
     run_dir = Path(cfg.checkpoint_dir) / cfg.run_name
     with RunLock(run_dir, cfg.run_name):
-        with pytest.raises(ConfigError, match=f"run 'mha-tiny' is being trained by process {os.getpid()} right now"):
+        with pytest.raises(ConfigError, match=f"run 'mha-nano' is being trained by process {os.getpid()} right now"):
             train(cfg)
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
                                "from lm.util.files import RunLock\nwith RunLock(Path(sys.argv[1]), 'x'):\n"
@@ -243,7 +243,7 @@ def test_a_run_stopped_by_bad_input_leaves_no_run_folder(train_config):
 
 
 @pytest.mark.parametrize("where, error, message", [
-    ("checkpoint_dir", CheckpointError, "cannot create the folder '{blocked}/checkpoints/mha-tiny': "
+    ("checkpoint_dir", CheckpointError, "cannot create the folder '{blocked}/checkpoints/mha-nano': "
                                         "'{blocked}' is a file, not a folder"),
     ("cache_dir", DataError, "could not write the token cache in '{blocked}/cache': "
                              "'{blocked}' is a file, not a folder"),
@@ -262,7 +262,7 @@ def test_a_folder_that_cannot_be_written_is_one_line_before_training(train_confi
     with pytest.raises(error, match=re.escape(message.format(blocked=blocked))):
         train(cfg)
     assert blocked.read_text() == "a file, not a folder"
-    assert not (Path(train_config().checkpoint_dir) / "mha-tiny").exists()
+    assert not (Path(train_config().checkpoint_dir) / "mha-nano").exists()
 
 
 @pytest.mark.parametrize("exporter", ["safetensors", "hf", "gguf"])

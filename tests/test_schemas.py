@@ -271,7 +271,7 @@ def test_export_refuses_a_format_it_does_not_write_before_reading_the_checkpoint
 def test_train_composes_its_own_keys_from_the_dataclass():
     assert set(yaml.safe_load((ROOT / "conf" / "train.yaml").read_text())) == {"defaults", "hydra"}
     cfg = OmegaConf.to_container(compose_config("train", []), resolve=True)
-    assert {k: cfg[k] for k in defaults(TrainSettings)} == {**defaults(TrainSettings), "run_name": "mha-tiny"}
+    assert {k: cfg[k] for k in defaults(TrainSettings)} == {**defaults(TrainSettings), "run_name": "mha-nano"}
 
 
 @pytest.mark.parametrize("override, line", [

@@ -24,7 +24,7 @@ def test_gqa_run_leaves_checkpoint_tokenizer_and_offline_wandb_run(train_config,
     cfg = train_config("attn=gqa", "logger=wandb")
     result = train(cfg)
     run_dir = Path(result["run_dir"])
-    assert run_dir.name == "gqa-tiny" and result["steps"] == 6
+    assert run_dir.name == "gqa-nano" and result["steps"] == 6
     assert (run_dir / "last.ckpt").is_file() and (run_dir / "best.ckpt").is_file()
     assert (run_dir / "tokenizer.json").is_file()
     assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1

@@ -44,6 +44,12 @@ class OptimConfig:
     fused: bool = setting(True, "torch's fused AdamW kernel", boolean())
 
 
+def redefault(parent: type, name: str, default):
+    """`parent`'s setting `name` (its meaning and bound) with another default, for a subclass."""
+    inherited = parent.__dataclass_fields__[name]
+    return setting(default, inherited.metadata["help"], inherited.metadata["bound"])
+
+
 @dataclass
 class MuonConfig(OptimConfig):
     """`optim=muon`: Muon for the hidden matrices (the blocks' nn.Linear weights; fused Q/K/V and
@@ -52,7 +58,8 @@ class MuonConfig(OptimConfig):
     `adamw_weight_decay`, with beta1, beta2 and fused, are AdamW's."""
 
     name: str = setting("muon", "the optimizer: adamw | muon (optim=adamw chooses its group)")
-    lr: float = setting(0.02, "Muon's peak learning rate, for the hidden matrices", positive())
+    # lr, adamw_lr, schedule and decay_fraction: the best of the measured recipe table (docs/training.md)
+    lr: float = setting(0.04, "Muon's peak learning rate, for the hidden matrices", positive())
     weight_decay: float = setting(0.01, "Muon's decoupled weight decay: each step multiplies the matrices by "
                                         "1 - lr * weight_decay", DECAY)
     momentum: float = setting(0.95, "Muon's momentum", MOMENTUM)
@@ -65,7 +72,9 @@ class MuonConfig(OptimConfig):
     # 2025, which lets lr take AdamW's value.
     adjust_lr: str = setting("original", "the matrix shape's scaling of lr: original | match_rms_adamw",
                              choice(ADJUST_LR))
-    adamw_lr: float = setting(2e-3, "AdamW's peak learning rate, for everything that is not a hidden matrix",
+    schedule: str = redefault(OptimConfig, "schedule", "wsd")
+    decay_fraction: float = redefault(OptimConfig, "decay_fraction", 0.4)
+    adamw_lr: float = setting(6e-3, "AdamW's peak learning rate, for everything that is not a hidden matrix",
                               positive())
     adamw_weight_decay: float = setting(0.1, "AdamW's weight decay, on its 2-D parameters but the embedding "
                                              "(never norms, biases)", DECAY)

@@ -28,7 +28,7 @@ from lm.studies.decode_bench import LONG_CONTEXT_KINDS, bench_decode
 from lm.studies.generate_bench import bench_generate
 from lm.studies.int8_bench import bench_int8
 from lm.studies.kernel_bench import bench_kernels
-from lm.studies.recipe_bench import CANDIDATE, bench_recipe
+from lm.studies.recipe_bench import BASELINE, bench_recipe
 from lm.studies.serve_bench import SERVE_KINDS, bench_serve
 from lm.studies.train_bench import bench_train, checked_variant, model_shapes, train_step_fn
 
@@ -134,9 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--out", default="bench", help="folder for serve.png")
     serve.set_defaults(run=bench_serve)
     recipe = sub.add_parser("recipe", help="training recipes in turns: tokens and seconds to held-out bits per byte")
-    recipe.add_argument("--a", default=None, help="the first recipe's train.py overrides (default: none, today's "
-                                                  "default recipe)")
-    recipe.add_argument("--b", default=None, help=f"the second recipe's overrides (default: {CANDIDATE})")
+    recipe.add_argument("--a", default=None, help=f"the first recipe's train.py overrides (default: {BASELINE}, "
+                                                  "the AdamW recipe)")
+    recipe.add_argument("--b", default=None, help="the second recipe's overrides (default: none, today's default "
+                                                  "recipe)")
     recipe.add_argument("--recipe", action="append", metavar="NAME=OVERRIDES", default=None,
                         help="a named recipe, repeated for two or more in turns instead of --a and --b; the first "
                              "is the one the others' times compare with")

@@ -14,6 +14,7 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
 from lm.attention import available_kinds
+from lm.config.train import ADAMW_RECIPE
 from lm.data.mqar import RecallTask, mix_tasks
 from lm.studies.compare_runs import language_run, recall_run, speed_figures, unless_diverged
 from lm.studies.compare_settings import recall_lengths, speed_settings
@@ -90,7 +91,8 @@ def training_config(entry: Entry, task_overrides: list[str], values: dict, data:
     data group whole). Hydra composes it once per attention config and task within a plan, and the
     entry's kind and data replace their groups once (a grid has hundreds of arms); each arm is one
     merge onto that, which copies it."""
-    overrides = (f"attn={entry.attn}" if entry.attn else "attn=mha", "logger=none", *task_overrides)
+    # the studies' recipe, not train.py's defaults: an arm's settings, and so its record, stay put
+    overrides = (*ADAMW_RECIPE, f"attn={entry.attn}" if entry.attn else "attn=mha", "logger=none", *task_overrides)
     if overrides not in COMPOSED:
         COMPOSED[overrides] = compose(config_name="train", overrides=list(overrides))
     key = (overrides, entry.kind, repr(data))

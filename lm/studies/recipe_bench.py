@@ -1,8 +1,8 @@
 """`scripts/bench.py recipe`: training recipes side by side, measured as time to a held-out score.
 
-    python scripts/bench.py recipe                                             # today's default vs Muon + wsd
-    python scripts/bench.py recipe --a "optim=adamw" --b "optim=muon optim.lr=0.04 optim.schedule=wsd"
-    python scripts/bench.py recipe --recipe "adamw=" --recipe "muon=optim=muon" --recipe "relu2=model.mlp=relu2"
+    python scripts/bench.py recipe                        # the AdamW recipe (lm.config.train.ADAMW_RECIPE) vs today's
+    python scripts/bench.py recipe --a "optim=adamw" --b ""                    # one change against today's default
+    python scripts/bench.py recipe --recipe "muon=" --recipe "adamw=optim=adamw" --recipe "relu2=model.mlp=relu2"
 
 Each contender is a training run composed from conf/train.yaml with its own overrides (any Hydra
 overrides: optimizer, schedule, model shape, batch, vocabulary ...), built from the pieces `train(cfg)`
@@ -29,9 +29,11 @@ from pathlib import Path
 
 import torch
 
+from lm.config.train import ADAMW_RECIPE
+
 ROOT = Path(__file__).resolve().parents[2]
-BASELINE = ""  # today's default recipe: conf/train.yaml as it is
-CANDIDATE = "optim=muon optim.lr=0.04 optim.schedule=wsd"
+BASELINE = " ".join(ADAMW_RECIPE)  # the recipe before today's defaults: tiny model, AdamW, cosine
+CANDIDATE = ""  # today's default recipe: conf/train.yaml as it is
 REPORT_KEYS = ("target", "seconds_ratio")  # a target's row holds these beside each recipe's name
 
 
@@ -72,7 +74,9 @@ class Contender:
         self.max_steps = int(self.cfg.trainer.max_steps)
         return self
 
-    def build(self, held_out_tokens: int) -> Contender:
+    def build(self, held_out: list[str] | int) -> Contender:
+        """The data, model, optimizer and schedule; `held_out` is the documents every evaluation scores,
+        or a token count choosing them (the first contender's) with this tokenizer."""
         from lm.data.modules import make_data_module
         from lm.model.transformer import Transformer
         from lm.training.module import LitLM
@@ -93,7 +97,10 @@ class Contender:
         self.clip = cfg.trainer.gradient_clip_val
         self.precision = pick_precision(cfg.trainer)
         self.batches = itertools.chain.from_iterable(iter(data.train_dataloader()) for _ in itertools.count())
-        self.held_out = held_out_text(data.tokenizer, held_out_tokens)
+        from lm.studies.evaluate import token_stream
+
+        self.documents = held_out if isinstance(held_out, list) else held_out_documents(data.tokenizer, held_out)
+        self.held_out = token_stream(iter(self.documents), data.tokenizer)
         return self
 
     @property
@@ -141,13 +148,14 @@ class Contender:
         return next((point for point in self.curve if point["bits_per_byte"] <= target), None)
 
 
-def held_out_text(tokenizer, tokens: int):
-    """(ids, counted, bytes, documents) of data=pystdlib_tests' validation split, whole documents
-    until at least `tokens` tokens: the text every evaluation scores."""
+def held_out_documents(tokenizer, tokens: int) -> list[str]:
+    """The first whole documents of data=pystdlib_tests' validation split that hold at least `tokens`
+    tokens of `tokenizer`: chosen once, with the first recipe's tokenizer, so that every recipe is
+    scored on the same bytes whatever its vocabulary."""
     from omegaconf import OmegaConf
 
     from lm.data.corpora import build_corpus
-    from lm.studies.evaluate import split_documents, token_stream
+    from lm.studies.evaluate import split_documents
 
     data_cfg = OmegaConf.load(ROOT / "conf" / "data" / "pystdlib_tests.yaml")
     texts, count = [], 0
@@ -156,7 +164,7 @@ def held_out_text(tokenizer, tokens: int):
         count += len(tokenizer.encode(text).ids)
         if count >= tokens:
             break
-    return token_stream(iter(texts), tokenizer)
+    return texts
 
 
 def named_recipes(args) -> list[tuple[str, str]]:
@@ -188,9 +196,10 @@ def bench_recipe(args) -> dict:
     if args.eval_every < 1 or args.held_out_tokens < 1:
         raise ConfigError("--eval-every and --held-out-tokens must be at least 1")
     contenders = [Contender(name, shlex.split(overrides)).configure() for name, overrides in named_recipes(args)]
+    held_out = args.held_out_tokens
     for c in contenders:
         print(f"{c.name}: {' '.join(c.overrides) or '(the default recipe)'}")
-        c.build(args.held_out_tokens)
+        held_out = c.build(held_out).documents
     print(f"held-out: {contenders[0].held_out[2]:,} bytes of data=pystdlib_tests' validation split; "
           f"an evaluation every {args.eval_every:,} training tokens; precision {contenders[0].precision}")
     marks = {c.name: args.eval_every for c in contenders}
@@ -212,7 +221,8 @@ def bench_recipe(args) -> dict:
     if args.out:
         plot(contenders, Path(args.out))
     return {"contenders": {c.name: {"overrides": c.overrides, "steps": c.steps, "tokens": c.tokens,
-                                    "seconds": c.seconds, "curve": c.curve} for c in contenders},
+                                    "seconds": c.seconds, "held_out_bytes": c.held_out[2], "curve": c.curve}
+                           for c in contenders},
             "targets": rows}
 
 
@@ -262,7 +272,7 @@ def plot(contenders: list[Contender], folder: Path) -> None:
     plt = pyplot()
     figure, (by_tokens, by_seconds) = plt.subplots(1, 2, figsize=(11, 4.2))
     for i, c in enumerate(contenders):
-        label = f"{c.name}: {' '.join(c.overrides) or 'default'}"
+        label = c.name  # its overrides are in the printed report and the JSON: too long for a legend
         curve = c.curve[1:]  # step 0's score (the vocabulary's size, in bits) would flatten the rest
         by_tokens.plot([p["tokens"] for p in curve], [p["bits_per_byte"] for p in curve], label=label,
                        **line_style(i))
@@ -272,7 +282,7 @@ def plot(contenders: list[Contender], folder: Path) -> None:
     by_seconds.set_xlabel("training seconds (scoring excluded)")
     for axis in (by_tokens, by_seconds):
         axis.set_ylabel("held-out bits per byte (pystdlib_tests val)")
-    by_tokens.legend()
+    by_seconds.legend()
     save_figure(figure, folder / "recipe.png")
     print(f"wrote {folder / 'recipe.png'}")
 
