@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+from lm.config.train import ADAMW_RECIPE
 from lm.studies.engine import ADDED_SINCE_RECORDS, Arm, as_json_data, import_records, same_settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,11 +31,12 @@ def test_a_setting_added_since_at_another_value_or_an_unknown_one_runs_the_arm_a
 
 
 def test_every_added_setting_is_one_the_run_config_has():
-    """A kind's option is looked up in attn=hybrid, whose schema holds every kind's options; the recall
-    data's in data=mqar."""
+    """In conf/train.yaml under the studies' recipe (ADAMW_RECIPE, which every arm composes). A kind's
+    option is looked up in attn=hybrid, whose schema holds every kind's options; the recall data's in
+    data=mqar."""
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        configs = [compose("train"), compose("train", overrides=["data=mqar"]),  # data.mix: the recall data's
-                   compose("train", overrides=["attn=hybrid"])]  # attn.*: every kind's options
+        configs = [compose("train", overrides=[*ADAMW_RECIPE, *extra])
+                   for extra in ([], ["data=mqar"], ["attn=hybrid"])]  # data.mix: mqar's; attn.*: every kind's
     for key, value in ADDED_SINCE_RECORDS.items():
         group, _, name = key.rpartition(".")
         nodes = [cfg[group] if group else cfg for cfg in configs]
