@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev,hf,gguf,eval,serve]'
 	touch $(STAMP)
 
-train: install ## train the default model (tiny MHA) on the standard-library corpus
+train: install ## train the default model (nano MHA, Muon) on the standard-library corpus
 	$(PY) scripts/train.py
 
 test: install ## the test suite, without tests marked slow (a few minutes on 2 cores)

@@ -245,11 +245,13 @@ def test_the_closure_runs_once_a_step_and_its_loss_comes_back():
 
 def test_a_resumed_run_applies_its_own_settings_to_each_group():
     model = kind_model("softmax-mha")
-    optimizer, schedule = optimizer_and_schedule(model, MuonConfig(warmup_steps=2))
+    # cosine: at step 3 of 8 its multiplier is below 1, so a rate left unscaled would show (wsd's is 1 there)
+    optimizer, schedule = optimizer_and_schedule(model, MuonConfig(warmup_steps=2, schedule="cosine"))
     train_steps(model, optimizer, schedule, batches(3))
-    changed = MuonConfig(warmup_steps=2, lr=0.01, adamw_lr=1e-3, weight_decay=0.0, momentum=0.9)
+    changed = MuonConfig(warmup_steps=2, schedule="cosine", lr=0.01, adamw_lr=1e-3, weight_decay=0.0, momentum=0.9)
     apply_settings(optimizer, schedule, changed)
-    multiplier = lr_multiplier(3, changed.schedule, 2, 8, changed.min_lr_ratio, changed.decay_fraction)
+    multiplier = lr_multiplier(3, "cosine", 2, 8, 0.1, 0.2)
+    assert multiplier < 0.99
     assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([0.01 * multiplier, 1e-3 * multiplier,
                                                                         1e-3 * multiplier])
     assert optimizer.param_groups[0]["momentum"] == 0.9 and optimizer.param_groups[0]["weight_decay"] == 0.0
@@ -316,7 +318,8 @@ def test_a_run_config_written_before_a_key_existed_takes_its_default():
     (["optim.decay_fraction=1.5"], "optim.decay_fraction=1.5 must be in (0, 1]"),
     (["optim.fused=maybe"], "optim.fused='maybe' must be true or false"),
     (["optim.name=sgd"], "optim.name='sgd' is not one of ['adamw', 'muon']"),
-    (["optim=adamw", "optim.name=muon"], "optim.name=muon takes its settings from its group: choose it with optim=muon"),
+    (["optim=adamw", "optim.name=muon"],
+     "optim.name=muon takes its settings from its group: choose it with optim=muon"),
     (["optim=muon", "optim.momentum=1"], "optim.momentum=1 must be in [0, 1)"),
     (["optim=muon", "optim.ns_steps=0"], "optim.ns_steps=0 must be an integer from 1 to 99"),
     (["optim=muon", "optim.adjust_lr=rms"], "optim.adjust_lr='rms' is not one of ['match_rms_adamw', 'original']"),

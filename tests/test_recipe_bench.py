@@ -2,6 +2,7 @@
 time each took to the targets, read from its --json results. Its refusals are rows of
 tests/test_command_fuzz.py's BENCH table."""
 
+import argparse
 import itertools
 import json
 import subprocess
@@ -11,6 +12,34 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_recipe_is_scored_on_the_documents_chosen_with_the_first_recipes_tokenizer(monkeypatch):
+    """The first contender chooses the held-out documents by its own token count; every other one is
+    handed those documents, whatever its vocabulary (per-tokenizer choices would score other text)."""
+    from lm.studies import recipe_bench
+
+    given = []
+
+    def build(self, held_out):
+        given.append(held_out)
+        self.documents = [f"chosen with {self.name}'s tokenizer"] if isinstance(held_out, int) else held_out
+        self.held_out = (None, None, len(self.documents[0]), len(self.documents))
+        self.precision = "32-true"
+        return self
+
+    def evaluate(self):
+        self.curve.append({"steps": 0, "tokens": 0, "seconds": 0.0, "bits_per_byte": 1.0})
+        return 1.0
+
+    monkeypatch.setattr(recipe_bench.Contender, "configure", lambda self: self)  # max_steps 0: no training
+    monkeypatch.setattr(recipe_bench.Contender, "build", build)
+    monkeypatch.setattr(recipe_bench.Contender, "evaluate", evaluate)
+    args = argparse.Namespace(recipe=["a=", "b=data.vocab_size=4096", "c=data.vocab_size=512"], a=None, b=None,
+                              eval_every=1, held_out_tokens=5000, targets=[1.0], out=None)
+    results = recipe_bench.bench_recipe(args)
+    assert given == [5000, ["chosen with a's tokenizer"], ["chosen with a's tokenizer"]]
+    assert {c["held_out_bytes"] for c in results["contenders"].values()} == {len("chosen with a's tokenizer")}
 
 
 @pytest.mark.slow
@@ -25,7 +54,6 @@ def test_two_recipes_in_turns_give_their_curves_and_time_to_each_target(tmp_path
                              "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     results = json.loads(out.read_text())
-    # the same documents for both, chosen with a's tokenizer, whatever b's vocabulary
     assert results["contenders"]["a"]["held_out_bytes"] == results["contenders"]["b"]["held_out_bytes"] > 0
     for name in ("a", "b"):
         run = results["contenders"][name]

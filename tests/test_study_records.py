@@ -155,3 +155,17 @@ def test_a_study_folder_holding_a_bad_record_sets_it_aside_and_runs_the_arm_agai
     assert lines[1] == ("[2/2] b: its record b.json is set aside (val_accuracy=nan is not a finite number); "
                         "running it again")
     assert json.loads((records / "b.json").read_text()) == done[1] == sealed(done[1])
+
+
+@pytest.mark.parametrize("task, data", [([], {"source": "pystdlib", "vocab_size": 8192}), (["data=mqar"], None)])
+def test_a_studys_arm_trains_with_the_adamw_recipe_whatever_train_py_defaults_to(task, data):
+    """compare.py and the frontier compose every arm with ADAMW_RECIPE under their own settings, so
+    a change of scripts/train.py's defaults (model=nano, optim=muon) leaves their arms as recorded."""
+    from lm.studies.compare_arms import Entry, training_config
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        default = compose("train")
+        arm = training_config(Entry("mha", "mha", None, {}), task, {"seed": 0}, data)
+    assert (default.model.name, default.optim.name) == ("nano", "muon")
+    recipe = (arm.model.name, arm.optim.name, arm.optim.schedule, arm.trainer.max_steps)
+    assert recipe == ("tiny", "adamw", "cosine", 500)

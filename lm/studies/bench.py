@@ -143,7 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "is the one the others' times compare with")
     recipe.add_argument("--eval-every", type=int, default=200_000, help="training tokens between evaluations")
     recipe.add_argument("--held-out-tokens", type=int, default=60_000,
-                        help="tokens of data=pystdlib_tests' validation split each evaluation scores")
+                        help="the held-out text: the first whole documents of data=pystdlib_tests' validation "
+                             "split holding this many tokens of the first recipe's tokenizer; every recipe scores "
+                             "those documents")
     recipe.add_argument("--targets", type=float, nargs="*", default=None,
                         help="bits per byte to time (default: the first recipe's scores at 1/2, 3/4 and the end of "
                              "its run)")

@@ -171,7 +171,7 @@ def continued_run_config(source_run: dict, cfg: DictConfig, steps: int, target: 
         run.trainer.progress_bar = cfg.progress_bar
         # what a non-finite loss does (the advice its error gives): the uptraining's own setting
         run.trainer.skip_nonfinite = bool(cfg.get("trainer", {}).get("skip_nonfinite", False))
-        # The source run's schedule shape (warm-up then cosine) over the short budget.
+        # The source run's optimizer and schedule shape (its own warm-up, then cosine or wsd) over the short budget.
         run.optim.warmup_steps = max(1, round(cfg.uptrain.warmup_fraction * steps))
         run.logger = OmegaConf.to_container(cfg.logger, resolve=True)
         run.sample.max_new_tokens = cfg.sample_tokens
