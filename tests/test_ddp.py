@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def run_ddp(cfg, tmp_path, *overrides):
     # float32 as the one-process run (trainer=cpu): auto would pick bf16-mixed on a CPU with bf16 instructions
     result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "train.py"), "trainer=ddp", "trainer.devices=2",
+        [sys.executable, str(ROOT / "scripts" / "train.py"), f"optim={cfg.optim.name}", "trainer=ddp",
+         "trainer.devices=2",
          "trainer.accelerator=cpu", "trainer.precision=32-true", "data=text", f"data.paths=[{cfg.data.paths[0]}]",
          "data.vocab_size=512",
          "data.batch_size=4", f"data.cache_dir={cfg.data.cache_dir}", f"checkpoint_dir={cfg.checkpoint_dir}",
@@ -81,12 +82,14 @@ def test_two_process_ddp_with_muon_matches_one_process(train_config, tmp_path):
     same averaged gradient, so two processes of batch 4 train as one of batch 8."""
     from lm.training.run import train
 
-    single = train(train_config("optim=muon", "data.batch_size=8", "trainer.max_steps=4", "run_name=single"))
-    ddp_ckpt = run_ddp(train_config(), tmp_path, "optim=muon", "trainer.max_steps=4")
+    # Newton-Schulz in float32: gradients summed in another order differ in their last float32 bits,
+    # which a bf16 iteration (auto's choice on a CPU with bf16 instructions) can turn into 2^-8 of an
+    # update, more than the bound below at optim=muon's learning rate of 0.04. A rank stepping on its
+    # own half batch would be off by about 1e-2 (measured: 5e-3 to 1.5e-2 per tensor at lr 0.02).
+    muon = ("optim=muon", "optim.ns_dtype=float32")
+    single = train(train_config(*muon, "data.batch_size=8", "trainer.max_steps=4", "run_name=single"))
+    ddp_ckpt = run_ddp(train_config(), tmp_path, *muon, "trainer.max_steps=4")
     assert read_checkpoint(ddp_ckpt)["global_step"] == 4
-    # Newton-Schulz runs in bf16 (torch.optim.Muon): gradients summed in another order differ in their
-    # last float32 bits, which a bf16 rounding can turn into 2^-8 of an update (~1e-4 here). A rank
-    # stepping on its own half batch would be off by about 1e-2 (measured: 5e-3 to 1.5e-2 per tensor).
     ours, theirs = model_state_dict(read_checkpoint(Path(single["last"]))), model_state_dict(read_checkpoint(ddp_ckpt))
     for name, tensor in ours.items():
         torch.testing.assert_close(theirs[name], tensor, atol=5e-4, rtol=0, msg=name)

@@ -38,7 +38,8 @@ def start_training_child(train_config, tmp_path, *overrides) -> tuple[subprocess
     cfg = train_config(*overrides)
     paths = [f"data.paths=[{cfg.data.paths[0]}]", f"data.cache_dir={cfg.data.cache_dir}",
              f"checkpoint_dir={cfg.checkpoint_dir}", f"hydra.run.dir={tmp_path / 'hydra'}"]
-    args = ["data=text", "data.vocab_size=512", "data.batch_size=4", "trainer=cpu", "trainer.limit_val_batches=2",
+    args = [f"optim={cfg.optim.name}",  # the optimizer train_config chose (AdamW unless overridden)
+            "data=text", "data.vocab_size=512", "data.batch_size=4", "trainer=cpu", "trainer.limit_val_batches=2",
             "trainer.progress_bar=false", "optim.warmup_steps=2", "sample.max_new_tokens=0",
             *TINY_MODEL, *overrides, *paths]
     child = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "train.py"), *args],
