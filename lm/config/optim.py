@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lm.config.settings import Bound, boolean, choice, integer, number, positive, setting, store
+from lm.config.settings import Bound, boolean, choice, integer, number, positive, redefault, setting, store
 from lm.util.checks import require_in_interval, require_int, require_unit
 
 SCHEDULES = ("cosine", "wsd", "linear")
@@ -42,12 +42,6 @@ class OptimConfig:
     beta1: float = setting(0.9, "AdamW's first-moment decay", UNIT)
     beta2: float = setting(0.95, "AdamW's second-moment decay", UNIT)
     fused: bool = setting(True, "torch's fused AdamW kernel", boolean())
-
-
-def redefault(parent: type, name: str, default):
-    """`parent`'s setting `name` (its meaning and bound) with another default, for a subclass."""
-    inherited = parent.__dataclass_fields__[name]
-    return setting(default, inherited.metadata["help"], inherited.metadata["bound"])
 
 
 @dataclass

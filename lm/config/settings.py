@@ -105,6 +105,13 @@ def setting(default: Any = MISSING, help: str = "", bound: Bound | None = None,
     return field(default=default, metadata=metadata)
 
 
+def redefault(parent: type, name: str, default: Any) -> Any:
+    """`parent`'s setting `name`, its meaning and bound, with another default: for a subclass whose
+    option states the same thing (MuonConfig's schedule is OptimConfig's, defaulting to wsd)."""
+    inherited = {f.name: f for f in dataclasses.fields(parent)}[name]
+    return setting(default, inherited.metadata["help"], inherited.metadata["bound"])
+
+
 def group(cls: type, help: str = "") -> Any:
     """A field holding a nested settings dataclass (`checkpoint.every_n_steps`)."""
     return field(default_factory=cls, metadata={"help": help, "bound": None})
@@ -191,4 +198,4 @@ def settings_help(name: str) -> str:
 OmegaConf.register_new_resolver("settings_help", settings_help, replace=True)
 
 __all__ = ["Bound", "boolean", "check_settings", "choice", "each", "fraction", "group", "integer", "number",
-           "options_help", "positive", "setting", "store"]
+           "options_help", "positive", "redefault", "setting", "store"]

@@ -79,6 +79,7 @@ class Contender:
         or a token count choosing them (the first contender's) with this tokenizer."""
         from lm.data.modules import make_data_module
         from lm.model.transformer import Transformer
+        from lm.studies.evaluate import token_stream
         from lm.training.module import LitLM
         from lm.training.optim import optim_config
         from lm.training.settings import model_config_from
@@ -97,8 +98,6 @@ class Contender:
         self.clip = cfg.trainer.gradient_clip_val
         self.precision = pick_precision(cfg.trainer)
         self.batches = itertools.chain.from_iterable(iter(data.train_dataloader()) for _ in itertools.count())
-        from lm.studies.evaluate import token_stream
-
         self.documents = held_out if isinstance(held_out, list) else held_out_documents(data.tokenizer, held_out)
         self.held_out = token_stream(iter(self.documents), data.tokenizer)
         return self
