@@ -29,6 +29,7 @@ from lm.config.generate import GenerateSettings
 from lm.config.import_hf import ImportHFSettings
 from lm.config.settings import SCHEMAS, check_settings, defaults, described, each, integer, is_group
 from lm.config.train import TrainSettings, check_train_settings
+from lm.config.uptrain import UptrainSettings, UptrainStudySettings
 from lm.util.cli import run_script
 from lm.util.errors import ConfigError
 
@@ -212,14 +213,15 @@ def test_every_settings_schema_documents_each_setting_and_its_defaults_pass_its_
 
 
 SCRIPT_SETTINGS = [("generate", GenerateSettings), ("export", ExportSettings), ("eval", EvalSettings),
-                   ("import_hf", ImportHFSettings), ("compare", CompareSettings)]
+                   ("import_hf", ImportHFSettings), ("compare", CompareSettings), ("uptrain", UptrainSettings)]
+GROUPS = ("data", "logger", "attn")  # a script's groups, composed beside its settings
 
 
 @pytest.mark.parametrize("config, cls", SCRIPT_SETTINGS, ids=[config for config, _ in SCRIPT_SETTINGS])
 def test_a_scripts_settings_come_from_its_dataclass_and_its_help_lists_them(config, cls):
     assert set(yaml.safe_load((ROOT / "conf" / f"{config}.yaml").read_text())) == {"defaults", "hydra"}
     composed = OmegaConf.to_container(compose_config(config, []))
-    assert {key: value for key, value in composed.items() if key != "data"} == defaults(cls)  # data: a group
+    assert {key: value for key, value in composed.items() if key not in GROUPS} == defaults(cls)
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         template = compose(config_name=config, return_hydra_config=True).hydra.help.template
     for name, words in described(cls):  # what it means, its bound and its default, groups' settings dotted
@@ -261,6 +263,25 @@ def test_a_list_settings_bound_checks_every_entry(value, line):
         each(integer())("mqar.widths", value)
     assert str(refused.value) == line
     each(integer(), at_least_one=False)("speed.train_contexts", [])
+
+
+UPTRAIN_STUDIES = [("uptrain_study", "uptrain"), ("uptrain_methods", "uptrain_study")]
+
+
+@pytest.mark.parametrize("config, parent", UPTRAIN_STUDIES, ids=[config for config, _ in UPTRAIN_STUDIES])
+def test_an_uptraining_study_holds_only_what_it_changes(config, parent):
+    """Its keys are settings (UptrainSettings, UptrainStudySettings) or the attn target, and none
+    restates what the config it builds on composes."""
+    stated = yaml.safe_load((ROOT / "conf" / f"{config}.yaml").read_text())
+    values = leaves({key: value for key, value in stated.items() if key not in ("defaults", "hydra")})
+    base = OmegaConf.to_container(compose_config(parent, []))
+    if parent == "uptrain":
+        base.update(defaults(UptrainStudySettings))
+    declared = leaves(base)
+    for key, value in values.items():
+        assert key in declared, f"{config}.yaml: {key} is not a setting"
+        assert value != declared[key], f"{config}.yaml: {key}={value!r} restates {parent}'s"
+    assert leaves(OmegaConf.to_container(compose_config(config, [])))["study.out"].startswith("checkpoints/")
 
 
 def test_export_refuses_a_format_it_does_not_write_before_reading_the_checkpoint():

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lm.config.settings import Bound, boolean, choice, integer, number, positive, redefault, setting, store
-from lm.util.checks import require_in_interval, require_int, require_unit
+from lm.util.checks import require_int, require_unit
 
 SCHEDULES = ("cosine", "wsd", "linear")
 ADJUST_LR = ("original", "match_rms_adamw")  # torch.optim.Muon's adjust_lr_fn
@@ -19,7 +19,7 @@ NS_DTYPE = ("auto", "bfloat16", "float32")  # auto: bfloat16 where bf16 matmuls 
 
 UNIT = Bound("a number from 0 to 1", require_unit)
 DECAY = number(0)
-MOMENTUM = Bound("a number in [0, 1)", lambda n, v: require_in_interval(n, v, 0, 1, open_high=True))
+MOMENTUM = number(0, 1, open_high=True)
 NS_STEPS = Bound("an integer from 1 to 99", lambda n, v: require_int(n, v, minimum=1, maximum=99))
 
 

@@ -64,11 +64,15 @@ def fraction(nullable: bool = False) -> Bound:
     return Bound("a number between 0 and 1", require_fraction, nullable)
 
 
-def number(low: float, high: float = math.inf, open_low: bool = False, nullable: bool = False) -> Bound:
+def number(low: float, high: float = math.inf, open_low: bool = False, open_high: bool = False,
+           nullable: bool = False) -> Bound:
+    """A real number from `low` to `high`, each end included unless open; an infinite `high` is open (a
+    finite number)."""
+    open_high = open_high or high == math.inf
     words = (f"a finite number {'>' if open_low else '>='} {low}" if high == math.inf
-             else f"a number in {'(' if open_low else '['}{low}, {high}]")
-    return Bound(words, lambda n, v: require_in_interval(n, v, low, high, open_low=open_low,
-                                                         open_high=high == math.inf), nullable)
+             else f"a number in {'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}")
+    return Bound(words, lambda n, v: require_in_interval(n, v, low, high, open_low=open_low, open_high=open_high),
+                 nullable)
 
 
 def positive() -> Bound:

@@ -20,9 +20,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from lm.config.settings import check_settings, defaults
+from lm.config.uptrain import UptrainOptions, UptrainStudySettings
 from lm.data.modules import TokenDataModule
 from lm.formats.checkpoint import load, model_state_dict, read_checkpoint, stored_model_config
-from lm.formats.convert import INITS
 from lm.model.config import ModelConfig
 from lm.model.transformer import Transformer
 from lm.studies.ablation_report import ablation_table, uptraining_plot
@@ -40,7 +41,7 @@ from lm.training.uptraining import (
     uptrain,
     variant_name,
 )
-from lm.util.checks import as_list, require_bool, require_choice, require_in_interval, require_int
+from lm.util.checks import as_list
 from lm.util.errors import ConfigError
 from lm.util.paths import resolve_path
 
@@ -170,20 +171,11 @@ def uptrained_arm_settings(arm_cfg: DictConfig) -> dict:
 
 
 def check_study_settings(cfg: DictConfig) -> None:
-    """The grid's lists and numbers, named as typed; each arm's uptrain settings are checked as it
-    is planned (lm.training.uptraining.check_uptrain_settings), all before the teacher is read."""
+    """The grid's lists and numbers (UptrainStudySettings), named as typed; each arm's uptrain settings
+    are checked as it is planned (lm.training.uptraining.check_uptrain_settings), all before the
+    teacher is read."""
     check_uptrain_settings(cfg)
-    for key in ("kv_heads", "inits", "fractions"):
-        if not as_list(f"study.{key}", cfg.study[key]):
-            raise ConfigError(f"study.{key}=[] is empty: give at least one value")
-    for kv_heads in as_list("study.kv_heads", cfg.study.kv_heads):
-        require_int("study.kv_heads entry", kv_heads)
-    for init in as_list("study.inits", cfg.study.inits):
-        require_choice("study.inits entry", init, INITS)
-    for fraction in as_list("study.fractions", cfg.study.fractions):
-        require_in_interval("study.fractions entry", fraction, 0, 1, open_low=True)
-    require_int("study.decode_tokens", cfg.study.decode_tokens)
-    require_bool("study.scratch", cfg.study.scratch)
+    check_settings(cfg, UptrainStudySettings)
 
 
 METHOD_KEYS = {"name", "attn", "init", "distill", "temperature"}
@@ -198,14 +190,14 @@ def method_arm(cfg: DictConfig, method, fraction: float, runs: Path, measured_wi
     if not isinstance(method, dict) or unknown or "name" not in method or "attn" not in method:
         raise ConfigError(f"study.methods entry {method!r} must be a mapping with name and attn, and at most "
                           f"{sorted(METHOD_KEYS)}" + (f" (not {unknown})" if unknown else ""))
-    distill = method.get("distill", 0.0)
+    options = defaults(UptrainOptions)  # what a method leaves out is uptraining's own default
+    converting = {key: method.get(key, options[key]) for key in ("init", "distill", "temperature")}
+    distill = converting["distill"]
     name = f"{method['name']}-{fraction}"
     base = cfg.copy()
     OmegaConf.set_struct(base, False)  # a target brings attn keys the base lacks (kind, kv_rank, ...)
     arm_cfg = OmegaConf.merge(base, {"attn": method["attn"], "run_name": f"study-{name}", "checkpoint_dir": str(runs),
-                                    "uptrain": {"init": method.get("init", "mean"), "distill": distill,
-                                                "temperature": method.get("temperature", 1.0),
-                                                "fraction": fraction, "steps": None}})
+                                    "uptrain": {**converting, "fraction": fraction, "steps": None}})
     try:
         check_uptrain_settings(arm_cfg)
         target = conversion_target(arm_cfg)

@@ -22,6 +22,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lm.attention.mla import LatentSpec
+from lm.config.settings import check_settings
+from lm.config.uptrain import UptrainSettings
 from lm.data.modules import TokenDataModule
 from lm.formats.calibration import attention_inputs
 from lm.formats.checkpoint import (
@@ -31,20 +33,12 @@ from lm.formats.checkpoint import (
     save_checkpoint,
     stored_model_config,
 )
-from lm.formats.convert import INITS, check_convertible, to_grouped
+from lm.formats.convert import check_convertible, to_grouped
 from lm.formats.to_latent import check_parent, to_latent
 from lm.model.config import ModelConfig
 from lm.model.transformer import Transformer
 from lm.training.module import check_distillation, evaluate_loss, inputs_and_targets
 from lm.training.run import train
-from lm.util.checks import (
-    require_bool,
-    require_choice,
-    require_in_interval,
-    require_int,
-    require_positive,
-    require_seed,
-)
 from lm.util.errors import ConfigError, RunInterrupted
 from lm.util.files import run_folder
 from lm.util.paths import resolve_path
@@ -109,28 +103,13 @@ def check_conversion(source_config: ModelConfig, target: Target, init: str) -> N
 
 
 def check_uptrain_settings(cfg: DictConfig) -> None:
-    """Every `uptrain.*` number and the seed, named as typed, before the checkpoint is read; also
-    those this run leaves unused (`fraction` beside `steps`), which are mistakes all the same."""
+    """Every setting of UptrainSettings (lm/config/uptrain.py), named as typed, before the checkpoint
+    is read; also those this run leaves unused (`fraction` beside `steps`), which are mistakes all
+    the same; then what depends on two of them."""
+    check_settings(cfg, UptrainSettings)
     u = cfg.uptrain
-    require_choice("uptrain.init", u.init, INITS)
-    if u.steps is not None:
-        require_int("uptrain.steps", u.steps, minimum=0)
-    require_in_interval("uptrain.fraction", u.fraction, 0, 1)
-    require_in_interval("uptrain.warmup_fraction", u.get("warmup_fraction", 0.1), 0, 1, open_high=True)
-    require_in_interval("uptrain.distill", u.get("distill", 0.0), 0, math.inf, open_high=True)
-    require_positive("uptrain.temperature", u.get("temperature", 1.0))
-    check_distillation(u.get("distill", 0.0), u.get("temperature", 1.0), None, teacher_needed=False)
-    require_bool("trainer.skip_nonfinite", cfg.get("trainer", {}).get("skip_nonfinite", False))
-    require_int("uptrain.calibration_batches", u.get("calibration_batches", 4))
-    require_int("uptrain.evaluations", u.evaluations)
-    for key in ("val_every_n_steps", "limit_val_batches"):
-        if u.get(key) is not None:
-            require_int(f"uptrain.{key}", u[key])
-    require_seed("seed", cfg.seed)
-    if cfg.get("sample_tokens") is not None:
-        require_int("sample_tokens", cfg.sample_tokens, minimum=0)
-    resume = cfg.get("resume", False)
-    require_bool("resume", resume)
+    check_distillation(u.distill, u.temperature, None, teacher_needed=False)  # in float32, where the loss uses them
+    resume = cfg.resume
     if resume and cfg.get("study"):
         raise ConfigError("resume=true continues one uptraining run; a study continues its own arms when the same "
                           "command runs again")
@@ -155,7 +134,7 @@ def continued_run_config(source_run: dict, cfg: DictConfig, steps: int, target: 
     with open_dict(run):
         run.run_name = run_name
         run.seed = cfg.seed
-        run.resume, run.ckpt_path = bool(cfg.get("resume", False)), None
+        run.resume, run.ckpt_path = cfg.resume, None
         run.checkpoint_dir = cfg.checkpoint_dir
         if isinstance(target, int):
             target = Target(n_kv_head=target)
@@ -170,7 +149,7 @@ def continued_run_config(source_run: dict, cfg: DictConfig, steps: int, target: 
             run.trainer.limit_val_batches = cfg.uptrain.limit_val_batches
         run.trainer.progress_bar = cfg.progress_bar
         # what a non-finite loss does (the advice its error gives): the uptraining's own setting
-        run.trainer.skip_nonfinite = bool(cfg.get("trainer", {}).get("skip_nonfinite", False))
+        run.trainer.skip_nonfinite = cfg.trainer.skip_nonfinite
         # The source run's optimizer and schedule shape (its own warm-up, then cosine or wsd) over the short budget.
         run.optim.warmup_steps = max(1, round(cfg.uptrain.warmup_fraction * steps))
         run.logger = OmegaConf.to_container(cfg.logger, resolve=True)
@@ -188,8 +167,7 @@ class Calibration:
         self.data = TokenDataModule.from_config(OmegaConf.create(source_run["data"]),
                                                 source_run["model"]["max_seq_len"], tokenizer_json=tokenizer_json)
         self.data.setup()
-        self.batches = cfg.uptrain.get("calibration_batches", 4)
-        require_int("uptrain.calibration_batches", self.batches)
+        self.batches = cfg.uptrain.calibration_batches
         limit = cfg.uptrain.limit_val_batches
         if limit is None:
             limit = source_run.get("trainer", {}).get("limit_val_batches")
@@ -231,7 +209,7 @@ def uptrain(cfg: DictConfig) -> dict:
     target = target.at(source_config.head_dim)
     source_steps = int(source.get("global_step", 0))
     steps = budget(cfg, source_steps)
-    check_distillation(cfg.uptrain.get("distill", 0.0), cfg.uptrain.get("temperature", 1.0), parent)
+    check_distillation(cfg.uptrain.distill, cfg.uptrain.temperature, parent)
     tokenizer_json = source["lm"]["tokenizer"]
     source_run = source["lm"].get("run_config") or {}
     if (steps or target.latent is not None or cfg.uptrain.init == "aligned") and not source_run.get("data"):
@@ -241,14 +219,14 @@ def uptrain(cfg: DictConfig) -> dict:
     if steps:
         run_name = cfg.run_name or f"{source_run.get('run_name', 'source')}-{target.name}-{cfg.uptrain.init}"
         run = continued_run_config(source_run, cfg, steps, target, run_name)
-        if cfg.get("resume", False):
+        if cfg.resume:
             check_resumable(run, cfg)
     calibration = functools.cache(lambda: Calibration(source_run, tokenizer_json, cfg))  # read only if needed
     state, config = convert(parent, source_state, target, cfg, calibration)
     provenance = {"source": str(cfg.ckpt), "source_step": source_steps, "init": cfg.uptrain.init,
                   "fraction": cfg.uptrain.fraction if cfg.uptrain.steps is None else None, "steps": steps,
                   "n_kv_head_from": source_config.n_kv_head, "n_kv_head_to": target.n_kv_head,
-                  "target": target.name, "distill": cfg.uptrain.get("distill", 0.0)}
+                  "target": target.name, "distill": cfg.uptrain.distill}
     if target.latent is not None:
         provenance["rope_pairs"] = [list(spec.rope_pairs) for spec in config.attention]
     if steps == 0:
@@ -261,7 +239,7 @@ def uptrain(cfg: DictConfig) -> dict:
           f"{target.name} ({cfg.uptrain.init} init) for {steps} steps ({steps / max(1, source_steps):.1%} of the "
           f"source run's {source_steps}); the parent's val loss {parent_loss:.4f}"
           + ("" if resuming else ", the converted model's is measured at step 0"))
-    distilling = cfg.uptrain.get("distill", 0.0)
+    distilling = cfg.uptrain.distill
     try:
         result = train(run, model_config=config, init_state=state, tokenizer_json=tokenizer_json,
                        provenance=provenance, validate_first=not resuming, teacher=parent if distilling else None)
