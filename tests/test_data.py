@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import compose_config
 
 import lm.data.token_cache
 from lm.data.corpora import DataError, files_corpus, hf_corpus, is_validation, pystdlib_corpus, text_corpus
@@ -113,12 +114,10 @@ def test_data_mqar_is_not_a_text_corpus():
 
 
 def test_the_stdlib_test_suites_are_text_the_built_in_corpus_never_contains():
-    from omegaconf import OmegaConf
-
     from lm.data.corpora import TEST_SUITE_DIRS, build_corpus
 
     def ids(name: str) -> set[str]:
-        corpus = build_corpus(OmegaConf.load(Path(__file__).parents[1] / "conf" / "data" / f"{name}.yaml"))
+        corpus = build_corpus(compose_config("train", [f"data={name}"]).data)
         return {doc_id for doc_id, _ in corpus.documents()}
 
     train, held_out = ids("pystdlib"), ids("pystdlib_tests")

@@ -23,12 +23,15 @@ from omegaconf import OmegaConf
 from lm.attention import available_kinds, option_names, spec_class
 from lm.config.attn import PER_LAYER, attn_schema
 from lm.config.compare import CompareSettings
+from lm.config.data import CorpusSettings, HubSettings, RecallSettings
 from lm.config.eval import EvalSettings
 from lm.config.export import ExportSettings
 from lm.config.generate import GenerateSettings
 from lm.config.import_hf import ImportHFSettings
+from lm.config.model import ModelSettings
 from lm.config.settings import SCHEMAS, check_settings, defaults, described, each, integer, is_group
 from lm.config.train import TrainSettings, check_train_settings
+from lm.config.trainer import TrainerSettings
 from lm.config.uptrain import UptrainSettings, UptrainStudySettings
 from lm.util.cli import run_script
 from lm.util.errors import ConfigError
@@ -282,6 +285,59 @@ def test_an_uptraining_study_holds_only_what_it_changes(config, parent):
         assert key in declared, f"{config}.yaml: {key} is not a setting"
         assert value != declared[key], f"{config}.yaml: {key}={value!r} restates {parent}'s"
     assert leaves(OmegaConf.to_container(compose_config(config, [])))["study.out"].startswith("checkpoints/")
+
+
+GROUP_SCHEMAS = {"trainer": {"trainer": TrainerSettings}, "model": {"model": ModelSettings},
+                 "data": {"corpus": CorpusSettings, "hf": HubSettings, "mqar": RecallSettings}}
+GROUP_OPTIONS = [path for group in GROUP_SCHEMAS for path in sorted((ROOT / "conf" / group).glob("*.yaml"))]
+SHAPE = ("n_layer", "d_model", "n_head", "d_ff")  # each model option names its shape in full
+
+
+@pytest.mark.parametrize("path", GROUP_OPTIONS, ids=[f"{p.parent.name}/{p.stem}" for p in GROUP_OPTIONS])
+def test_a_groups_option_holds_only_what_it_changes(path):
+    """trainer, model and data options compose their schema (or an option that does) and state only
+    keys it declares, none at the value it already has; the composed option is the schema's
+    defaults under the option's own values."""
+    group = path.parent.name
+    stated = yaml.safe_load(path.read_text())
+    (entry,) = [e for e in stated.pop("defaults") if e != "_self_"]
+    ((key, parent),) = entry.items() if isinstance(entry, dict) else [(None, entry)]
+    if key is None:  # another option of the group (trainer=cpu composes base)
+        base = OmegaConf.to_container(compose_config("train", [f"{group}={parent}"])[group])
+    else:
+        assert key == f"/{group}/settings@_here_", f"{path.name}: {entry}"
+        base = defaults(GROUP_SCHEMAS[group][parent])
+    for name, value in stated.items():
+        assert name in base, f"{group}/{path.name}: {name} is not a setting of its schema"
+        assert name in SHAPE or value != base[name], f"{group}/{path.name}: {name}={value!r} restates the default"
+    composed = OmegaConf.to_container(compose_config("train", [f"{group}={path.stem}"])[group])
+    assert composed == {**base, **stated}
+
+
+def test_a_model_options_defaults_are_the_models_own():
+    """What a model option leaves out is what ModelConfig builds by default."""
+    import dataclasses
+
+    from lm.model.config import ModelConfig
+
+    built = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    assert {k: v for k, v in defaults(ModelSettings).items() if k != "name"} == {k: built[k] for k in
+                                                                                 defaults(ModelSettings) if k != "name"}
+
+
+@pytest.mark.parametrize("override, line", [
+    ("trainer.precision=16", "trainer.precision='16' is not one of"),
+    ("trainer.gradient_clip_val=-1", "trainer.gradient_clip_val=-1 must be"),
+    ("trainer.num_nodes=0", "trainer.num_nodes=0 must be an integer >= 1"),
+    ("data.num_workers=-1", "data.num_workers=-1 must be an integer >= 0"),
+    ("data.vocab_size=0", "data.vocab_size=0 must be an integer >= 1"),
+])
+def test_a_group_setting_out_of_its_bound_is_one_line_naming_it_as_typed(override, line):
+    from lm.training.settings import check_run_settings
+
+    with pytest.raises(ConfigError) as refused:
+        check_run_settings(compose_config("train", [override]))
+    assert str(refused.value).startswith(line)
 
 
 def test_export_refuses_a_format_it_does_not_write_before_reading_the_checkpoint():

@@ -8,7 +8,20 @@ primary configs that compose them (conf/train.yaml, uptrain.yaml, generate.yaml,
 other composition too (tests, notebooks: hydra.compose).
 """
 
-from lm.config import compare, eval, export, generate, import_hf, optim, serve, train, uptrain  # noqa: F401  store them
+from lm.config import (  # noqa: F401  store them
+    compare,
+    data,
+    eval,
+    export,
+    generate,
+    import_hf,
+    model,
+    optim,
+    serve,
+    train,
+    trainer,
+    uptrain,
+)
 from lm.config.attn import register_attn_schemas
 
 register_attn_schemas()

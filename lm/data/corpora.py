@@ -156,9 +156,8 @@ def build_corpus(data_cfg) -> Corpus:
     if source == "text":
         return text_corpus(list(data_cfg.get("paths") or []))
     if source == "hf":
-        return hf_corpus(data_cfg.get("name"), data_cfg.get("config_name"), data_cfg.get("split", "train"),
-                         data_cfg.get("text_field", "text"), bool(data_cfg.get("streaming", False)),
-                         data_cfg.get("data_files"), data_cfg.get("max_docs"))
+        return hf_corpus(data_cfg["name"], data_cfg["config_name"], data_cfg["split"], data_cfg["text_field"],
+                         data_cfg["streaming"], data_cfg["data_files"], data_cfg["max_docs"])
     if source == "mqar":  # training builds its recall examples before reaching here (lm.data.modules)
         raise DataError("data=mqar is a generated recall task, not a text corpus: only training reads it "
                         "(train.py data=mqar reports val/accuracy)")

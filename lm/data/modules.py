@@ -32,7 +32,7 @@ class TokenDataModule(ShuffledDataModule):
         """The data module a `data` config group (or a run config's `data` dict) describes."""
         return cls(build_corpus(data_cfg), resolve_path(data_cfg["cache_dir"]), seq_len=seq_len,
                    batch_size=data_cfg["batch_size"], vocab_size=data_cfg["vocab_size"],
-                   val_fraction=data_cfg["val_fraction"], seed=seed, num_workers=data_cfg.get("num_workers", 0),
+                   val_fraction=data_cfg["val_fraction"], seed=seed, num_workers=data_cfg["num_workers"],
                    tokenizer_json=tokenizer_json)
 
     def prepare_data(self) -> None:

@@ -231,7 +231,7 @@ class RecallDataModule(ShuffledDataModule):
         if longest > max_seq_len:
             raise DataError(f"data.seq_len={longest} is longer than the model's context "
                             f"model.max_seq_len={max_seq_len}")
-        return cls(task, data_cfg["batch_size"], data_cfg.get("num_workers", 0))
+        return cls(task, data_cfg["batch_size"], data_cfg["num_workers"])
 
     def prepare_data(self) -> None:
         pass

@@ -136,9 +136,10 @@ def evaluate(cfg) -> dict:
     """What scripts/eval.py runs: load, score, print one line, write the JSON record."""
     import json
 
+    from lm.config.data import check_data_settings
     from lm.data.corpora import build_corpus
     from lm.formats.checkpoint import load
-    from lm.util.checks import check_device, require_fraction
+    from lm.util.checks import check_device
     from lm.util.files import write_atomically
     from lm.util.paths import resolve_path
 
@@ -147,8 +148,8 @@ def evaluate(cfg) -> dict:
         raise DataError("data=mqar has no text to score: eval.py scores a text corpus (data=pystdlib, text or hf); "
                         "recall on data=mqar is measured by training (train.py data=mqar reports val/accuracy) and "
                         "by compare.py")
-    val_fraction = cfg.data.val_fraction  # every text corpus's data config holds it
-    require_fraction("data.val_fraction", val_fraction)
+    check_data_settings(cfg.data)
+    val_fraction = cfg.data.val_fraction
     check_device(cfg.device)
     corpus = build_corpus(cfg.data)  # lists the files only: a data.paths mistake is refused before loading
     path = resolve_path(cfg.ckpt)

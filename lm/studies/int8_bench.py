@@ -5,23 +5,18 @@ losses and both weights' bytes. An accuracy measure; `bench.py decode` and `kern
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
-
-PYSTDLIB = Path(__file__).resolve().parents[2] / "conf" / "data" / "pystdlib.yaml"
 
 
 def validation_windows(tokenizer, tokens: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, targets), each (windows, seq_len): at most `tokens` of the built-in corpus's
     validation split, cut into whole windows."""
-    from omegaconf import OmegaConf
-
+    from lm.config.compose import compose_train
     from lm.data.corpora import build_corpus
     from lm.studies.evaluate import split_documents, token_stream
 
-    data_cfg = OmegaConf.load(PYSTDLIB)
+    data_cfg = compose_train(["data=pystdlib"]).data
     ids, _, _, _ = token_stream(split_documents(build_corpus(data_cfg), "val", float(data_cfg.val_fraction)),
                                 tokenizer)
     windows = ids[: (min(len(ids), tokens) - 1) // seq_len * seq_len + 1]

@@ -31,7 +31,6 @@ import torch
 
 from lm.config.train import ADAMW_RECIPE
 
-ROOT = Path(__file__).resolve().parents[2]
 BASELINE = " ".join(ADAMW_RECIPE)  # the recipe before today's defaults: tiny model, AdamW, cosine
 CANDIDATE = ""  # today's default recipe: conf/train.yaml as it is
 REPORT_KEYS = ("target", "seconds_ratio")  # a target's row holds these beside each recipe's name
@@ -39,16 +38,13 @@ REPORT_KEYS = ("target", "seconds_ratio")  # a target's row holds these beside e
 
 def compose(name: str, overrides: list[str]):
     """conf/train.yaml with the overrides; one that does not compose is one line naming the recipe."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
     from hydra.errors import HydraException
 
-    import lm.config  # noqa: F401  the schemas conf/train.yaml composes
+    from lm.config.compose import compose_train
     from lm.util.errors import ConfigError
 
     try:
-        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-            return hydra_compose(config_name="train", overrides=[*overrides, "logger=none"])
+        return compose_train(overrides)
     except HydraException as e:
         raise ConfigError(f"--{name} {' '.join(overrides)!r}: {str(e).strip().splitlines()[0]}") from None
 
@@ -151,12 +147,11 @@ def held_out_documents(tokenizer, tokens: int) -> list[str]:
     """The first whole documents of data=pystdlib_tests' validation split that hold at least `tokens`
     tokens of `tokenizer`: chosen once, with the first recipe's tokenizer, so that every recipe is
     scored on the same bytes whatever its vocabulary."""
-    from omegaconf import OmegaConf
-
+    from lm.config.compose import compose_train
     from lm.data.corpora import build_corpus
     from lm.studies.evaluate import split_documents
 
-    data_cfg = OmegaConf.load(ROOT / "conf" / "data" / "pystdlib_tests.yaml")
+    data_cfg = compose_train(["data=pystdlib_tests"]).data
     texts, count = [], 0
     for text in split_documents(build_corpus(data_cfg), "val", float(data_cfg.val_fraction)):
         texts.append(text)

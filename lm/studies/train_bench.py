@@ -11,13 +11,13 @@ import argparse
 import copy
 import dataclasses
 import statistics
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from lm import ModelConfig, Transformer
 from lm.attention import SoftmaxSpec, spec_from_dict
+from lm.config.compose import CONF_DIR
 from lm.studies.bench_models import (
     REFERENCE,
     bench_device,
@@ -29,7 +29,7 @@ from lm.studies.bench_models import (
 )
 from lm.util.errors import ConfigError
 
-MODEL_CONFIGS = Path(__file__).resolve().parents[2] / "conf" / "model"
+MODEL_CONFIGS = CONF_DIR / "model"
 SHAPE_FIELDS = ("vocab_size", "n_layer", "d_model", "n_head", "n_kv_head", "d_ff", "max_seq_len", "tie_embeddings")
 
 
@@ -95,9 +95,9 @@ def bench_shape(args) -> ModelConfig:
     if args.model == "reference":
         shape = dict(REFERENCE)
     else:
-        from omegaconf import OmegaConf
+        from lm.config.compose import compose_train
 
-        model = OmegaConf.load(MODEL_CONFIGS / f"{args.model}.yaml")
+        model = compose_train([f"model={args.model}"]).model
         shape = {key: model[key] for key in ("n_layer", "d_model", "n_head", "d_ff", "max_seq_len", "tie_embeddings")}
         shape.update(vocab_size=REFERENCE["vocab_size"], n_kv_head=model.n_head)  # the built-in corpus's vocabulary
     if args.vocab:

@@ -52,7 +52,7 @@ def optim_config(settings: Mapping) -> OptimConfig:
     return CONFIGS[name](**settings)
 
 
-def check_optim_settings(o: OptimConfig, strategy: str = "auto") -> None:
+def check_optim_settings(o: OptimConfig, strategy: str | None = None) -> None:
     """One ConfigError line naming the key, for any value the run cannot train with: each setting's
     bound (lm.config.optim), then what depends on the trainer."""
     check_settings(dataclasses.asdict(o), type(o), "optim.")

@@ -7,15 +7,15 @@ from __future__ import annotations
 from omegaconf import DictConfig, OmegaConf
 
 from lm.attention import layer_specs
+from lm.config.data import check_data_settings
+from lm.config.settings import check_settings
 from lm.config.train import check_train_settings
+from lm.config.trainer import TrainerSettings
 from lm.model.config import ModelConfig, check_layers_build
 from lm.model.transformer import Transformer
 from lm.training.module import check_distillation
 from lm.training.optim import check_optim_settings, optim_config
-from lm.util.checks import require_choice, require_fraction, require_int
 from lm.util.errors import ConfigError
-
-PRECISIONS = ("auto", "32-true", "32", "16-mixed", "bf16-mixed", "bf16-true", "16-true", "64-true")
 
 
 def model_config_from(cfg: DictConfig, vocab_size: int) -> ModelConfig:
@@ -38,19 +38,10 @@ def model_config_from(cfg: DictConfig, vocab_size: int) -> ModelConfig:
 def check_run_settings(cfg: DictConfig) -> None:
     """Every number the run will use, checked before any data or model work starts."""
     t, o, d = cfg.trainer, cfg.optim, cfg.data
-    for name in ("max_steps", "val_every_n_steps", "limit_val_batches", "accumulate_grad_batches",
-                 "log_every_n_steps", "progress_refresh_steps"):
-        require_int(f"trainer.{name}", t[name], minimum=1)
-    require_choice("trainer.precision", str(t.precision), PRECISIONS)
-    check_optim_settings(optim_config(o), t.get("strategy", "auto"))  # lm.training.optim
-    require_int("data.batch_size", d.batch_size)
-    if "val_fraction" in d:
-        require_fraction("data.val_fraction", d.val_fraction)
+    check_settings(t, TrainerSettings, "trainer.")  # lm/config/trainer.py
+    check_optim_settings(optim_config(o), t.get("strategy"))  # lm.training.optim
+    check_data_settings(d)  # lm/config/data.py
     check_train_settings(cfg)  # run_name, seed, resume, ..., checkpoint.*, sample.* (lm/config/train.py)
-    if "num_workers" in d:
-        require_int("data.num_workers", d.num_workers, minimum=0)
-    if t.get("stop_at_accuracy") is not None:
-        require_fraction("trainer.stop_at_accuracy", t.stop_at_accuracy)
 
 
 def distillation_settings(cfg: DictConfig, teacher: Transformer | None) -> tuple[float, float]:

@@ -1,0 +1,104 @@
+"""The `data` group's settings, one schema per source: each setting's default, meaning and bound,
+declared once here (the recall task's defaults and bounds are RecallTask's, lm.data.mqar).
+
+conf/data/*.yaml compose their source's schema (`- /data/settings@_here_: corpus`) and state only
+what they change; `check_data_settings` checks a composed or stored `data` config before any data
+is read, naming each setting as typed (`data.batch_size`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from lm.config.settings import boolean, check_settings, fraction, integer, redefault, setting, store
+from lm.data.mqar import RecallTask
+
+RECALL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RecallTask)}
+
+
+@dataclass(kw_only=True)
+class DataSettings:
+    """What every source takes."""
+
+    source: str = setting(help="pystdlib | pystdlib_tests | text | hf | mqar: each data=<option> names its own")
+    batch_size: int = setting(16, "sequences per batch (per device)", integer())
+    num_workers: int = setting(0, "DataLoader worker processes; 0: the training process itself", integer(0))
+
+
+@dataclass(kw_only=True)
+class TextSettings(DataSettings):
+    """What every text corpus takes: its tokenizer, its held-out share and where both are cached."""
+
+    vocab_size: int = setting(8192, "the BPE tokenizer's vocabulary, trained on the corpus's training split",
+                              integer())
+    val_fraction: float = setting(0.05, "the share of files held out for validation, chosen by a hash of their "
+                                        "path", fraction())
+    cache_dir: str = setting(".cache/tokens", "tokenizer and token arrays, keyed by corpus and tokenizer settings")
+
+
+@dataclass(kw_only=True)
+class CorpusSettings(TextSettings):
+    """Files: the standard library's source (pystdlib, pystdlib_tests) or your own (text)."""
+
+    paths: list[str] | None = setting(None, "data=text: files, folders or globs ([file, dir/, \"glob/**/*.txt\"])")
+
+
+@dataclass(kw_only=True)
+class HubSettings(TextSettings):
+    """`data=hf`: a `datasets.load_dataset` corpus, from the hub or a local folder."""
+
+    name: str | None = setting(None, "a hub dataset name or a local folder (required)")
+    config_name: str | None = setting(None, "the dataset's configuration, where it has several")
+    split: str = setting("train", "the split read (held-out files are then chosen by val_fraction)")
+    text_field: str = setting("text", "the column holding the text")
+    streaming: bool = setting(False, "read the split as a stream instead of downloading it whole", boolean())
+    data_files: Any = setting(None, "load_dataset's data_files: a file, a list or a mapping")
+    max_docs: int | None = setting(None, "read at most this many documents (useful with streaming)",
+                                   integer(1, nullable=True))
+
+
+def recall_setting(name: str, help: str) -> Any:
+    """A setting of the recall task whose default is RecallTask's own and whose bound it checks."""
+    return setting(RECALL_DEFAULTS[name], help)
+
+
+@dataclass(kw_only=True)
+class RecallSettings(DataSettings):
+    """`data=mqar`: multi-query associative recall, generated from the seed (lm/data/mqar.py)."""
+
+    batch_size: int = redefault(DataSettings, "batch_size", 64)
+    vocab_size: int = recall_setting("vocab_size", "keys 1..vocab_size/2-1, values from vocab_size/2; token i is "
+                                                   "the word \"i\" (no tokenizer is trained)")
+    seq_len: int = recall_setting("seq_len", "tokens per example; at most model.max_seq_len")
+    pairs: int = recall_setting("pairs", "key-value pairs per example, each key queried once later")
+    mix: list | None = setting(None, "[[seq_len, pairs], ...]: train and validate on these together, each padded to "
+                                     "the longest (Based's Figure 2), examples and val_examples shared equally; "
+                                     "null: seq_len and pairs")
+    examples: int = recall_setting("examples", "training examples, reshuffled every epoch")
+    val_examples: int = recall_setting("val_examples", "a fixed held-out set (its own random stream)")
+    filler: str = recall_setting("filler", "the query region between queries: pad (token 0, Zoology's Figure 2) or "
+                                           "random tokens")
+    query_power: float = recall_setting("query_power", "a of the power law p(offset 2g) ~ (g+1)^(a-1) placing the "
+                                                       "queries; 1.0: uniform")
+    seed: int = recall_setting("seed", "of the generated examples")
+
+
+SOURCES: dict[str, type[DataSettings]] = {"pystdlib": CorpusSettings, "pystdlib_tests": CorpusSettings,
+                                          "text": CorpusSettings, "hf": HubSettings, "mqar": RecallSettings}
+
+
+def check_data_settings(data_cfg) -> None:
+    """One line naming the first `data.<key>` out of its bound, for the source the config names; a
+    source that is none of them is refused where the corpus is built (lm.data.corpora)."""
+    schema = SOURCES.get(data_cfg.get("source"))
+    if schema is not None:
+        check_settings(data_cfg, schema, "data.")
+
+
+for _name, _cls in {"corpus": CorpusSettings, "hf": HubSettings, "mqar": RecallSettings}.items():
+    store(_name, _cls, group="data/settings")
+
+__all__ = ["CorpusSettings", "DataSettings", "HubSettings", "RecallSettings", "SOURCES", "TextSettings",
+           "check_data_settings"]
