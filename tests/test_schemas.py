@@ -268,7 +268,7 @@ def test_a_list_settings_bound_checks_every_entry(value, line):
     each(integer(), at_least_one=False)("speed.train_contexts", [])
 
 
-UPTRAIN_STUDIES = [("uptrain_study", "uptrain"), ("uptrain_methods", "uptrain_study")]
+UPTRAIN_STUDIES = [("uptrain_study_base", "uptrain"), ("uptrain_methods", "uptrain_study")]
 
 
 @pytest.mark.parametrize("config, parent", UPTRAIN_STUDIES, ids=[config for config, _ in UPTRAIN_STUDIES])

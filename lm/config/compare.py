@@ -3,7 +3,7 @@
 The defaults are the study's default preset: every cell with a learning-rate sweep and 2 seeds,
 about 40-45 hours on a 2-core CPU for its 16 kinds, about 32 of them the cell of 32 pairs in 256
 tokens (docs/studies.md, "What the default preset costs"); `frontier` is the recall-memory
-frontier's (preset=frontier, about 10 hours). conf/compare.yaml composes them (`compare_settings`)
+frontier's (preset=frontier, about 10.5 hours). conf/compare.yaml composes them (`compare_settings`)
 with the `data` group (the language-modelling corpus) and a preset (conf/preset/: quick, zoology,
 frontier) on top; its --help lists them. lm.studies.compare_settings checks them before any arm
 is planned, with what no single setting's bound can say: the settings of the `data` group,
