@@ -11,9 +11,11 @@ import torch
 from lm import ConfigError, ModelConfig, Transformer, generate, load
 from lm.attention import SlidingSpec, SoftmaxSpec, layer_specs
 from lm.attention.dsa import SparseLatentSpec
+from lm.attention.gated_delta import GatedDeltaSpec
 from lm.attention.mla import LatentSpec
 from lm.data.tokenizer import train_tokenizer
 from lm.formats.hf import export_hf
+from lm.formats.qwen3_next import GATED_SOFTMAX
 
 transformers = pytest.importorskip("transformers", reason="the hf extra (pip install -e .[hf]) is not installed")
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,7 +28,12 @@ VARIANTS = {
     "qk-norm-gqa": dict(n_head=4, n_kv_head=2, tie_embeddings=False, vocab_size=271,
                         attention=SoftmaxSpec(qk_norm=True)),
 }
-ARCHITECTURES = {"sliding-gqa": "MistralForCausalLM", "qk-norm-gqa": "Qwen3ForCausalLM"}  # others: Llama
+# Export only (import reads Llama, Mistral and Qwen3): Qwen3-Next's two layers, the DeltaNet's chunks shorter
+# than compare()'s 24 tokens (transformers' own chunks are 64: the chunking changes how, not what).
+EXPORTED = {**VARIANTS, "qwen3-next": dict(n_head=4, n_kv_head=4, tie_embeddings=False, vocab_size=293, norm_eps=1e-6,
+                                           attention=[GatedDeltaSpec(chunk_size=8), GATED_SOFTMAX])}
+ARCHITECTURES = {"sliding-gqa": "MistralForCausalLM", "qk-norm-gqa": "Qwen3ForCausalLM",
+                 "qwen3-next": "Qwen3NextForCausalLM"}  # others: Llama
 
 
 def scramble_norm_gains(model: torch.nn.Module) -> None:
@@ -45,7 +52,7 @@ def tokenizer():
 
 def native_model(variant):
     torch.manual_seed(0)
-    fields = {"n_layer": 2, "d_ff": 80, "max_seq_len": 64, "init_std": 0.1, **VARIANTS[variant]}
+    fields = {"n_layer": 2, "d_ff": 80, "max_seq_len": 64, "init_std": 0.1, **EXPORTED[variant]}
     fields["d_model"] = 8 * fields["n_head"]
     model = Transformer(ModelConfig(**fields)).eval()
     scramble_norm_gains(model)
@@ -64,11 +71,14 @@ def compare(ours: Transformer, theirs, vocab: int):
     assert generate(ours, prompt, 16)[0] == their_tokens
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", list(EXPORTED))
 def test_export_loads_in_transformers_with_the_same_logits_and_tokens(variant, tokenizer, tmp_path):
     model = native_model(variant)
     export_hf(model, tokenizer, tmp_path)
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    theirs, loading = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager",
+                                                                         output_loading_info=True)
+    theirs.eval()
+    assert not any(loading.values()), loading  # every weight of theirs written, none left over
     assert type(theirs).__name__ == ARCHITECTURES.get(variant, "LlamaForCausalLM")
     assert theirs.config.num_key_value_heads == model.config.n_kv_head
     compare(model, theirs, model.config.vocab_size)
@@ -113,8 +123,13 @@ def test_import_of_a_transformers_folder_matches_it(variant, tokenizer, tmp_path
     (SlidingSpec(window=4, sink_tokens=2), "window=4, dilation=1, sink_tokens=2, learned_sink=False, softcap=None) "),
     (SoftmaxSpec(learned_sink=True), "qk_norm=False, learned_sink=True, softcap=None) has no transformers equivalent"),
     (SlidingSpec(window=4, qk_norm=True), "qk_norm=True, window=4, dilation=1, sink_tokens=0, learned_sink=False, "),
-    (SoftmaxSpec(gate="headwise"), "attn.gate=headwise cannot be exported to transformers: no transformers "
-                                   "architecture gates the attention output alone"),
+    (SoftmaxSpec(gate="headwise"), "attn.gate=headwise cannot be exported to transformers: Qwen3-Next, the "
+                                   "transformers architecture with gated attention, gates every channel"),
+    (SoftmaxSpec(gate="elementwise"), "attn.gate=elementwise cannot be exported"),  # Qwen3-Next's also norms q, k
+    ([GatedDeltaSpec(), GATED_SOFTMAX], "model.norm_eps=1e-05 with the DeltaNet's norm_eps=[1e-06] cannot be "
+                                        "exported to Qwen3-Next exactly: it L2-normalises q and k with 1e-06"),
+    ([GatedDeltaSpec(), "linear"], "the nearest class, Qwen3-Next (Qwen3NextForCausalLM) takes Gated DeltaNet "
+                                   "layers beside softmax layers with qk_norm and gate=elementwise"),
     (["softmax", SoftmaxSpec(softcap=30.0)], "attn.softcap=30.0 cannot be exported to transformers: Gemma 2"),
     (LatentSpec(kv_rank=12, rope_dim=4), "attn=mla cannot be exported to transformers: DeepSeek-V2/V3"),
     (SparseLatentSpec(kv_rank=12, rope_dim=4), "attn=dsa cannot be exported to transformers: DeepSeek-V3.2"),
@@ -122,6 +137,15 @@ def test_import_of_a_transformers_folder_matches_it(variant, tokenizer, tmp_path
 def test_kinds_without_an_equivalent_are_refused(attention, message, tokenizer, tmp_path):
     model = Transformer(ModelConfig(vocab_size=300, n_layer=2, d_model=32, n_head=4, d_ff=48, attention=attention))
     with pytest.raises(ConfigError, match=re.escape(message)):
+        export_hf(model, tokenizer, tmp_path)
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_qwen3_next_stack_with_grouped_kv_heads_is_refused(tokenizer, tmp_path):
+    model = Transformer(ModelConfig(vocab_size=300, n_layer=2, d_model=32, n_head=4, n_kv_head=2, d_ff=48,
+                                    norm_eps=1e-6, attention=[GatedDeltaSpec(), GATED_SOFTMAX]))
+    with pytest.raises(ConfigError, match=r"^attn.n_kv_head=2 cannot be exported to Qwen3-Next: its DeltaNet gives "
+                                          r"every value head its own state"):
         export_hf(model, tokenizer, tmp_path)
     assert not any(tmp_path.iterdir())
 

@@ -20,6 +20,7 @@ from tokenizers import Tokenizer
 
 from lm.attention import SlidingSpec, SoftmaxSpec
 from lm.data.tokenizer import EOT
+from lm.formats import qwen3_next
 from lm.formats.checked import (
     build_checked,
     check_size_against_weights,
@@ -46,8 +47,8 @@ CONFIG_KEYS = {
 # Options of ours that change what a layer computes, and why no transformers architecture takes
 # them: naming the option is the whole refusal.
 UNEXPORTABLE = {
-    "gate": "no transformers architecture gates the attention output alone (Qwen3-Next's gated layers "
-            "also bring zero-centred norms and partial RoPE)",
+    "gate": "Qwen3-Next, the transformers architecture with gated attention, gates every channel "
+            "(gate=elementwise) and norms q and k (qk_norm=true)",
     "softcap": "Gemma 2, the transformers architecture that caps attention logits, also norms after each "
                "sublayer, scales the embeddings and caps the final logits, so it computes another model",
 }
@@ -59,8 +60,8 @@ UNEXPORTABLE = {
 NEAREST = {
     "kda": "Kimi Linear (KimiLinearForCausalLM) also normalises the MLA latent (kv_a_layernorm) and uses "
            "mixture-of-experts blocks",
-    "gated_delta": "Qwen3-Next (Qwen3NextForCausalLM) also rotates a quarter of each head (partial RoPE), uses "
-                   "zero-centred norms, its own DeltaNet head layout and mixture-of-experts blocks",
+    "gated_delta": "Qwen3-Next (Qwen3NextForCausalLM) takes Gated DeltaNet layers beside softmax layers with "
+                   "qk_norm and gate=elementwise (attn=qwen3_next), and no other kind",
     "learned_sink": "gpt-oss (GptOssForCausalLM) has learned sinks, but only with mixture-of-experts blocks and "
                     "biased projections",
     "sliding+softmax": "Gemma 3 (Gemma3ForCausalLM) and OLMo 3 (Olmo3ForCausalLM) mix sliding and global layers, "
@@ -84,14 +85,17 @@ def nearest_class(specs: set) -> str | None:
 
 
 def hf_architecture(config: ModelConfig) -> tuple[str, int | None]:
-    """('llama', None), ('qwen3', None), ('mistral', window), or a ConfigError naming what
-    transformers lacks."""
+    """('llama', None), ('qwen3', None), ('mistral', window), ('qwen3_next', None), or a ConfigError
+    naming what transformers lacks."""
     if config.short_conv:
         raise ConfigError(f"model.short_conv={config.short_conv} cannot be exported to transformers: no Llama-family "
                           "architecture convolves the input of its attention layers")
     if config.mlp != "swiglu":
         raise ConfigError(f"model.mlp={config.mlp} cannot be exported to transformers: the Llama family's MLP is "
                           "SwiGLU")
+    if qwen3_next.layer_types(config) is not None:
+        qwen3_next.check_exportable(config)
+        return "qwen3_next", None
     specs = set(config.attention)
     near = nearest_class(specs)
     if near is not None:
@@ -123,10 +127,12 @@ def hf_architecture(config: ModelConfig) -> tuple[str, int | None]:
 
 
 def hf_config(config: ModelConfig, **extra):
-    """The transformers LlamaConfig or MistralConfig of a model of this config."""
+    """The transformers LlamaConfig, Qwen3Config, MistralConfig or Qwen3NextConfig of a model of this config."""
     import transformers
 
     arch, window = hf_architecture(config)
+    if arch == "qwen3_next":
+        return qwen3_next.qwen3_next_config(config, **extra)
     values = {theirs: getattr(config, ours) for ours, theirs in CONFIG_KEYS.items()}
     values.update(head_dim=config.head_dim, hidden_act="silu", attention_bias=False, **extra)
     if arch == "llama":
@@ -160,8 +166,9 @@ def export_hf(model: Transformer, tokenizer: Tokenizer, out: str | Path) -> Path
         # No max_length: transformers warns when it meets one beside the caller's max_new_tokens, and
         # the context limit already is config.json's max_position_embeddings.
         transformers.GenerationConfig(bos_token_id=eot, eos_token_id=eot, pad_token_id=eot).save_pretrained(folder)
-        save_file(to_hf_state_dict(model.state_dict(), c), str(folder / "model.safetensors"),
-                  metadata={"format": "pt"})
+        state = (qwen3_next.to_qwen3_next_state_dict(model.state_dict(), c) if config.model_type == "qwen3_next"
+                 else to_hf_state_dict(model.state_dict(), c))
+        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
         fast.save_pretrained(folder)
 
     return write_folder_atomically(Path(out), write_into)

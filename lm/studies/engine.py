@@ -100,6 +100,7 @@ ADDED_SINCE_RECORDS = {
     "data.mix": None,  # a recall arm's data holds it since the frontier trains on a mix of lengths
     "model.mlp": "swiglu",  # every model was SwiGLU before model.mlp=relu2 ...
     "model.zero_init_out": False,  # ... and initialised its output projections as GPT-2 does
+    "model.norm_eps": 1e-5,  # ModelConfig's, before the model group declared it (lm/config/model.py)
 }
 
 
