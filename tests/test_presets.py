@@ -158,7 +158,8 @@ def test_the_qwen3_next_preset_exports_to_qwen3_next_with_its_logits(tmp_path):
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert type(theirs).__name__ == "Qwen3NextForCausalLM"
     assert theirs.config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
-    idx = torch.randint(0, tokenizer.get_vocab_size(), (2, 80), generator=torch.Generator().manual_seed(1))  # past the DeltaNet's chunk
+    vocab = tokenizer.get_vocab_size()
+    idx = torch.randint(0, vocab, (2, 80), generator=torch.Generator().manual_seed(1))  # past the DeltaNet's chunk
     with torch.no_grad():
         assert (model(idx) - theirs(input_ids=idx).logits).abs().max().item() < 1e-4
 
