@@ -32,8 +32,9 @@ class GenerateSettings:
     stats: bool = setting(False, "true: prompt/new tokens, tokens/s and cache bytes on stderr at the end")
     compile: bool = setting(False, "true: torch.compile the prefill and the one-token step (the first run compiles)")
     quantize: str | None = setting(None, "int8: int8 matmul weights (per-channel scales), a quarter of the bytes")
-    int8_kernel: str = setting("dynamic", "with quantize=int8: dynamic (activations int8 too, per token; the "
-                                          "fast one on a CPU), dequant or int8pack (weights only)")
+    int8_kernel: str = setting("auto", "with quantize=int8: auto (chosen by the device's int8 instructions, and "
+                                       "said), dynamic (activations int8 too, per token), dequant or int8pack "
+                                       "(weights only)")
     device: str = setting("cpu", "cpu, cuda[:n] or mps")
 
 

@@ -5,8 +5,9 @@ int8 with one float scale per output channel (symmetric, absmax / 127): the matm
 quarter of the bytes, which is what bounds a batch-1 decoding step. The token embedding stays
 float (it is a lookup, not a matmul), so a tied head gets an int8 copy of its own.
 
-Three kernels, chosen explicitly (`kernel=`, `int8_kernel=` on the command line), never by detection:
-- "dynamic" (the default): the activations are quantized too, each row (token) with its own
+Three kernels; `auto` (the default: `kernel=`, `int8_kernel=` on the command line) chooses one by
+what the device multiplies fast (choose_kernel) and says which, and the others name one:
+- "dynamic": the activations are quantized too, each row (token) with its own
   absmax / 127 scale computed at run time, and `torch._int_mm` multiplies int8 by int8 into
   int32 (oneDNN's VNNI / AVX2 integer kernels on x86): the only one that decodes faster than fp32
   on the CPU (9.2x our fp32 step compiled, on an AVX-512 EPYC: docs/performance.md);
@@ -26,6 +27,7 @@ Shapes: M rows of input, K input features, N output features.
 from __future__ import annotations
 
 import copy
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +36,30 @@ from torch import nn
 from lm.generation.decode import check_model
 from lm.util.errors import GenerationError
 
+log = logging.getLogger(__name__)
+
 KERNELS = ("dynamic", "dequant", "int8pack")
+AUTO = "auto"
+CHOICES = (AUTO, *KERNELS)
+
+
+def choose_kernel(device: torch.device) -> tuple[str, str]:
+    """(the kernel `auto` takes on `device`, one line saying which and why). Measured with
+    `scripts/bench.py decode` against lm's fp32 eager step at batch 1 (docs/performance.md):
+    on an AMD EPYC with AVX512-VNNI, dynamic 2.6x eager and 9.2x compiled; on an AMD EPYC of family
+    25 (AVX2, no VNNI), every kernel slower than fp32: dynamic 0.43x eager and 0.85x compiled (the
+    fastest int8 there), dequant 0.49x / 0.52x, int8pack 0.54x / 0.52x."""
+    from lm.util.hardware import cpu_multiplies_int8
+
+    if device.type == "cuda":  # torch._int_mm on CUDA needs more than 16 rows, which a decoding step lacks
+        return "dequant", "int8_kernel=auto: dequant (weights only), the kernel that runs a decoding step on cuda"
+    if device.type == "cpu" and cpu_multiplies_int8():
+        return "dynamic", ("int8_kernel=auto: dynamic, int8 x int8 matmuls on this CPU's int8 dot-product "
+                           "instructions (AVX512-VNNI or AMX)")
+    return "dynamic", ("int8_kernel=auto: dynamic, the fastest int8 kernel measured on a CPU without int8 "
+                       "dot-product instructions (AVX512-VNNI, AMX), such as this one; there every int8 kernel "
+                       "decoded slower than fp32 (dynamic 0.43x eager, 0.85x compiled): quantize=null "
+                       "compile=true is the fastest here")
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,14 +126,23 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8, kernel={self.kernel}"
 
 
-def quantize_int8(model: nn.Module, kernel: str = "dynamic") -> nn.Module:
+def resolve_kernel(kernel: str, device: torch.device) -> tuple[str, str | None]:
+    """(the kernel `kernel` names on `device`, choose_kernel's line where it was `auto`, else None)."""
+    if kernel not in CHOICES:
+        raise GenerationError(f"int8 kernel={kernel!r} must be one of {list(CHOICES)}")
+    return choose_kernel(device) if kernel == AUTO else (kernel, None)
+
+
+def quantize_int8(model: nn.Module, kernel: str = AUTO) -> nn.Module:
     """A copy of `model` whose every nn.Linear is an Int8Linear; the original is left untouched.
+    `auto` takes choose_kernel's choice for the model's device and logs its line.
 
     A model quantized already keeps its int8 weights (quantizing them again changes nothing) and
     takes the kernel asked for."""
     check_model(model)
-    if kernel not in KERNELS:
-        raise GenerationError(f"int8 kernel={kernel!r} must be one of {list(KERNELS)}")
+    kernel, why = resolve_kernel(kernel, next(model.parameters()).device)
+    if why is not None:
+        log.info(why)
     quantized = copy.deepcopy(model)
     for parent in list(quantized.modules()):
         for name, child in list(parent.named_children()):

@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 from lm.data.tokenizer import EOT
 from lm.formats.checkpoint import load
 from lm.generation.decode import Generation, Sampling, check_settings, stop_strings
-from lm.generation.quantize import KERNELS, Int8Linear, quantize_int8, weight_bytes
+from lm.generation.quantize import CHOICES, Int8Linear, quantize_int8, resolve_kernel, weight_bytes
 from lm.util.checks import as_list, check_device, require_bool
 from lm.util.errors import GenerationError
 from lm.util.paths import resolve_path
@@ -62,8 +62,8 @@ def check_run_settings(cfg: DictConfig) -> tuple[Sampling, list[str]]:
     check_device(cfg.device)
     if cfg.quantize not in (None, "int8"):
         raise GenerationError(f"quantize={cfg.quantize!r} must be null or int8")
-    if cfg.int8_kernel not in KERNELS:
-        raise GenerationError(f"int8_kernel={cfg.int8_kernel!r} must be one of {list(KERNELS)}")
+    if cfg.int8_kernel not in CHOICES:
+        raise GenerationError(f"int8_kernel={cfg.int8_kernel!r} must be one of {list(CHOICES)}")
     if cfg.quantize and cfg.int8_kernel == "dynamic" and str(cfg.device).startswith("cuda"):
         # torch._int_mm on CUDA needs more than 16 rows, which a decoding step does not have.
         raise GenerationError("int8_kernel=dynamic runs on the CPU; on cuda use int8_kernel=dequant")
@@ -85,7 +85,10 @@ def generate_text(cfg: DictConfig, out: TextIO | None = None, err: TextIO | None
     prompts = read_prompts(cfg)
     model, tokenizer = load(resolve_path(cfg.ckpt), device=cfg.device)
     if cfg.quantize is not None:
-        model = quantize_int8(model, cfg.int8_kernel)
+        kernel, why = resolve_kernel(cfg.int8_kernel, next(model.parameters()).device)
+        if why is not None:
+            print(why, file=err)
+        model = quantize_int8(model, kernel)
     ids = [tokenizer.encode(p).ids for p in prompts]
     run = Generation(model, ids, cfg.max_new_tokens, sampling, stop=stop, tokenizer=tokenizer,
                      eos_id=tokenizer.token_to_id(EOT), use_cache=cfg.use_cache, seed=cfg.seed, truncate=cfg.truncate,

@@ -16,7 +16,7 @@ from lm.config.serve import ServeSettings
 from lm.config.settings import check_settings
 from lm.data.tokenizer import EOT
 from lm.formats.checkpoint import checkpoint_file, load
-from lm.generation.quantize import KERNELS, quantize_int8
+from lm.generation.quantize import CHOICES, quantize_int8, resolve_kernel
 from lm.serving.chat import ChatTemplate, read_chat_template
 from lm.serving.engine import Engine
 from lm.util.checks import check_device
@@ -29,8 +29,8 @@ API_KEY_VARIABLE = "LM_API_KEY"
 def check_run_settings(cfg: DictConfig) -> None:
     check_settings(cfg, ServeSettings)
     check_device(cfg.device)
-    if cfg.int8_kernel not in KERNELS:
-        raise ConfigError(f"int8_kernel={cfg.int8_kernel!r} must be one of {list(KERNELS)}")
+    if cfg.int8_kernel not in CHOICES:
+        raise ConfigError(f"int8_kernel={cfg.int8_kernel!r} must be one of {list(CHOICES)}")
     if cfg.model_name is not None and not str(cfg.model_name).strip():
         raise ConfigError("model_name='' is empty: give a name or null")
 
@@ -76,7 +76,10 @@ def prepare(cfg: DictConfig, out: TextIO):
     sock = bind(cfg.host, cfg.port)
     model, tokenizer = load(checkpoint, device=cfg.device)
     if cfg.quantize is not None:
-        model = quantize_int8(model, cfg.int8_kernel)
+        kernel, why = resolve_kernel(cfg.int8_kernel, next(model.parameters()).device)
+        if why is not None:
+            out.write(f"{why}\n")
+        model = quantize_int8(model, kernel)
     chat_template = ChatTemplate(template_source, EOT) if template_source is not None else None
     engine = Engine(model, tokenizer, cfg.max_batch, cfg.max_queue, tokenizer.token_to_id(EOT), cfg.compile)
     name = model_name_of(cfg, checkpoint)

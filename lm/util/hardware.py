@@ -1,5 +1,5 @@
 """What the machine's matrix units do fast: the choices that depend on it (training precision, the
-dtype of Muon's Newton-Schulz iteration) ask here."""
+dtype of Muon's Newton-Schulz iteration, the int8 kernel) ask here."""
 
 from __future__ import annotations
 
@@ -11,6 +11,13 @@ def cpu_multiplies_bf16() -> bool:
     runs ~3.5x fp32's rate (measured on an AMD EPYC with AVX512-BF16); on a CPU without them,
     ~100x slower (an AVX2 EPYC)."""
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def cpu_multiplies_int8() -> bool:
+    """Whether this CPU has int8 dot-product instructions (AVX512-VNNI or AMX), which oneDNN's int8
+    matmuls (torch._int_mm) need to beat fp32: with them int8 decoding ran 9.2x the fp32 step (an
+    AVX-512 VNNI EPYC); on an AVX2 EPYC without them every int8 kernel ran slower than fp32."""
+    return torch.cpu._is_vnni_supported() or torch.cpu._is_amx_tile_supported()
 
 
 def multiplies_bf16(device: torch.device) -> bool:
