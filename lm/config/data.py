@@ -8,14 +8,11 @@ is read, naming each setting as typed (`data.batch_size`).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from lm.config.settings import boolean, check_settings, fraction, integer, redefault, setting, store
+from lm.config.settings import boolean, check_settings, fraction, integer, library_setting, redefault, setting, store
 from lm.data.mqar import RecallTask
-
-RECALL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RecallTask)}
 
 
 @dataclass(kw_only=True)
@@ -61,7 +58,7 @@ class HubSettings(TextSettings):
 
 def recall_setting(name: str, help: str) -> Any:
     """A setting of the recall task whose default is RecallTask's own and whose bound it checks."""
-    return setting(RECALL_DEFAULTS[name], help)
+    return library_setting(RecallTask, name, help)
 
 
 @dataclass(kw_only=True)

@@ -9,19 +9,16 @@ name (layers, width, heads); training turns them into a ModelConfig with the `at
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from lm.config.settings import setting, store
+from lm.config.settings import library_setting, setting, store
 from lm.model.config import ModelConfig
-
-MODEL_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
 
 
 def model_setting(name: str, help: str) -> Any:
     """A setting whose default is ModelConfig's own and whose bound ModelConfig checks."""
-    return setting(MODEL_DEFAULTS[name], help)
+    return library_setting(ModelConfig, name, help)
 
 
 @dataclass(kw_only=True)

@@ -109,6 +109,13 @@ def setting(default: Any = MISSING, help: str = "", bound: Bound | None = None,
     return field(default=default, metadata=metadata)
 
 
+def library_setting(owner: type, name: str, help: str) -> Any:
+    """A setting whose default and bound a library dataclass declares and checks (ModelConfig,
+    RecallTask): `owner`'s field `name`, with its meaning for --help. Python and the command line
+    then share one default and one check."""
+    return setting(default_of({f.name: f for f in dataclasses.fields(owner)}[name]), help)
+
+
 def redefault(parent: type, name: str, default: Any) -> Any:
     """`parent`'s setting `name`, its meaning and bound, with another default: for a subclass whose
     option states the same thing (MuonConfig's schedule is OptimConfig's, defaulting to wsd)."""
@@ -201,5 +208,5 @@ def settings_help(name: str) -> str:
 # `${settings_help:generate_settings}` in a help template: the options part of --help, from the dataclass.
 OmegaConf.register_new_resolver("settings_help", settings_help, replace=True)
 
-__all__ = ["Bound", "boolean", "check_settings", "choice", "each", "fraction", "group", "integer", "number",
-           "options_help", "positive", "redefault", "setting", "store"]
+__all__ = ["Bound", "boolean", "check_settings", "choice", "each", "fraction", "group", "integer", "library_setting",
+           "number", "options_help", "positive", "redefault", "setting", "store"]
