@@ -94,6 +94,14 @@ def test_import_lm_loads_nothing_heavy_or_posix_only():
     assert out.strip() == "[]"
 
 
+def test_the_scripts_settings_load_no_lightning():
+    """lm.config, which every script imports before it reads its settings (generate, serve, export,
+    eval), loads no Lightning: a script that trains nothing starts without it."""
+    code = "import sys, lm.config; print('lightning' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
 def test_no_module_imports_fcntl_when_it_is_imported():
     """fcntl exists on POSIX only: lm takes it inside the function that locks a run."""
     at_import = [path.name for path in PACKAGE.rglob("*.py") for node in ast.parse(path.read_text()).body

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lm.config.settings import boolean, check_settings, fraction, integer, library_setting, redefault, setting, store
-from lm.data.mqar import RecallTask
+from lm.data.recall_task import RecallTask
 
 
 @dataclass(kw_only=True)

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lm.attention import available_kinds
 from lm.config.train import ADAMW_RECIPE
-from lm.data.mqar import RecallTask, mix_tasks
+from lm.data.recall_task import RecallTask, mix_tasks
 from lm.studies.compare_runs import language_run, recall_run, speed_figures, unless_diverged
 from lm.studies.compare_settings import recall_lengths, speed_settings
 from lm.studies.engine import Arm, recorded_settings

@@ -10,7 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 from lm.config.compare import TASKS, CompareSettings
 from lm.config.data import check_data_settings
 from lm.config.settings import check_settings
-from lm.data.mqar import FILLERS
+from lm.data.recall_task import FILLERS
 from lm.util.checks import as_list, require_choice
 from lm.util.errors import ConfigError
 

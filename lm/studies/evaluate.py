@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 from lm.config.eval import SPLITS, EvalSettings
 from lm.config.settings import check_settings
 from lm.data.corpora import Corpus, is_validation
+from lm.data.recall_task import IGNORE
 from lm.data.tokenizer import EOT
 from lm.model.transformer import Transformer
 from lm.util.errors import DataError
@@ -91,8 +92,6 @@ def scoring_windows(ids: torch.Tensor, counted: torch.Tensor, T: int, batch_size
     """Batches (inputs, targets) of windows of T + 1 tokens that overlap by one, so every token
     after the first is a target exactly once; targets that do not count (<|endoftext|>, the
     padding of a short last window) are IGNORE."""
-    from lm.data.mqar import IGNORE  # here, as lm.data.mqar loads Lightning (see score)
-
     starts = list(range(0, len(ids) - 1, T))
     for first in range(0, len(starts), batch_size):
         chosen = starts[first:first + batch_size]

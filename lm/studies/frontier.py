@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError
 
 from lm.config.compare import KNOB_MODEL_KEYS
-from lm.data.mqar import IGNORE, RecallTask
+from lm.data.recall_task import IGNORE, RecallTask
 from lm.formats.checkpoint import load
 from lm.model.generation_cache import GenerationCache
 from lm.studies.compare_arms import Entry, _trainer, check_run, lr_tag, resumed, training_config
