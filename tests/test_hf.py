@@ -30,10 +30,15 @@ VARIANTS = {
 }
 # Export only (import reads Llama, Mistral and Qwen3): Qwen3-Next's two layers, the DeltaNet's chunks shorter
 # than compare()'s 24 tokens (transformers' own chunks are 64: the chunking changes how, not what).
-EXPORTED = {**VARIANTS, "qwen3-next": dict(n_head=4, n_kv_head=4, tie_embeddings=False, vocab_size=293, norm_eps=1e-6,
-                                           attention=[GatedDeltaSpec(chunk_size=8), GATED_SOFTMAX])}
+# rope_theta, the kernel and the tied variant's epsilon away from Qwen3NextConfig's defaults, so a setting the export
+# failed to write would show.
+EXPORTED = {**VARIANTS,
+            "qwen3-next": dict(n_head=4, n_kv_head=4, tie_embeddings=False, vocab_size=293, norm_eps=1e-6,
+                               rope_theta=5e5, attention=[GatedDeltaSpec(chunk_size=8, conv_size=3), GATED_SOFTMAX]),
+            "qwen3-next-gated-gqa": dict(n_head=4, n_kv_head=2, tie_embeddings=True, vocab_size=281,
+                                         attention=GATED_SOFTMAX)}
 ARCHITECTURES = {"sliding-gqa": "MistralForCausalLM", "qk-norm-gqa": "Qwen3ForCausalLM",
-                 "qwen3-next": "Qwen3NextForCausalLM"}  # others: Llama
+                 "qwen3-next": "Qwen3NextForCausalLM", "qwen3-next-gated-gqa": "Qwen3NextForCausalLM"}  # others: Llama
 
 
 def scramble_norm_gains(model: torch.nn.Module) -> None:
@@ -126,8 +131,10 @@ def test_import_of_a_transformers_folder_matches_it(variant, tokenizer, tmp_path
     (SoftmaxSpec(gate="headwise"), "attn.gate=headwise cannot be exported to transformers: Qwen3-Next, the "
                                    "transformers architecture with gated attention, gates every channel"),
     (SoftmaxSpec(gate="elementwise"), "attn.gate=elementwise cannot be exported"),  # Qwen3-Next's also norms q, k
-    ([GatedDeltaSpec(), GATED_SOFTMAX], "model.norm_eps=1e-05 with the DeltaNet's norm_eps=[1e-06] cannot be "
+    ([GatedDeltaSpec(), GATED_SOFTMAX], "model.norm_eps=1e-05 with the DeltaNet's attn.norm_eps=[1e-06] cannot be "
                                         "exported to Qwen3-Next exactly: it L2-normalises q and k with 1e-06"),
+    ([GatedDeltaSpec(), GatedDeltaSpec()], "a stack of Gated DeltaNet layers alone cannot be exported to Qwen3-Next"),
+
     ([GatedDeltaSpec(), "linear"], "the nearest class, Qwen3-Next (Qwen3NextForCausalLM) takes Gated DeltaNet "
                                    "layers beside softmax layers with qk_norm and gate=elementwise"),
     (["softmax", SoftmaxSpec(softcap=30.0)], "attn.softcap=30.0 cannot be exported to transformers: Gemma 2"),
@@ -141,11 +148,17 @@ def test_kinds_without_an_equivalent_are_refused(attention, message, tokenizer, 
     assert not any(tmp_path.iterdir())
 
 
-def test_a_qwen3_next_stack_with_grouped_kv_heads_is_refused(tokenizer, tmp_path):
-    model = Transformer(ModelConfig(vocab_size=300, n_layer=2, d_model=32, n_head=4, n_kv_head=2, d_ff=48,
-                                    norm_eps=1e-6, attention=[GatedDeltaSpec(), GATED_SOFTMAX]))
-    with pytest.raises(ConfigError, match=r"^attn.n_kv_head=2 cannot be exported to Qwen3-Next: its DeltaNet gives "
-                                          r"every value head its own state"):
+@pytest.mark.parametrize("fields, message", [
+    (dict(n_kv_head=2), r"^attn.n_kv_head=2 cannot be exported to Qwen3-Next: its DeltaNet gives every value head its "
+                        r"own state"),
+    (dict(attention=[GatedDeltaSpec(conv_size=3), GATED_SOFTMAX, GatedDeltaSpec()]),
+     r"^Gated DeltaNet layers with conv_size \[3, 4\] cannot be exported to Qwen3-Next: its linear_conv_kernel_dim"),
+])
+def test_a_qwen3_next_stack_it_cannot_hold_is_refused(fields, message, tokenizer, tmp_path):
+    fields = {"attention": [GatedDeltaSpec(), GATED_SOFTMAX], **fields}
+    model = Transformer(ModelConfig(vocab_size=300, n_layer=len(fields["attention"]), d_model=32, n_head=4, d_ff=48,
+                                    norm_eps=1e-6, **fields))
+    with pytest.raises(ConfigError, match=message):
         export_hf(model, tokenizer, tmp_path)
     assert not any(tmp_path.iterdir())
 

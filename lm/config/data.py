@@ -46,7 +46,7 @@ class CorpusSettings(TextSettings):
 class HubSettings(TextSettings):
     """`data=hf`: a `datasets.load_dataset` corpus, from the hub or a local folder."""
 
-    name: str | None = setting(None, "a hub dataset name or a local folder (required)")
+    name: str | None = setting(None, "a hub dataset name or a local folder (data=hf needs one)")
     config_name: str | None = setting(None, "the dataset's configuration, where it has several")
     split: str = setting("train", "the split read (held-out files are then chosen by val_fraction)")
     text_field: str = setting("text", "the column holding the text")
@@ -87,11 +87,10 @@ SOURCES: dict[str, type[DataSettings]] = {"pystdlib": CorpusSettings, "pystdlib_
 
 
 def check_data_settings(data_cfg) -> None:
-    """One line naming the first `data.<key>` out of its bound, for the source the config names; a
-    source that is none of them is refused where the corpus is built (lm.data.corpora)."""
-    schema = SOURCES.get(data_cfg.get("source"))
-    if schema is not None:
-        check_settings(data_cfg, schema, "data.")
+    """One line naming the first `data.<key>` out of its bound, for the source the config names (a
+    source that is none of them gets what every source takes checked, and is refused by name where
+    the corpus is built, lm.data.corpora)."""
+    check_settings(data_cfg, SOURCES.get(data_cfg.get("source"), DataSettings), "data.")
 
 
 for _name, _cls in {"corpus": CorpusSettings, "hf": HubSettings, "mqar": RecallSettings}.items():

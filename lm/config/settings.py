@@ -56,6 +56,15 @@ def integer(minimum: int = 1, nullable: bool = False) -> Bound:
     return Bound(f"an integer >= {minimum}", lambda n, v: require_int(n, v, minimum=minimum), nullable)
 
 
+TRAINING_SEED_MAX = 2 ** 32 - 1  # the largest seed Lightning's seed_everything takes
+
+
+def training_seed() -> Bound:
+    """A training run's seed: null, or what Lightning's seed_everything takes."""
+    return Bound(f"an integer from 0 to {TRAINING_SEED_MAX}",
+                 lambda n, v: require_int(n, v, minimum=0, maximum=TRAINING_SEED_MAX), nullable=True)
+
+
 def boolean() -> Bound:
     return Bound("true or false", require_bool)
 
@@ -189,6 +198,14 @@ def options_help(cls: type) -> str:
     return "\n".join(f"  {name:<{width}}{words}" for name, words in rows)
 
 
+def setting_value(cfg: DictConfig | dict | None, cls: type, name: str) -> Any:
+    """`cfg`'s setting `name`, or `cls`'s default where the config has none (a run config written
+    before the setting existed, or a section a run did not need)."""
+    if cfg is not None and name in cfg:
+        return cfg[name]
+    return default_of({f.name: f for f in dataclasses.fields(cls)}[name])
+
+
 def check_settings(cfg: DictConfig | dict, cls: type, prefix: str = "") -> None:
     """Check every setting of `cls` that has a bound, naming it as typed (`checkpoint.every_n_steps`).
     A key absent from `cfg` (a run config written before the setting existed) takes its default."""
@@ -208,5 +225,6 @@ def settings_help(name: str) -> str:
 # `${settings_help:generate_settings}` in a help template: the options part of --help, from the dataclass.
 OmegaConf.register_new_resolver("settings_help", settings_help, replace=True)
 
-__all__ = ["Bound", "boolean", "check_settings", "choice", "each", "fraction", "group", "integer", "library_setting",
-           "number", "options_help", "positive", "redefault", "setting", "store"]
+__all__ = ["Bound", "TRAINING_SEED_MAX", "boolean", "check_settings", "choice", "each", "fraction", "group", "integer",
+           "library_setting", "number", "options_help", "positive", "redefault", "setting", "setting_value", "store",
+           "training_seed"]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from lm.config.settings import boolean, check_settings, group, integer, number, setting, store
+from lm.config.settings import boolean, check_settings, group, integer, number, setting, store, training_seed
 
 
 @dataclass(kw_only=True)
@@ -33,7 +33,7 @@ class SampleSettings:
 @dataclass(kw_only=True)
 class TrainSettings:
     run_name: str = setting("${attn.name}-${model.name}", "checkpoints/<run_name>/; resume=true continues it")
-    seed: int | None = setting(0, "of the weights' initialisation and the data's order", integer(0, nullable=True))
+    seed: int | None = setting(0, "of the weights' initialisation and the data's order", training_seed())
     resume: bool = setting(False, "continue checkpoints/<run_name>/last.ckpt", boolean())
     ckpt_path: str | None = setting(None, "or continue from this checkpoint")
     init_from: str | None = setting(None, "start from these weights and their tokenizer (a checkpoint, or a "

@@ -2,7 +2,7 @@
 `uptrain_methods`): each one's default, meaning and bound, declared once here.
 
 conf/uptrain_base.yaml composes `uptrain_settings` first (the logger and attn groups on top), and
-conf/uptrain_study.yaml adds `uptrain_study_settings`; uptraining checks them before the checkpoint
+conf/uptrain_study_base.yaml adds `uptrain_study_settings`; uptraining checks them before the checkpoint
 is read (lm.training.uptraining.check_uptrain_settings, which adds what depends on two settings).
 The model, data, optimizer and the rest of the trainer are the source run's, so they are not here.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lm.config.settings import boolean, choice, each, group, integer, number, positive, setting, store
+from lm.config.settings import boolean, choice, each, group, integer, number, positive, setting, store, training_seed
 from lm.formats.convert import INITS
 
 
@@ -51,7 +51,7 @@ class UptrainSettings:
     run_name: str | None = setting(None, "checkpoints/<run_name>/; null: <source run>-<gqaN|mqa|mla-rR-dD>-<init>")
     resume: bool = setting(False, "continue checkpoints/<run_name>/last.ckpt of an interrupted uptraining (the "
                                   "command a stopped run prints)", boolean())
-    seed: int | None = setting(0, "of the data's order and any random initialisation", integer(0, nullable=True))
+    seed: int | None = setting(0, "of the data's order and any random initialisation", training_seed())
     checkpoint_dir: str = setting("checkpoints", "where checkpoints/<run_name>/ goes")
     progress_bar: bool = setting(True, "a progress bar while training", boolean())
     sample_tokens: int = setting(48, "tokens of a sampled continuation printed at the end; 0: none", integer(0))

@@ -44,6 +44,10 @@ CONFIG_KEYS = {
 }
 
 
+# What export takes, for its refusals.
+EXPORTABLE = ("softmax (Llama; with qk_norm, Qwen3), one undilated sliding window in every layer (Mistral), and Gated "
+              "DeltaNet beside softmax with qk_norm and gate=elementwise (Qwen3-Next)")
+
 # Options of ours that change what a layer computes, and why no transformers architecture takes
 # them: naming the option is the whole refusal.
 UNEXPORTABLE = {
@@ -100,8 +104,7 @@ def hf_architecture(config: ModelConfig) -> tuple[str, int | None]:
     near = nearest_class(specs)
     if near is not None:
         raise ConfigError(f"attention {config.describe_attention()} has no transformers equivalent: the nearest "
-                          f"class, {near}; export takes softmax (Llama; with qk_norm, Qwen3) and one undilated "
-                          "sliding window in every layer (Mistral)")
+                          f"class, {near}; export takes {EXPORTABLE}")
     for spec in specs:
         for option, why in UNEXPORTABLE.items():
             if getattr(spec, option, None) not in (None, "none"):
@@ -122,8 +125,7 @@ def hf_architecture(config: ModelConfig) -> tuple[str, int | None]:
     if isinstance(spec, SlidingSpec) and spec == SlidingSpec(window=spec.window):
         return "mistral", spec.window  # undilated, no sinks: exactly Mistral's window
     raise ConfigError(f"attention {config.describe_attention()} has no transformers equivalent; export takes "
-                      "softmax (Llama; with qk_norm, Qwen3) and one undilated sliding window in every layer "
-                      "(Mistral)")
+                      f"{EXPORTABLE}")
 
 
 def hf_config(config: ModelConfig, **extra):

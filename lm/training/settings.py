@@ -8,9 +8,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from lm.attention import layer_specs
 from lm.config.data import check_data_settings
-from lm.config.settings import check_settings
+from lm.config.settings import check_settings, setting_value
 from lm.config.train import check_train_settings
 from lm.config.trainer import TrainerSettings
+from lm.config.uptrain import UptrainOptions
 from lm.model.config import ModelConfig, check_layers_build
 from lm.model.transformer import Transformer
 from lm.training.module import check_distillation
@@ -47,7 +48,7 @@ def check_run_settings(cfg: DictConfig) -> None:
 def distillation_settings(cfg: DictConfig, teacher: Transformer | None) -> tuple[float, float]:
     """(weight, temperature) of distillation from `teacher`: `uptrain.distill` and `uptrain.temperature`
     when the run has an uptrain section, else (0, 1.0): none."""
-    uptrain = cfg.get("uptrain") or {}
-    distill, temperature = uptrain.get("distill", 0), uptrain.get("temperature", 1.0)
+    uptrain = cfg.get("uptrain")
+    distill, temperature = (setting_value(uptrain, UptrainOptions, name) for name in ("distill", "temperature"))
     check_distillation(distill, temperature, teacher)
     return float(distill), float(temperature)

@@ -13,6 +13,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
+from lm.config.settings import setting_value
+from lm.config.trainer import TrainerSettings
 from lm.data.modules import make_data_module
 from lm.model.transformer import Transformer
 from lm.training.interrupt import StopOnSignal
@@ -51,7 +53,7 @@ def lightning_module(cfg: DictConfig, model: Transformer, data, start: Start, di
     return LitLM(model, optim_config(cfg.optim), total_steps=cfg.trainer.max_steps,
                  tokenizer_json=data.tokenizer.to_str(), run_config=OmegaConf.to_container(cfg, resolve=True),
                  compile=cfg.compile, provenance=start.provenance, corpus_fingerprint=corpus_fingerprint(data),
-                 skip_nonfinite=bool(cfg.trainer.get("skip_nonfinite", False)), **distillation)
+                 skip_nonfinite=setting_value(cfg.trainer, TrainerSettings, "skip_nonfinite"), **distillation)
 
 
 # ---------------------------------------------------------------------------- the trainer
@@ -153,7 +155,7 @@ def progress_bar(trainer_cfg: DictConfig) -> list:
 def early_stop(trainer_cfg: DictConfig) -> list:
     """Stop at the validation where val/accuracy first reaches `trainer.stop_at_accuracy` (Zoology
     stops its recall runs at 0.99); never for lack of progress."""
-    threshold = trainer_cfg.get("stop_at_accuracy")
+    threshold = setting_value(trainer_cfg, TrainerSettings, "stop_at_accuracy")
     if threshold is None:
         return []
     return [L.pytorch.callbacks.EarlyStopping(monitor="val/accuracy", mode="max", stopping_threshold=threshold,
