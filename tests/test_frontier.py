@@ -144,7 +144,7 @@ def test_a_mix_pads_each_task_after_its_answers():
     assert ((targets[:5] != IGNORE).sum(1) == 2).all() and ((targets[5:] != IGNORE).sum(1) == 4).all()
 
 
-def test_the_preset_plans_every_kind_at_several_state_sizes_with_two_seeds_at_its_rate():
+def test_the_preset_plans_every_kind_at_several_state_sizes_with_two_learning_rates():
     from lm.attention import available_kinds
 
     arms = planned("preset=frontier")
@@ -155,8 +155,8 @@ def test_the_preset_plans_every_kind_at_several_state_sizes_with_two_seeds_at_it
     for kind in kinds - {"additive"}:
         own = [a for a in arms if a.labels["kind"] == kind]
         assert 3 <= len({a.labels["point"] for a in own}) <= 5, kind
-        assert {a.labels["seed"] for a in own} == ({0} if kind == "kda" else {0, 1}), kind  # per_kind: KDA's cost
-        assert {a.labels["lr"] for a in own} == ({0.003} if kind == "mla" else {0.01}), kind  # per_kind: MLA's
+        assert {a.labels["seed"] for a in own} == {0}, kind
+        assert {a.labels["lr"] for a in own} == ({0.01} if kind == "kda" else {0.003, 0.01}), kind  # per_kind: KDA's
         assert {a.settings["trainer"]["max_steps"] for a in own} == {1500}, kind
     data = arms[0].settings["data"]
     assert data["mix"] == [[64, 4], [128, 8], [256, 16], [256, 32], [256, 64]]
