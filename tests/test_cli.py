@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest import compose_config
+from test_command_fuzz import run_in_process
 
 from lm.generation.text import generate_text, read_stop_strings
 from lm.util.cli import quote_text_overrides
@@ -158,26 +159,29 @@ def everything_under(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
 
 
-def test_a_run_name_leaving_outputs_is_refused_before_hydra_makes_its_folder(tmp_path):
+def test_a_run_name_leaving_outputs_is_refused_before_hydra_makes_its_folder(tmp_path, monkeypatch):
     checkout = tmp_path / "above" / "checkout"
     checkout.mkdir(parents=True)
-    done = run("train.py", "run_name=../../escape", *REFUSED_BEFORE_TRAINING, cwd=checkout)
-    assert (done.returncode, done.stderr) == (2, f"error: run_name='../../escape' {LEAVES_OUTPUTS}\n")
+    monkeypatch.chdir(checkout)  # Hydra's folders are made relative to where the command runs
+    code, err = run_in_process("train", ["run_name=../../escape", *REFUSED_BEFORE_TRAINING], monkeypatch)
+    assert (code, err) == (2, f"error: run_name='../../escape' {LEAVES_OUTPUTS}\n")
     assert everything_under(tmp_path) == ["above", "above/checkout"]
     # A name with a folder in it keeps its Hydra folder, outputs/<run_name>/<time>/, as before.
-    done = run("train.py", "run_name=group/sub", *REFUSED_BEFORE_TRAINING, cwd=checkout)
-    assert done.stderr == "error: trainer.max_steps=0 must be an integer >= 1\n"
+    code, err = run_in_process("train", ["run_name=group/sub", *REFUSED_BEFORE_TRAINING], monkeypatch)
+    assert err == "error: trainer.max_steps=0 must be an integer >= 1\n"
     (hydra_run,) = (checkout / "outputs" / "group" / "sub").iterdir()
     assert (hydra_run / ".hydra" / "config.yaml").is_file()
 
 
-def test_a_sweep_arm_whose_run_name_leaves_multirun_is_refused_before_hydra_makes_its_folder(tmp_path):
+def test_a_sweep_arm_whose_run_name_leaves_multirun_is_refused_before_hydra_makes_its_folder(tmp_path, monkeypatch):
     checkout = tmp_path / "above" / "checkout"
     checkout.mkdir(parents=True)
+    monkeypatch.chdir(checkout)
     # The arm's folder is multirun/<time>/1-<run_name>: four `..` after `1-..` reach above/.
-    done = run("train.py", "-m", "run_name=fine,../../../../../escape", *REFUSED_BEFORE_TRAINING, cwd=checkout)
-    assert done.returncode == 2
-    assert done.stderr.splitlines()[-1] == f"error: run_name='../../../../../escape' {LEAVES_OUTPUTS}"
+    code, err = run_in_process("train", ["-m", "run_name=fine,../../../../../escape", *REFUSED_BEFORE_TRAINING],
+                               monkeypatch)
+    assert code == 2
+    assert err.splitlines()[-1] == f"error: run_name='../../../../../escape' {LEAVES_OUTPUTS}"
     assert [p for p in everything_under(tmp_path) if not p.startswith("above/checkout/")] == ["above", "above/checkout"]
 
 
