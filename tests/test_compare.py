@@ -13,6 +13,7 @@ import pytest
 from conftest import CONF_DIR
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+from test_command_fuzz import run_in_process as run_script_in_process
 
 import lm
 from lm.attention import available_kinds
@@ -185,11 +186,13 @@ def test_a_changed_setting_reruns_only_the_runs_it_touches(tmp_path, small_corpu
     assert ["done before" in line for line in progress] == [True, False, True, True]  # p2, lm, speed kept; p3 new
 
 
-def test_an_unknown_kind_is_one_line_before_any_work(tmp_path):
-    run = run_compare(tmp_path, "preset=quick", "kinds=[mha,lineer]", f"out={tmp_path / 'compare'}")
-    assert run.returncode == 2
-    assert run.stderr.strip().splitlines() == [run.stderr.strip()]
-    assert "kinds entry 'lineer' is neither an attn config" in run.stderr and "linear" in run.stderr
+def test_an_unknown_kind_is_one_line_before_any_work(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where Hydra's outputs/ would land
+    code, err = run_script_in_process("compare", ["preset=quick", "kinds=[mha,lineer]", f"out={tmp_path / 'compare'}"],
+                                      monkeypatch)
+    assert code == 2
+    assert err.strip().splitlines() == [err.strip()]
+    assert "kinds entry 'lineer' is neither an attn config" in err and "linear" in err
     assert not (tmp_path / "compare").exists()
 
 
