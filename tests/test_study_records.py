@@ -62,6 +62,20 @@ def test_the_committed_comparisons_recall_arms_are_taken_by_todays_plan(tmp_path
     assert len(recall) > 200
 
 
+def test_the_committed_frontier_arms_are_taken_by_todays_plan(tmp_path):
+    """The finished arms of docs/compare-frontier/results.json (the preset runs for about 10 hours, so
+    its records are committed as they finish) continue under today's preset: the same command with
+    records_from=... reruns none of them."""
+    from lm.studies import compare
+
+    source = ROOT / "docs" / "compare-frontier" / "results.json"
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        arms = compare.plan(compose("compare", overrides=["preset=frontier", f"out={tmp_path}"]))
+    finished = json.loads(source.read_text())["records"]
+    said = import_records(arms, tmp_path / "records", source)
+    assert finished and said.startswith(f"records_from={source}: {len(finished)} finished arms taken"), said
+
+
 def test_an_arm_takes_a_record_written_before_a_setting_was_added(tmp_path):
     """The same through a results file: the record's digest stays its own, its settings lack the new key."""
     from lm.studies.engine import sealed
