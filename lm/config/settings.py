@@ -191,9 +191,10 @@ def described(cls: type, prefix: str = "") -> list[tuple[str, str]]:
     return rows
 
 
-def options_help(cls: type) -> str:
-    """One line per setting: its dotted name, what it means, its bound and its default."""
-    rows = described(cls)
+def options_help(cls: type, prefix: str = "") -> str:
+    """One line per setting: its dotted name (after `prefix`, a group's `trainer.`), what it means,
+    its bound and its default."""
+    rows = described(cls, prefix)
     width = max(len(name) for name, _ in rows) + 2
     return "\n".join(f"  {name:<{width}}{words}" for name, words in rows)
 
@@ -217,9 +218,11 @@ def check_settings(cfg: DictConfig | dict, cls: type, prefix: str = "") -> None:
             f.metadata["bound"](name, cfg[f.name] if present else default_of(f))
 
 
-def settings_help(name: str) -> str:
-    """options_help for a Hydra help template, whose `$` (string.Template's) the text escapes."""
-    return options_help(SCHEMAS[name]).replace("$", "$$")
+def settings_help(name: str, prefix: str = "") -> str:
+    """options_help for a Hydra help template, whose `$` (string.Template's) the text escapes:
+    `${settings_help:train_settings}`, or a group's with its prefix,
+    `${settings_help:trainer/settings/trainer,trainer.}`."""
+    return options_help(SCHEMAS[name], prefix).replace("$", "$$")
 
 
 # `${settings_help:generate_settings}` in a help template: the options part of --help, from the dataclass.
