@@ -183,6 +183,13 @@ def test_a_sweep_arm_whose_run_name_leaves_multirun_is_refused_before_hydra_make
     assert code == 2
     assert err.splitlines()[-1] == f"error: run_name='../../../../../escape' {LEAVES_OUTPUTS}"
     assert [p for p in everything_under(tmp_path) if not p.startswith("above/checkout/")] == ["above", "above/checkout"]
+    # The sweep leaves no state behind: a later user error in this process ends it, not taken for an arm's.
+    from lm.util.cli import FAILED_ARMS, exit_on_user_error, sweep_arm
+
+    assert sweep_arm() is None and FAILED_ARMS == []
+    with pytest.raises(SystemExit) as done, exit_on_user_error():
+        raise ConfigError("after the sweep")
+    assert done.value.code == 2
 
 
 @pytest.mark.parametrize("name, refused", [

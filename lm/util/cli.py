@@ -114,8 +114,11 @@ def run_script(main) -> int:
     # Hydra's exceptions must reach us, not its own printed trace or short form: forced whatever the
     # user's environment says (HYDRA_FULL_ERROR=0, a common setting, would print three lines or fail
     # while formatting), and put back afterwards. Either way the user sees one line.
+    from hydra.core.hydra_config import HydraConfig
+
     previous = os.environ.get("HYDRA_FULL_ERROR")
     os.environ["HYDRA_FULL_ERROR"] = "1"
+    FAILED_ARMS.clear()
     try:
         main()
     except HydraException as e:
@@ -130,8 +133,14 @@ def run_script(main) -> int:
             os.environ.pop("HYDRA_FULL_ERROR", None)
         else:
             os.environ["HYDRA_FULL_ERROR"] = previous
-    if FAILED_ARMS:
-        sys.stderr.write(f"error: {len(FAILED_ARMS)} arm(s) of the sweep failed: {'; '.join(FAILED_ARMS)}\n")
+        # Hydra keeps the last run's config in a singleton: left set after a -m sweep, every later user
+        # error in this process (another script's main, a benchmark) would be taken for a sweep arm's,
+        # said and let pass (exit_on_user_error).
+        HydraConfig.instance().cfg = None
+        failed = list(FAILED_ARMS)
+        FAILED_ARMS.clear()
+    if failed:
+        sys.stderr.write(f"error: {len(failed)} arm(s) of the sweep failed: {'; '.join(failed)}\n")
         return 2
     return 0
 
