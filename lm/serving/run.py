@@ -75,10 +75,9 @@ def prepare(cfg: DictConfig, out: TextIO):
     api_key = cfg.api_key if cfg.api_key is not None else os.environ.get(API_KEY_VARIABLE) or None
     sock = bind(cfg.host, cfg.port)
     model, tokenizer = load(checkpoint, device=cfg.device)
+    kernel_choice = None
     if cfg.quantize is not None:
-        kernel, why = resolve_kernel(cfg.int8_kernel, next(model.parameters()).device)
-        if why is not None:
-            out.write(f"{why}\n")
+        kernel, kernel_choice = resolve_kernel(cfg.int8_kernel, next(model.parameters()).device)
         model = quantize_int8(model, kernel)
     chat_template = ChatTemplate(template_source, EOT) if template_source is not None else None
     engine = Engine(model, tokenizer, cfg.max_batch, cfg.max_queue, tokenizer.token_to_id(EOT), cfg.compile)
@@ -88,6 +87,8 @@ def prepare(cfg: DictConfig, out: TextIO):
     host, port = sock.getsockname()[:2]
     out.write(f"serving {name!r} ({model.config.describe_attention()}; {model.num_params():,} parameters) at "
               f"http://{host}:{port}/v1 with {cfg.max_batch} slots{'; API key required' if api_key else ''}\n")
+    if kernel_choice is not None:  # after the line above, which clients starting a server wait for first
+        out.write(f"{kernel_choice}\n")
     out.flush()
     engine.start()
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=cfg.drain_s, access_log=False)
