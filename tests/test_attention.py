@@ -373,3 +373,66 @@ def test_grouped_sdpa_with_repeated_heads_equals_enable_gqa(n_head, n_kv_head):
     repeated = grouped_sdpa(q, k, v, mask, repeat_groups=True)
     shared = grouped_sdpa(q, k, v, mask, repeat_groups=False)
     assert_same_values_and_grads(repeated, shared, (q, k, v))
+
+
+@pytest.mark.parametrize("n_head, n_kv_head", [(4, 2), (4, 1)], ids=["gqa", "mqa"])
+def test_a_folded_decoding_step_takes_sdpas_output_in_cudas_layout(n_head, n_kv_head, monkeypatch):
+    """A decoding step folds a group's queries onto its K/V head (always on CUDA). CUDA's fused
+    kernels return SDPA's output as a transposed view (B, nkv, g, hs) of a (B, g, nkv, hs) buffer,
+    which `view` cannot regroup into heads (it failed on an H100); here SDPA's output is handed back
+    in that layout on the CPU, and the step still computes what enable_gqa does."""
+    from lm.attention import scores
+
+    q, k, v = qkv(n_head, n_kv_head, T=9)
+    q = q[:, :, -1:]  # (B, nh, 1, hs): one query per head, as in decoding
+    mask = torch.ones(1, 1, 1, 9, dtype=torch.bool)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    sdpa = scores.F.scaled_dot_product_attention
+
+    def cuda_layout(*args, **kwargs):
+        out = sdpa(*args, **kwargs)  # (B, H, T, hs)
+        return out.transpose(1, 2).contiguous().transpose(1, 2)  # the same values, strides of (B, T, H, hs)
+
+    monkeypatch.setattr(scores, "folds", lambda q, nkv: True)
+    monkeypatch.setattr(scores.F, "scaled_dot_product_attention", cuda_layout)
+    torch.testing.assert_close(scores.softmax_attention(q, k, v, mask=mask), expected)
+
+
+SDPA_KIND_ROWS = [name for name, (spec, _) in model_rows().items()  # softcapped rows take the explicit path
+                  if not isinstance(spec, list) and not getattr(spec, "softcap", None)
+                  and type(spec).__name__ in ("SoftmaxSpec", "SlidingSpec", "LatentSpec", "SparseLatentSpec")]
+
+
+@pytest.mark.parametrize("name", SDPA_KIND_ROWS)
+def test_every_tensor_handed_to_sdpa_is_16_byte_aligned_in_bf16(name, monkeypatch):
+    """CUDA's fused SDPA kernels read 16-byte vectors and do not check a view's alignment: MLA's
+    values as a view dn numbers into each row of kv_up's output (dn = 28 in bf16: 56 bytes) made
+    an H100 fault ("misaligned address") or the flash kernel return wrong values. Every q, k, v a
+    kind hands SDPA, in training and cached decoding, in bf16, starts on a 16-byte boundary with
+    strides of whole 16-byte units (the last dimension's excepted: 1). A head size that is not a
+    whole number of 16-byte units SDPA itself sends to its math path, so only the others count."""
+    attention, n_kv_head = model_rows()[name]
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=50, n_layer=1, d_model=64, n_head=4, n_kv_head=n_kv_head, d_ff=64,
+                                    max_seq_len=64, attention=attention)).to(torch.bfloat16).eval()
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        seen.extend((q, k, v))
+        return sdpa(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    from lm import generate
+
+    with torch.no_grad():
+        model(torch.randint(0, 50, (2, 20)))
+        generate(model, [[1, 2, 3, 4, 5], [6, 7, 8]], 3)
+    assert seen, f"{name}: no call of scaled_dot_product_attention"
+    fused = [t for t in seen if (t.shape[-1] * t.element_size()) % 16 == 0]
+    assert fused, f"{name}: SDPA was handed no head size its fused kernels take"
+    for t in fused:
+        size = t.element_size()
+        misaligned = [s for s in t.stride()[:-1] if (s * size) % 16] if t.stride()[-1] == 1 else ["last"]
+        assert t.data_ptr() % 16 == 0 and not misaligned, \
+            f"{name}: a {tuple(t.shape)} tensor at offset {t.data_ptr() % 16} with strides {t.stride()}"

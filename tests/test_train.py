@@ -261,3 +261,23 @@ def test_a_muon_run_stopped_by_sigterm_resumes_on_the_uninterrupted_loss_curve(t
     assert resumed["steps"] == 40 and min(after) == stopped_at and max(after) == 39
     for step, loss in after.items():
         assert abs(loss - expected[step]) < 1e-5, (step, loss, expected[step])
+
+
+def test_an_fsdp_runs_closing_sample_comes_from_its_last_checkpoint_read_back(train_config):
+    """Under FSDP each Block keeps shards of its weights cast to bf16 at each forward: sampling
+    through them outside training's autocast failed on an H100 (float activations against bf16
+    weights), and on rank 0 alone it would wait for the other ranks' shards. Such a run samples
+    from last.ckpt read back as a plain model; any other strategy samples the trained model."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import FSDPStrategy, SingleDeviceStrategy
+
+    from lm.training.summary import sampling_model
+
+    result = train(train_config())
+    model, _ = lm.load(result["last"])
+    assert sampling_model(SimpleNamespace(strategy=SingleDeviceStrategy("cpu")), model, result["last"]) is model
+    read_back = sampling_model(SimpleNamespace(strategy=FSDPStrategy()), model, result["last"])
+    assert read_back is not model and not read_back.training
+    pairs = zip(read_back.state_dict().values(), model.state_dict().values(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)

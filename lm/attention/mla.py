@@ -192,7 +192,10 @@ class LatentAttention(nn.Module):
         kv = self.kv_up(c).view(B, T, self.n_head, self.nope_dim + self.head_dim).transpose(1, 2)  # (B, nh, T, dn+hs)
         k_nope, v = kv.split((self.nope_dim, self.head_dim), dim=-1)
         k = torch.cat((k_nope, k_rope[:, None].expand(B, self.n_head, T, self.rope_dim)), dim=-1)  # (B, nh, T, hs)
-        return k, v
+        # v as a view starts dn numbers into each row: CUDA's fused SDPA kernels read 16-byte vectors
+        # and, where dn (or a row) is not a multiple of 16 bytes, read misaligned memory (a CUDA
+        # fault, or wrong values from the flash kernel in bf16) instead of refusing the view.
+        return k, v.contiguous()
 
     def absorbed_query(self, q: torch.Tensor) -> torch.Tensor:
         """q (B, nh, T, hs) -> its latent-space form (B, nh, T, r + dR): [W_UK,h^T q_nope | q_rope]."""

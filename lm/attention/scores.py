@@ -64,7 +64,9 @@ def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
         # per query head (GQA-2 at batch 16 and an 8k context: 3.28 ms -> 2.44 ms a call, docs/studies.md).
         rows = q.view(B, nkv, nh // nkv, hs)  # (B, nh, 1, hs) -> (B, nkv, g, hs): head h is row h % g of group h // g
         out = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask, scale=scale)  # (B, nkv, g, hs)
-        return out.view(B, nh, 1, hs)
+        # reshape, not view: CUDA's fused kernels return their output as a transposed view of a
+        # (B, g, nkv, hs) buffer, which no view can regroup (the CPU's is contiguous)
+        return out.reshape(B, nh, 1, hs)
     return grouped_sdpa(q, k, v, mask, causal, scale)
 
 

@@ -21,7 +21,7 @@ from lm.model.transformer import Transformer
 from lm.training.settings import check_run_settings, distillation_settings, model_config_from
 from lm.training.setup import lightning_module, make_trainer, pick_precision, prepared_data
 from lm.training.start import continued, starting_point
-from lm.training.summary import announce, finish, run_result, sample_text
+from lm.training.summary import announce, finish, run_result, sample_text, sampling_model
 from lm.util.distributed import is_main_process, quiet_other_ranks
 from lm.util.files import RunLock, remove_stale_temporaries, run_folder
 from lm.util.memory import keep_freed_memory
@@ -88,5 +88,5 @@ def train(cfg: DictConfig, model_config: ModelConfig | None = None, init_state: 
         if validate_first:
             result["val_loss_before"] = lit.val_history[0][1]
         if trainer.is_global_zero and cfg.sample.max_new_tokens > 0 and data.is_text:
-            result["sample"] = sample_text(model, data.tokenizer, cfg.sample)
+            result["sample"] = sample_text(sampling_model(trainer, model, result["last"]), data.tokenizer, cfg.sample)
         return finish(trainer, cfg.run_name, result, started)

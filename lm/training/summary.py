@@ -11,6 +11,7 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig
 
+from lm.formats.checkpoint import load
 from lm.generation.decode import generate
 from lm.model.transformer import Transformer
 from lm.training.module import LitLM
@@ -84,6 +85,18 @@ def format_seconds(seconds: float) -> str:
         return f"{minutes} min {secs:02d} s"
     hours, minutes = divmod(minutes, 60)
     return f"{hours} h {minutes:02d} min"
+
+
+def sampling_model(trainer: L.Trainer, model: Transformer, last_checkpoint: str) -> Transformer:
+    """The model the closing sample is drawn from: the trained one, but under FSDP the last
+    checkpoint's full weights read back as a plain model. FSDP keeps each Block's weights as
+    shards cast to bf16 at each forward: a forward outside training's autocast fails on their
+    dtype, and one on rank 0 alone would wait forever for the other ranks' shards."""
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    if not isinstance(trainer.strategy, FSDPStrategy):
+        return model
+    return load(last_checkpoint, device=next(model.parameters()).device)[0]
 
 
 def sample_text(model: Transformer, tokenizer, sample_cfg: DictConfig) -> str:
