@@ -340,11 +340,11 @@ def test_quantizing_a_quantized_model_takes_the_kernel_asked_for_and_keeps_its_w
     from lm.generation.quantize import Int8Linear
 
     model = tiny_model()
-    once = lm.quantize_int8(model, "dynamic")
+    once = lm.quantize_int8(model, "int8pack")
     twice = lm.quantize_int8(once, "dequant")
     layers = [m for m in twice.modules() if isinstance(m, Int8Linear)]
     assert layers and {m.kernel for m in layers} == {"dequant"}
-    assert {m.kernel for m in once.modules() if isinstance(m, Int8Linear)} == {"dynamic"}  # the original untouched
+    assert {m.kernel for m in once.modules() if isinstance(m, Int8Linear)} == {"int8pack"}  # the original untouched
     for a, b in zip(once.state_dict().values(), twice.state_dict().values(), strict=True):
         assert torch.equal(a, b)
     idx = torch.randint(0, 64, (2, 8))

@@ -12,7 +12,16 @@ from test_generation import KINDS, VOCAB, make_model
 
 from lm import ModelConfig, Transformer, generate, quantize_int8, stream
 from lm.formats.checkpoint import read_checkpoint
-from lm.generation.quantize import Int8Linear, quantize_per_channel, weight_bytes
+from lm.generation.quantize import (
+    KERNELS,
+    Int8Linear,
+    choose_kernel,
+    dynamic_refusal,
+    quantize_per_channel,
+    weight_bytes,
+)
+from lm.util.errors import GenerationError
+from lm.util.hardware import int8_matmul_is_exact
 
 
 def ragged_prompts():
@@ -107,6 +116,8 @@ def test_the_two_int8_kernels_compute_the_same_product():
     torch.testing.assert_close(dequant(x), x @ (q.float() * scales[:, None]).T, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(not int8_matmul_is_exact(), reason="this CPU's torch._int_mm is not exact: dynamic is refused "
+                                                          "here (test_an_inexact_int8_matmul_...)")
 def test_dynamic_int8_is_the_product_of_the_rounded_activations_and_weights():
     """The naive twin in float64: each activation row and each weight row rounded to its own int8
     grid, multiplied as floats. torch._int_mm's int32 sums are exact, so only float32's last bits differ."""
@@ -130,8 +141,9 @@ def test_int8_model_keeps_logits_close_and_holds_int8_matmul_weights():
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=300, n_layer=2, d_model=64, n_head=4, n_kv_head=2, d_ff=128,
                                     max_seq_len=64)).eval()
-    quantized = quantize_int8(model)  # the default, auto: dynamic on every CPU (activations int8 as well)
-    assert {m.kernel for m in quantized.modules() if isinstance(m, Int8Linear)} == {"dynamic"}
+    quantized = quantize_int8(model)  # the default, auto: dynamic where the CPU's int8 matmul is exact
+    auto, _ = choose_kernel(torch.device("cpu"))
+    assert {m.kernel for m in quantized.modules() if isinstance(m, Int8Linear)} == {auto}
     assert all(not isinstance(m, torch.nn.Linear) for m in quantized.modules())
     assert isinstance(model.head, torch.nn.Linear)  # the original is untouched
     idx = torch.randint(0, 300, (2, 30))
@@ -147,21 +159,50 @@ def test_int8_model_keeps_logits_close_and_holds_int8_matmul_weights():
     assert weight_bytes(quantized) == weight_bytes(model) - untied_float_bytes + int8_bytes
 
 
-@pytest.mark.parametrize("device, int8_instructions, kernel, says", [
-    ("cpu", True, "dynamic", "int8 x int8 matmuls on this CPU's int8 dot-product instructions"),
-    ("cpu", False, "dynamic", "every int8 kernel decoded slower than fp32 (dynamic 0.43x eager, 0.85x compiled): "
-                              "quantize=null compile=true is the fastest here"),
-    ("cuda", False, "dequant", "the kernel that runs a decoding step on cuda"),
+@pytest.mark.parametrize("device, int8_instructions, exact, kernel, says", [
+    ("cpu", True, True, "dynamic", "int8 x int8 matmuls on this CPU's int8 dot-product instructions"),
+    ("cpu", False, True, "dynamic", "quantize=null compile=true may be the fastest here"),
+    ("cpu", False, False, "int8pack", "int8 x int8 matmul is not exact (no int8 dot-product instructions, "
+                                      "AVX512-VNNI or AMX), and on such a CPU every int8 kernel decoded slower"),
+    ("cuda", False, True, "dequant", "the kernel that runs a decoding step on cuda"),
 ])
-def test_the_auto_kernel_follows_the_devices_int8_instructions_and_says_why(device, int8_instructions, kernel, says,
-                                                                            monkeypatch):
+def test_the_auto_kernel_follows_the_devices_int8_instructions_and_says_why(device, int8_instructions, exact, kernel,
+                                                                            says, monkeypatch):
     import lm.util.hardware
     from lm.generation.quantize import resolve_kernel
 
     monkeypatch.setattr(lm.util.hardware, "cpu_multiplies_int8", lambda: int8_instructions)
+    monkeypatch.setattr(lm.util.hardware, "int8_matmul_is_exact", lambda: exact)
     chosen, why = resolve_kernel("auto", torch.device(device))
     assert chosen == kernel and why.startswith(f"int8_kernel=auto: {kernel}") and says in why and "\n" not in why
     assert resolve_kernel("dequant", torch.device(device)) == ("dequant", None)  # a named kernel is taken as named
+
+
+def test_an_inexact_int8_matmul_is_found_and_dynamic_refused_in_one_line(monkeypatch):
+    """oneDNN's int8 GEMM without int8 dot-product instructions (AVX2) saturates its int16 pair sums:
+    torch._int_mm's results were wrong for 83-100% of the outputs with oneDNN held to AVX2. Here a
+    torch._int_mm that computes as such a kernel does: the check finds it, `auto` takes int8pack,
+    and `dynamic` named outright is refused in one line, by generate's and serve's resolve_kernel."""
+    import lm.util.hardware
+    from lm.generation.quantize import resolve_kernel
+
+    def saturating(a, b):
+        """(M, K) int8 @ (K, N) int8 -> (M, N) int32 as vpmaddubsw does it: a shifted to unsigned
+        (a + 128), byte products added in pairs into int16 with saturation, the shift taken back."""
+        M, K, N = *a.shape, b.shape[1]
+        products = (a.long() + 128)[:, :, None] * b.long()[None]  # (M, K, N)
+        pairs = products.view(M, K // 2, 2, N).sum(2).clamp(-2**15, 2**15 - 1)  # (M, K/2, N): int16 sums
+        return (pairs.sum(1) - 128 * b.long().sum(0)).int()
+
+    assert lm.util.hardware.int8_matmul_is_exact.__wrapped__() == int8_matmul_is_exact()  # the cached answer
+    monkeypatch.setattr(torch, "_int_mm", saturating)
+    assert not lm.util.hardware.int8_matmul_is_exact.__wrapped__()
+    monkeypatch.setattr(lm.util.hardware, "int8_matmul_is_exact", lm.util.hardware.int8_matmul_is_exact.__wrapped__)
+    assert resolve_kernel("auto", torch.device("cpu"))[0] == "int8pack"
+    with pytest.raises(GenerationError, match=r"^int8 kernel=dynamic: this CPU's int8 x int8 matmul \(torch._int_mm\) "
+                                              r"does not return exact sums .*: choose int8_kernel=auto, dequant or "
+                                              r"int8pack$"):
+        resolve_kernel("dynamic", torch.device("cpu"))
 
 
 def test_int8_decoding_agrees_with_fp32_on_a_trained_model(tmp_path, small_corpus):
@@ -174,7 +215,8 @@ def test_int8_decoding_agrees_with_fp32_on_a_trained_model(tmp_path, small_corpu
     text = (small_corpus / sorted(p.name for p in small_corpus.iterdir())[-1]).read_text()[:4000]
     idx = torch.tensor([tokenizer.encode(text).ids[:32]])
     with torch.no_grad():
-        for kernel in ("dynamic", "dequant"):
+        # every kernel generate may run here (dynamic is refused where the CPU's int8 matmul is not exact)
+        for kernel in [k for k in KERNELS if k != "dynamic" or dynamic_refusal(torch.device("cpu")) is None]:
             agree = (model(idx).argmax(-1) == quantize_int8(model, kernel)(idx).argmax(-1)).float().mean().item()
             assert agree >= 0.9, kernel
     prompt = idx[:, :8]

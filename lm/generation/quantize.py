@@ -10,7 +10,8 @@ what the device multiplies fast (choose_kernel) and says which, and the others n
 - "dynamic": the activations are quantized too, each row (token) with its own
   absmax / 127 scale computed at run time, and `torch._int_mm` multiplies int8 by int8 into
   int32 (oneDNN's VNNI / AVX2 integer kernels on x86): the only one that decodes faster than fp32
-  on the CPU (9.2x our fp32 step compiled, on an AVX-512 EPYC: docs/performance.md);
+  on the CPU (9.2x our fp32 step compiled, on an AVX-512 EPYC: docs/performance.md); refused
+  where torch._int_mm's sums are not exact (oneDNN's AVX2 kernels without VNNI saturate them);
 - "dequant": weights only; w_int8 -> float, one matmul, times the scales: plain PyTorch, any
   device, about fp32's speed on the CPU (the conversion costs what the smaller read saves);
 - "int8pack": weights only, `torch.ops.aten._weight_int8pack_mm`, PyTorch's weight-only int8
@@ -47,19 +48,36 @@ def choose_kernel(device: torch.device) -> tuple[str, str]:
     """(the kernel `auto` takes on `device`, one line saying which and why). Measured with
     `scripts/bench.py decode` against lm's fp32 eager step at batch 1 (docs/performance.md):
     on an AMD EPYC with AVX512-VNNI, dynamic 2.6x eager and 9.2x compiled; on an AMD EPYC of family
-    25 (AVX2, no VNNI), every kernel slower than fp32: dynamic 0.43x eager and 0.85x compiled (the
-    fastest int8 there), dequant 0.49x / 0.52x, int8pack 0.54x / 0.52x."""
+    25 (AVX2, no VNNI), every kernel slower than fp32: dequant 0.49x eager and 0.52x compiled,
+    int8pack 0.54x / 0.52x, and dynamic (0.43x / 0.85x) is not exact there (dynamic_refusal)."""
     from lm.util.hardware import cpu_multiplies_int8
 
     if device.type == "cuda":  # torch._int_mm on CUDA needs more than 16 rows, which a decoding step lacks
         return "dequant", "int8_kernel=auto: dequant (weights only), the kernel that runs a decoding step on cuda"
-    if device.type == "cpu" and cpu_multiplies_int8():
+    if dynamic_refusal(device) is not None:
+        return "int8pack", ("int8_kernel=auto: int8pack (weights only): this CPU's int8 x int8 matmul is not "
+                            "exact (no int8 dot-product instructions, AVX512-VNNI or AMX), and on such a CPU every "
+                            "int8 kernel decoded slower than fp32 (int8pack 0.54x eager): quantize=null "
+                            "compile=true is the fastest here")
+    if cpu_multiplies_int8():
         return "dynamic", ("int8_kernel=auto: dynamic, int8 x int8 matmuls on this CPU's int8 dot-product "
                            "instructions (AVX512-VNNI or AMX)")
-    return "dynamic", ("int8_kernel=auto: dynamic, the fastest int8 kernel measured on a CPU without int8 "
-                       "dot-product instructions (AVX512-VNNI, AMX), such as this one; there every int8 kernel "
-                       "decoded slower than fp32 (dynamic 0.43x eager, 0.85x compiled): quantize=null "
-                       "compile=true is the fastest here")
+    return "dynamic", ("int8_kernel=auto: dynamic, int8 x int8 matmuls; this CPU has no int8 dot-product "
+                       "instructions (AVX512-VNNI, AMX), and where those were missing every int8 kernel decoded "
+                       "slower than fp32: quantize=null compile=true may be the fastest here")
+
+
+def dynamic_refusal(device: torch.device) -> str | None:
+    """Why `dynamic` cannot run on `device` (one line), or None where it can: on a CPU whose
+    torch._int_mm does not return exact sums (lm.util.hardware.int8_matmul_is_exact) its outputs
+    would be wrong, not merely rounded."""
+    from lm.util.hardware import int8_matmul_is_exact
+
+    if device.type == "cpu" and not int8_matmul_is_exact():
+        return ("int8 kernel=dynamic: this CPU's int8 x int8 matmul (torch._int_mm) does not return exact sums "
+                "(oneDNN saturates them without int8 dot-product instructions, AVX512-VNNI or AMX): choose "
+                "int8_kernel=auto, dequant or int8pack")
+    return None
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,6 +148,8 @@ def resolve_kernel(kernel: str, device: torch.device) -> tuple[str, str | None]:
     """(the kernel `kernel` names on `device`, choose_kernel's line where it was `auto`, else None)."""
     if kernel not in CHOICES:
         raise GenerationError(f"int8 kernel={kernel!r} must be one of {list(CHOICES)}")
+    if kernel == "dynamic" and (refusal := dynamic_refusal(device)) is not None:
+        raise GenerationError(refusal)
     return choose_kernel(device) if kernel == AUTO else (kernel, None)
 
 

@@ -19,6 +19,7 @@ import torch
 
 from lm.generation.quantize import KERNELS, Int8Linear
 from lm.studies.bench_models import REFERENCE, alternate
+from lm.util.hardware import int8_matmul_is_exact
 
 # (in, out) of the reference shape's matmuls: fused Q/K/V (2 K/V heads), attention out, gate and up, down, head
 SHAPES = [(384, 384 + 2 * 128), (384, 384), (384, 2 * 1024), (1024, 384), (384, REFERENCE["vocab_size"])]
@@ -87,6 +88,8 @@ def bench_kernels(args) -> dict:
         print(f"{row['kernel']:34}" + "".join(f"{us:11.1f}" for us in row["us"].values())
               + f"{row['per_step_us']:11.0f}{row['vs_fp32']:9.2f}x")
     print("per step: the matmuls of one decoding step of the 6-layer model (each layer's four, then the head)")
+    if not int8_matmul_is_exact():
+        print("lm int8 dynamic: timed only; its sums are not exact on this CPU, where generate and serve refuse it")
     return {"threads": torch.get_num_threads(), "rows_of_input": args.rows, "shapes": list(table),
             "per_step_calls": dict(zip(table, PER_STEP, strict=True)), "rows": rows}
 

@@ -3,6 +3,8 @@ dtype of Muon's Newton-Schulz iteration, the int8 kernel) ask here."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -18,6 +20,19 @@ def cpu_multiplies_int8() -> bool:
     matmuls (torch._int_mm) need to beat fp32: with them int8 decoding ran 9.2x the fp32 step (an
     AVX-512 VNNI EPYC); on an AVX2 EPYC without them every int8 kernel ran slower than fp32."""
     return torch.cpu._is_vnni_supported() or torch.cpu._is_amx_tile_supported()
+
+
+@functools.cache
+def int8_matmul_is_exact() -> bool:
+    """Whether torch._int_mm on this CPU returns the exact int32 sums it promises, tried once per
+    process on full-range random int8 matrices. Without int8 dot-product instructions oneDNN's
+    int8 GEMM adds pairs of byte products in int16 (vpmaddubsw), which saturates on full-range
+    values (oneDNN's guide, "Nuances of int8 Computations"): with oneDNN held to AVX2
+    (DNNL_MAX_CPU_ISA=AVX2, what an AVX2 CPU gets) 83-100% of the sums came back wrong."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(-127, 128, (32, 256), dtype=torch.int8, generator=g)
+    b = torch.randint(-127, 128, (256, 32), dtype=torch.int8, generator=g)
+    return torch.equal(torch._int_mm(a, b).long(), a.long() @ b.long())
 
 
 def multiplies_bf16(device: torch.device) -> bool:
