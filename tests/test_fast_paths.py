@@ -15,7 +15,6 @@ from lm.formats.checkpoint import read_checkpoint
 from lm.generation.quantize import (
     KERNELS,
     Int8Linear,
-    choose_kernel,
     dynamic_refusal,
     quantize_per_channel,
     weight_bytes,
@@ -142,7 +141,7 @@ def test_int8_model_keeps_logits_close_and_holds_int8_matmul_weights():
     model = Transformer(ModelConfig(vocab_size=300, n_layer=2, d_model=64, n_head=4, n_kv_head=2, d_ff=128,
                                     max_seq_len=64)).eval()
     quantized = quantize_int8(model)  # the default, auto: dynamic where the CPU's int8 matmul is exact
-    auto, _ = choose_kernel(torch.device("cpu"))
+    auto = "dynamic" if int8_matmul_is_exact() else "int8pack"
     assert {m.kernel for m in quantized.modules() if isinstance(m, Int8Linear)} == {auto}
     assert all(not isinstance(m, torch.nn.Linear) for m in quantized.modules())
     assert isinstance(model.head, torch.nn.Linear)  # the original is untouched
@@ -162,8 +161,9 @@ def test_int8_model_keeps_logits_close_and_holds_int8_matmul_weights():
 @pytest.mark.parametrize("device, int8_instructions, exact, kernel, says", [
     ("cpu", True, True, "dynamic", "int8 x int8 matmuls on this CPU's int8 dot-product instructions"),
     ("cpu", False, True, "dynamic", "quantize=null compile=true may be the fastest here"),
-    ("cpu", False, False, "int8pack", "int8 x int8 matmul is not exact (no int8 dot-product instructions, "
-                                      "AVX512-VNNI or AMX), and on such a CPU every int8 kernel decoded slower"),
+    ("cpu", False, False, "int8pack", "int8 x int8 matmul does not return exact sums (as oneDNN's does not "
+                                      "without int8 dot-product instructions, AVX512-VNNI or AMX), and on such a "
+                                      "CPU every int8 kernel decoded slower"),
     ("cuda", False, True, "dequant", "the kernel that runs a decoding step on cuda"),
 ])
 def test_the_auto_kernel_follows_the_devices_int8_instructions_and_says_why(device, int8_instructions, exact, kernel,

@@ -91,12 +91,13 @@ class SameChoices:
         original = dsa.top_k_mask
 
         def choose(scores, visible, k):
-            mine = original(scores, visible, k)
+            mine = original(scores, visible, k)  # (..., T, S)
             if not self.replaying:
                 self.choices.append(mine)
                 return mine
             theirs = self.choices.pop(0)
-            self.agreement.append(((mine & theirs).sum() / theirs.sum()).item())
+            choosing = visible.expand_as(theirs).sum(-1) > k  # (..., T): queries that see more than k positions
+            self.agreement.append(((mine & theirs)[choosing].sum() / theirs[choosing].sum()).item())
             return theirs
 
         monkeypatch.setattr(dsa, "top_k_mask", choose)
@@ -124,8 +125,13 @@ def test_every_kind_in_bf16_autocast_computes_what_float32_does(name, monkeypatc
             logits = model(idx[:, :-1])  # (2, 96, V)
         loss = F.cross_entropy(logits.float().flatten(0, 1), idx[:, 1:].flatten())
         loss.backward()
-        # parameters the loss does not reach (DSA's indexer learns from its own KL term) have no gradient
-        return logits.detach().float(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        gradients = []
+        for name, p in model.named_parameters():
+            if p.grad is None:  # only DSA's indexer, which learns from its own KL term, not from the loss
+                assert ".indexer." in name, f"{name} has no gradient"
+                continue
+            gradients.append(p.grad.flatten())
+        return logits.detach().float(), torch.cat(gradients)
 
     same_choices = SameChoices(monkeypatch) if selects_sparsely(name) else None
     logits32, gradient32 = forward_backward(autocast=False)
@@ -133,7 +139,7 @@ def test_every_kind_in_bf16_autocast_computes_what_float32_does(name, monkeypatc
         same_choices.replaying = True
     logits16, gradient16 = forward_backward(autocast=True)
     if same_choices:
-        assert same_choices.agreement and min(same_choices.agreement) > 0.9, same_choices.agreement
+        assert same_choices.agreement and min(same_choices.agreement) >= 0.9, same_choices.agreement
     assert torch.isfinite(logits16).all() and torch.isfinite(gradient16).all()
     logits_bound, gradient_bound = (0.03, 0.08) if has_gated_delta(name) else (0.02, 0.04)
     assert relative_error(logits16, logits32) < logits_bound
@@ -150,7 +156,8 @@ def test_every_cache_in_bf16_is_as_close_to_float32_as_the_full_forward(name):
     forward does not. Measured on the CPU (AMD EPYC, torch 2.13): every kind's cached error within
     1.05x of its full forward's; 1.0-1.7%, gated delta 2.3-3.0%. A sparse DSA layer's bf16 weights
     swap some of its near-equal choices (13% from float32 on the CPU, 17% on an H100, the cache
-    and the full forward alike): for it the 1.25x bound alone holds."""
+    and the full forward alike): for it the bound is 25%, which a broken layer exceeds (129% on
+    the H100 before MLA's values were made contiguous)."""
     model32 = gpu_model(name).eval()
     model16 = gpu_model(name).to(torch.bfloat16).eval()
     idx = torch.randint(0, VOCAB, (2, 160), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(2))
@@ -162,7 +169,7 @@ def test_every_cache_in_bf16_is_as_close_to_float32_as_the_full_forward(name):
         pieces += [model16(idx[:, t:t + 1], cache=cache) for t in range(100, 160)]
     cached16 = torch.cat(pieces, dim=1)  # (2, 160, V)
     assert torch.isfinite(cached16.float()).all()
-    bound = 1.0 if selects_sparsely(name) else 0.04 if has_gated_delta(name) else 0.02
+    bound = 0.25 if selects_sparsely(name) else 0.04 if has_gated_delta(name) else 0.02
     for span in (slice(0, 100), slice(100, 160)):  # the prefill, then the steps
         cached_error = relative_error(cached16[:, span], reference[:, span])
         full_error = relative_error(full16[:, span], reference[:, span])

@@ -263,7 +263,7 @@ def test_a_muon_run_stopped_by_sigterm_resumes_on_the_uninterrupted_loss_curve(t
         assert abs(loss - expected[step]) < 1e-5, (step, loss, expected[step])
 
 
-def test_an_fsdp_runs_closing_sample_comes_from_its_last_checkpoint_read_back(train_config):
+def test_an_fsdp_runs_closing_sample_comes_from_its_last_checkpoint_read_back(train_config, monkeypatch):
     """Under FSDP each Block keeps shards of its weights cast to bf16 at each forward: sampling
     through them outside training's autocast failed on an H100 (float activations against bf16
     weights), and on rank 0 alone it would wait for the other ranks' shards. Such a run samples
@@ -272,9 +272,13 @@ def test_an_fsdp_runs_closing_sample_comes_from_its_last_checkpoint_read_back(tr
 
     from lightning.pytorch.strategies import FSDPStrategy, SingleDeviceStrategy
 
+    from lm.training import run
     from lm.training.summary import sampling_model
 
+    asked = []
+    monkeypatch.setattr(run, "sampling_model", lambda *args: asked.append(args) or sampling_model(*args))
     result = train(train_config())
+    assert [args[2] for args in asked] == [result["last"]] and result["sample"]  # train() asks it, once
     model, _ = lm.load(result["last"])
     assert sampling_model(SimpleNamespace(strategy=SingleDeviceStrategy("cpu")), model, result["last"]) is model
     read_back = sampling_model(SimpleNamespace(strategy=FSDPStrategy()), model, result["last"])

@@ -55,11 +55,11 @@ def choose_kernel(device: torch.device) -> tuple[str, str]:
     if device.type == "cuda":  # torch._int_mm on CUDA needs more than 16 rows, which a decoding step lacks
         return "dequant", "int8_kernel=auto: dequant (weights only), the kernel that runs a decoding step on cuda"
     if dynamic_refusal(device) is not None:
-        return "int8pack", ("int8_kernel=auto: int8pack (weights only): this CPU's int8 x int8 matmul is not "
-                            "exact (no int8 dot-product instructions, AVX512-VNNI or AMX), and on such a CPU every "
-                            "int8 kernel decoded slower than fp32 (int8pack 0.54x eager): quantize=null "
-                            "compile=true is the fastest here")
-    if cpu_multiplies_int8():
+        return "int8pack", ("int8_kernel=auto: int8pack (weights only): this CPU's int8 x int8 matmul does not "
+                            "return exact sums (as oneDNN's does not without int8 dot-product instructions, "
+                            "AVX512-VNNI or AMX), and on such a CPU every int8 kernel decoded slower than fp32 "
+                            "(int8pack 0.54x eager): quantize=null compile=true is the fastest here")
+    if device.type == "cpu" and cpu_multiplies_int8():
         return "dynamic", ("int8_kernel=auto: dynamic, int8 x int8 matmuls on this CPU's int8 dot-product "
                            "instructions (AVX512-VNNI or AMX)")
     return "dynamic", ("int8_kernel=auto: dynamic, int8 x int8 matmuls; this CPU has no int8 dot-product "
