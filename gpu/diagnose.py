@@ -23,9 +23,6 @@ import torch.nn.functional as F
 os.environ.setdefault("LM_GPU_TIER_DEVICE", "cuda")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-DENSE_BF16_PEAK = 989e12  # H100 SXM / H200 data sheet, as bench-train's MFU
-
-
 def taylor() -> None:
     import test_gpu as tier
 
@@ -69,6 +66,7 @@ def profile() -> None:
     from torch.profiler import profile as cuda_profile
 
     from lm import Transformer
+    from lm.studies.bench_models import dense_bf16_peak
     from lm.studies.train_bench import bench_shape, train_step_fn
 
     cfg = bench_shape(SimpleNamespace(model="base", vocab=None, seq=1024))
@@ -77,11 +75,10 @@ def profile() -> None:
     compiled = torch.compile(model)
     step = train_step_fn(model, lambda m, x: compiled(x), torch.bfloat16)  # bench-train's "lm compiled"
     batch = torch.randint(0, cfg.vocab_size, (16, 1025), device="cuda")
-    # PaLM's count per token: 6 N + 12 L d T
-    flops = 6 * sum(p.numel() for p in model.parameters()) + 12 * cfg.n_layer * cfg.d_model * 1024
+    flops, peak = model.flops_per_token(1024), dense_bf16_peak(torch.device("cuda"))  # as bench-train counts
 
     def mfu(seconds: float, rows: int) -> str:
-        return f"{seconds * 1e3:.1f} ms, MFU {flops * rows * 1024 / seconds / DENSE_BF16_PEAK:.1%}"
+        return f"{seconds * 1e3:.1f} ms, MFU {flops * rows * 1024 / seconds / peak:.1%}"
 
     print(f"base step (loss outside compile): {mfu(seconds_per_call(lambda: step(batch)), 16)}")
     with cuda_profile(activities=[ProfilerActivity.CUDA]) as prof:

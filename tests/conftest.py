@@ -53,6 +53,16 @@ def small_corpus(tmp_path_factory) -> Path:
     return folder
 
 
+def int8_kernels_here(kernels) -> list[str]:
+    """Those of `kernels` that generate and serve run on this CPU: dynamic is refused where its int8
+    matmul does not return exact sums (lm.generation.quantize.dynamic_refusal)."""
+    import torch
+
+    from lm.generation.quantize import dynamic_refusal
+
+    return [k for k in kernels if k != "dynamic" or dynamic_refusal(torch.device("cpu")) is None]
+
+
 def train_small_run(folder: Path, corpus: Path, *overrides: str) -> Path:
     """Train a few steps on the small corpus under `folder`; the path of its last.ckpt."""
     from lm.training.run import train

@@ -209,12 +209,10 @@ def test_bench_kernels_times_every_kernel_at_every_shape(tmp_path):
 
 @pytest.mark.slow
 def test_bench_int8_scores_a_trained_checkpoint_on_the_built_in_corpus(tmp_path, small_corpus):
-    from conftest import train_small_run
+    from conftest import int8_kernels_here, train_small_run
 
     ckpt = train_small_run(tmp_path, small_corpus, "trainer.max_steps=20")
-    from lm.generation.quantize import dynamic_refusal
-
-    for kernel in [k for k in ("dynamic", "dequant") if k != "dynamic" or dynamic_refusal(torch.device("cpu")) is None]:
+    for kernel in int8_kernels_here(("dynamic", "dequant")):
         results, printed = bench(tmp_path, "int8", "--ckpt", str(ckpt), "--tokens", "3000", "--int8-kernel", kernel,
                                  timeout=900)
         assert f"validation tokens of the built-in corpus, int8 kernel {kernel}" in printed.splitlines()[0]

@@ -7,7 +7,7 @@ tests/test_generation.py (each row as alone; no host read inside the step).
 
 import pytest
 import torch
-from conftest import train_small_run
+from conftest import int8_kernels_here, train_small_run
 from test_generation import KINDS, VOCAB, make_model
 
 from lm import ModelConfig, Transformer, generate, quantize_int8, stream
@@ -15,7 +15,6 @@ from lm.formats.checkpoint import read_checkpoint
 from lm.generation.quantize import (
     KERNELS,
     Int8Linear,
-    dynamic_refusal,
     quantize_per_channel,
     weight_bytes,
 )
@@ -216,7 +215,7 @@ def test_int8_decoding_agrees_with_fp32_on_a_trained_model(tmp_path, small_corpu
     idx = torch.tensor([tokenizer.encode(text).ids[:32]])
     with torch.no_grad():
         # every kernel generate may run here (dynamic is refused where the CPU's int8 matmul is not exact)
-        for kernel in [k for k in KERNELS if k != "dynamic" or dynamic_refusal(torch.device("cpu")) is None]:
+        for kernel in int8_kernels_here(KERNELS):
             agree = (model(idx).argmax(-1) == quantize_int8(model, kernel)(idx).argmax(-1)).float().mean().item()
             assert agree >= 0.9, kernel
     prompt = idx[:, :8]
