@@ -12,6 +12,7 @@ from lm import ConfigError, ModelConfig, Transformer, generate, load
 from lm.attention import SlidingSpec, SoftmaxSpec, layer_specs
 from lm.attention.dsa import SparseLatentSpec
 from lm.attention.gated_delta import GatedDeltaSpec
+from lm.attention.kda import KimiDeltaSpec
 from lm.attention.mla import LatentSpec
 from lm.data.tokenizer import train_tokenizer
 from lm.formats.hf import export_hf
@@ -19,6 +20,8 @@ from lm.formats.qwen3_next import GATED_SOFTMAX
 
 transformers = pytest.importorskip("transformers", reason="the hf extra (pip install -e .[hf]) is not installed")
 ROOT = Path(__file__).resolve().parents[1]
+
+KIMI_MLA = LatentSpec(kv_rank=12, rope_dim=2, rope=False, latent_norm=True)  # Kimi Linear's MLA layer
 
 VARIANTS = {
     "mha-tied": dict(n_head=4, n_kv_head=4, tie_embeddings=True, vocab_size=301),
@@ -28,17 +31,21 @@ VARIANTS = {
     "qk-norm-gqa": dict(n_head=4, n_kv_head=2, tie_embeddings=False, vocab_size=271,
                         attention=SoftmaxSpec(qk_norm=True)),
 }
-# Export only (import reads Llama, Mistral and Qwen3): Qwen3-Next's two layers, the DeltaNet's chunks shorter
-# than compare()'s 24 tokens (transformers' own chunks are 64: the chunking changes how, not what).
-# rope_theta, the kernel and the tied variant's epsilon away from Qwen3NextConfig's defaults, so a setting the export
-# failed to write would show.
+# Export only (import reads Llama, Mistral and Qwen3): Qwen3-Next's two layers and Kimi Linear's, the
+# DeltaNet's and KDA's chunks shorter than compare()'s 24 tokens (transformers' own chunks are 64: the chunking
+# changes how, not what). rope_theta, the kernel and the tied variant's epsilon away from Qwen3NextConfig's
+# defaults, so a setting the export failed to write would show; Kimi Linear's kernel and ranks away from
+# KimiLinearConfig's, and tied embeddings, which its class never ties.
 EXPORTED = {**VARIANTS,
             "qwen3-next": dict(n_head=4, n_kv_head=4, tie_embeddings=False, vocab_size=293, norm_eps=1e-6,
                                rope_theta=5e5, attention=[GatedDeltaSpec(chunk_size=8, conv_size=3), GATED_SOFTMAX]),
             "qwen3-next-gated-gqa": dict(n_head=4, n_kv_head=2, tie_embeddings=True, vocab_size=281,
-                                         attention=GATED_SOFTMAX)}
+                                         attention=GATED_SOFTMAX),
+            "kimi-linear": dict(n_head=4, n_kv_head=4, tie_embeddings=True, vocab_size=277, norm_eps=1e-6,
+                                attention=[KimiDeltaSpec(chunk_size=8, conv_size=3, gate_bias=False), KIMI_MLA])}
 ARCHITECTURES = {"sliding-gqa": "MistralForCausalLM", "qk-norm-gqa": "Qwen3ForCausalLM",
-                 "qwen3-next": "Qwen3NextForCausalLM", "qwen3-next-gated-gqa": "Qwen3NextForCausalLM"}  # others: Llama
+                 "qwen3-next": "Qwen3NextForCausalLM", "qwen3-next-gated-gqa": "Qwen3NextForCausalLM",
+                 "kimi-linear": "KimiLinearForCausalLM"}  # others: Llama
 
 
 def scramble_norm_gains(model: torch.nn.Module) -> None:
@@ -86,6 +93,7 @@ def test_export_loads_in_transformers_with_the_same_logits_and_tokens(variant, t
     assert not any(loading.values()), loading  # every weight of theirs written, none left over
     assert type(theirs).__name__ == ARCHITECTURES.get(variant, "LlamaForCausalLM")
     assert theirs.config.num_key_value_heads == model.config.n_kv_head
+    assert theirs.config.num_hidden_layers == model.config.n_layer
     compare(model, theirs, model.config.vocab_size)
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
     text = "def forward(self, x):\n    return x"
@@ -138,7 +146,7 @@ def test_import_of_a_transformers_folder_matches_it(variant, tokenizer, tmp_path
     ([GatedDeltaSpec(), "linear"], "the nearest class, Qwen3-Next (Qwen3NextForCausalLM) takes Gated DeltaNet "
                                    "layers beside softmax layers with qk_norm and gate=elementwise"),
     (["softmax", SoftmaxSpec(softcap=30.0)], "attn.softcap=30.0 cannot be exported to transformers: Gemma 2"),
-    (LatentSpec(kv_rank=12, rope_dim=4), "attn=mla cannot be exported to transformers: DeepSeek-V2/V3"),
+    (LatentSpec(kv_rank=12, rope_dim=4), "attn=mla cannot be exported to transformers on its own"),
     (SparseLatentSpec(kv_rank=12, rope_dim=4), "attn=dsa cannot be exported to transformers: DeepSeek-V3.2"),
 ])
 def test_kinds_without_an_equivalent_are_refused(attention, message, tokenizer, tmp_path):
@@ -158,6 +166,35 @@ def test_a_qwen3_next_stack_it_cannot_hold_is_refused(fields, message, tokenizer
     fields = {"attention": [GatedDeltaSpec(), GATED_SOFTMAX], **fields}
     model = Transformer(ModelConfig(vocab_size=300, n_layer=len(fields["attention"]), d_model=32, n_head=4, d_ff=48,
                                     norm_eps=1e-6, **fields))
+    with pytest.raises(ConfigError, match=message):
+        export_hf(model, tokenizer, tmp_path)
+    assert not any(tmp_path.iterdir())
+
+
+KIMI = [KimiDeltaSpec(gate_bias=False), KIMI_MLA]
+
+
+@pytest.mark.parametrize("attention, fields, message", [
+    (KIMI, dict(n_kv_head=2), r"^attn.n_kv_head=2 cannot be exported to Kimi Linear: its KDA gives every head its own"),
+    ([KimiDeltaSpec(), KIMI_MLA], {}, r"^attn.gate_bias=true cannot be exported to Kimi Linear: its KDA output gate"),
+    ([KIMI[0], LatentSpec(kv_rank=12, rope_dim=2, latent_norm=True)], {},
+     r"^attn.rope=true in an MLA layer cannot be exported to Kimi Linear: its MLA rotates nothing"),
+    ([KIMI[0], LatentSpec(kv_rank=12, rope_dim=2, rope=False)], {},
+     r"^attn.latent_norm=false in an MLA layer cannot .* RMS-normalises the latent \(kv_a_layernorm\)"),
+    ([KIMI[0], LatentSpec(kv_rank=12, rope_dim=2, rope=False, latent_norm=True, q_rank=16)], {},
+     r"^attn.q_rank=16 in an MLA layer cannot be exported to Kimi Linear: its MLA projects queries in full"),
+    ([KIMI[0], KIMI_MLA, KIMI[0], LatentSpec(kv_rank=10, rope_dim=2, rope=False, latent_norm=True)], {},
+     r"^MLA layers with \(kv_rank, rope_dim\) \[\(10, 2\), \(12, 2\)\] cannot be exported to Kimi Linear"),
+    ([KimiDeltaSpec(gate_bias=False, conv_size=3), KIMI_MLA, KIMI[0]], {},
+     r"^KDA layers with conv_size \[3, 4\] cannot be exported to Kimi Linear: its linear_conv_kernel_dim"),
+    ([KIMI[0], KIMI[0]], {}, r"^a stack of KDA layers alone cannot be exported to Kimi Linear"),
+    (KIMI, dict(norm_eps=1e-5), r"^model.norm_eps=1e-05 with KDA's attn.norm_eps=\[1e-06\] cannot be exported to "
+                                r"Kimi Linear exactly"),
+])
+def test_a_kimi_linear_stack_it_cannot_hold_is_refused(attention, fields, message, tokenizer, tmp_path):
+    fields = {"norm_eps": 1e-6, **fields}
+    model = Transformer(ModelConfig(vocab_size=300, n_layer=len(attention), d_model=32, n_head=4, d_ff=48,
+                                    attention=attention, **fields))
     with pytest.raises(ConfigError, match=message):
         export_hf(model, tokenizer, tmp_path)
     assert not any(tmp_path.iterdir())

@@ -146,26 +146,31 @@ def test_each_preset_at_its_sources_depth_has_its_sources_global_layers(name):
     assert ours == theirs
 
 
-def test_the_qwen3_next_preset_exports_to_qwen3_next_with_its_logits(tmp_path):
-    """attn=qwen3_next at model.norm_eps=1e-6 and one K/V head per head: transformers' Qwen3NextForCausalLM
-    computes what it does, its mixture of experts off and RoPE over whole heads."""
+@pytest.mark.parametrize("name, architecture, layer_types", [
+    ("qwen3_next", "Qwen3NextForCausalLM", ["linear_attention"] * 3 + ["full_attention"]),
+    ("kimi_linear", "KimiLinearForCausalLM", ["linear_attention"] * 3 + ["full_attention"]),
+])
+def test_the_open_model_presets_export_to_their_transformers_class_with_its_logits(name, architecture, layer_types,
+                                                                                    tmp_path):
+    """attn=qwen3_next and attn=kimi_linear at model.norm_eps=1e-6: transformers' Qwen3NextForCausalLM and
+    KimiLinearForCausalLM compute what they do, their mixtures of experts off (and RoPE over whole heads
+    in Qwen3-Next; queries projected in full in Kimi Linear)."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    cfg = compose_config("train", ["model=tiny", "attn=qwen3_next", "model.norm_eps=1e-6", "model.d_model=48"])
+    cfg = compose_config("train", ["model=tiny", f"attn={name}", "model.norm_eps=1e-6", "model.d_model=48"])
     tokenizer = train_tokenizer(iter(["def f(x): return x + 1\n" * 20]), 300)
     model = Transformer(model_config_from(cfg, tokenizer.get_vocab_size())).eval()
     export_hf(model, tokenizer, tmp_path / "out")
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    assert type(theirs).__name__ == "Qwen3NextForCausalLM"
-    assert theirs.config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    assert type(theirs).__name__ == architecture
+    assert theirs.config.layer_types == layer_types
     vocab = tokenizer.get_vocab_size()
-    idx = torch.randint(0, vocab, (2, 80), generator=torch.Generator().manual_seed(1))  # past the DeltaNet's chunk
+    idx = torch.randint(0, vocab, (2, 80), generator=torch.Generator().manual_seed(1))  # past the recurrent chunk
     with torch.no_grad():
         assert (model(idx) - theirs(input_ids=idx).logits).abs().max().item() < 1e-4
 
 
 @pytest.mark.parametrize("name, nearest", [
-    ("kimi_linear", "the nearest class, Kimi Linear (KimiLinearForCausalLM) also normalises the MLA latent"),
     ("gpt_oss", "the nearest class, gpt-oss (GptOssForCausalLM) has learned sinks, but only with mixture-of-experts"),
     ("gemma3", "the nearest class, Gemma 3 (Gemma3ForCausalLM) and OLMo 3 (Olmo3ForCausalLM) mix sliding and global"),
     ("olmo3", "the nearest class, Gemma 3 (Gemma3ForCausalLM) and OLMo 3 (Olmo3ForCausalLM) mix sliding and global"),

@@ -95,7 +95,8 @@ def test_the_uptraining_target_takes_the_kinds_options():
     cfg = compose_config("uptrain", ["ckpt=x", "attn=mla", "attn.kv_rank=24", "attn.rope_dim=4"])
     assert OmegaConf.to_container(cfg.attn) == {"name": "mla", "kind": "mla", "n_kv_head": None, "kv_rank": 24,
                                                 "rope_dim": 4, "q_rank": None, "rope_pairs": None,
-                                                "rope": None, "global_every": None, "last_kind": None}
+                                                "rope": None, "latent_norm": None, "global_every": None,
+                                                "last_kind": None}
 
 
 def run_train(args: list[str], monkeypatch) -> tuple[int, str]:

@@ -92,6 +92,7 @@ def test_the_two_norm_rule_keeps_the_pairs_where_queries_and_keys_are_large():
     (LatentSpec(kv_rank=8, rope_dim=4), SoftmaxSpec(qk_norm=True), "conversion to mla takes plain softmax layers"),
     (LatentSpec(kv_rank=8, rope_dim=4), "linear", "layer 0 is linear("),
     (LatentSpec(kv_rank=8, rope_dim=4, q_rank=40), "softmax", "attn.q_rank=40 is more than d_model=32"),
+    (LatentSpec(kv_rank=8, rope_dim=4, latent_norm=True), "softmax", "attn.latent_norm=true cannot be converted into"),
 ])
 def test_what_cannot_convert_is_one_line(spec, attention, message):
     model = parent(attention=attention)

@@ -34,7 +34,8 @@ The layer around the op (fla's KimiDeltaAttention layer): gated delta's fused Q,
 the short causal convolution and SiLU, q and k L2-normalised; b = sigmoid(x W_b) per K/V head;
 g = -exp(A) softplus(x W_down W_up + dt_bias) per K/V head and key channel, through a projection of
 rank r = hs; the output RMS-normalised per head and gated by sigmoid(x W_gate_down W_gate_up + bias),
-of rank hs too. No RoPE: position enters through the decay.
+of rank hs too: fla's layer has the bias, Kimi Linear's released model (transformers' KimiLinear) has
+none (`gate_bias=false`, as attn=kimi_linear sets). No RoPE: position enters through the decay.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from lm.attention.base import AttentionSpec, Example, LayerShape, register
 from lm.attention.delta_rule import chunkwise_delta_rule, decay_factor, state_flops
 from lm.attention.gated_delta import DeltaRuleLayer, check_delta_rule_options, fla_backend, mamba2_decay_init
 from lm.attention.shared_caches import accumulation_dtype, without_autocast
+from lm.util.checks import require_bool
 
 
 @without_autocast
@@ -165,6 +167,7 @@ class KimiDeltaSpec(AttentionSpec):
     chunk_size: int = 64  # positions per chunk of the chunkwise training path
     norm_eps: float = 1e-6  # of the L2 norm of q and k and of the output's RMSNorm
     backend: str = "torch"  # torch: the chunkwise form here; fla: flash-linear-attention's CUDA kernel
+    gate_bias: bool = True  # a bias in the output gate's up-projection (fla's layer); false: Kimi Linear's
 
     examples = {
         "": Example({"chunk_size": 5, "conv_size": 3}, n_kv_head=2),
@@ -173,6 +176,7 @@ class KimiDeltaSpec(AttentionSpec):
 
     def check(self) -> None:
         check_delta_rule_options(self)
+        require_bool("gate_bias", self.gate_bias)
 
     def build(self, shape: LayerShape) -> KimiDeltaNet:
         return KimiDeltaNet(self, shape)
@@ -199,7 +203,7 @@ class KimiDeltaNet(DeltaRuleLayer):
         self.A_log = nn.Parameter(torch.empty(nkv))
         self.dt_bias = nn.Parameter(torch.empty(nkv * hs))
         self.gate_down = nn.Linear(shape.d_model, hs, bias=False)  # the output gate's rank-hs projection
-        self.gate_up = nn.Linear(hs, nh * hs, bias=True)
+        self.gate_up = nn.Linear(hs, nh * hs, bias=spec.gate_bias)
         self.out_norm = nn.Parameter(torch.ones(hs))
         self.backend = kda_rule if spec.backend == "torch" else fla_backend("kda", "fla.ops.kda", "chunk_kda")
 
@@ -208,8 +212,9 @@ class KimiDeltaNet(DeltaRuleLayer):
         Conv1d default, the output norm's scale one; the gate's bias zero, so it starts at sigmoid of
         its projection alone."""
         mamba2_decay_init(self.A_log, self.dt_bias)
-        with torch.no_grad():
-            self.gate_up.bias.zero_()
+        if self.gate_up.bias is not None:
+            with torch.no_grad():
+                self.gate_up.bias.zero_()
         self._reset_conv_and_norm()
 
     def fused_rows(self) -> dict[str, tuple[int, ...]]:

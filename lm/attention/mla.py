@@ -23,6 +23,11 @@ of a head (`rope_pairs`, pair i rotating by theta^(-2i/hs)): by default evenly s
 which is DeepSeek's own table theta^(-2j/dR); a conversion from MHA keeps the pairs that matter
 most (lm/formats/to_latent.py).
 
+Latent norm (`latent_norm=true`, DeepSeek-V2/V3's and Kimi Linear's `kv_a_layernorm`): c is
+RMS-normalised with a learned gain before it is cached, so the cache holds the normalised latent and
+decoding absorbs as before. Off by default: a linear latent is what an MHA model converts into
+exactly (lm/formats/to_latent.py).
+
 NoPE (`rope=false`, Kimi Linear's `mla_use_nope`): nothing is rotated. The decoupled key part
 stays, a dR-wide key shared by every head with its query part, as Kimi Linear keeps its
 qk_rope_head_dim=64 unrotated (transformers' KimiLinear MLA); position then reaches the layer
@@ -45,6 +50,10 @@ from lm.attention.rope import apply_rope
 from lm.util.checks import require_bool, require_int
 from lm.util.errors import ConfigError
 
+# The latent norm's epsilon: DeepSeek-V3's and Kimi Linear's kv_a_layernorm use their RMSNorm's default,
+# 1e-6, whatever the model's own rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
+
 
 @register("mla")
 @dataclass(frozen=True)
@@ -57,11 +66,13 @@ class LatentSpec(AttentionSpec):
     q_rank: int = 0  # queries through a rank-q_rank bottleneck (DeepSeek's q_lora_rank); 0: a full projection
     rope_pairs: tuple[int, ...] | None = None  # the head's RoPE frequency pairs the shared key uses; None: spaced
     rope: bool = True  # false: NoPE, the shared key part and every query left unrotated (Kimi Linear)
+    latent_norm: bool = False  # true: RMSNorm with a gain on the latent c before it is cached (kv_a_layernorm)
 
     examples = {"": Example({"kv_rank": 12, "rope_dim": 4}),
                 "low-rank-queries": Example({"kv_rank": 7, "rope_dim": 2, "q_rank": 10}),
                 "chosen-pairs": Example({"kv_rank": 9, "rope_dim": 4, "rope_pairs": [3, 1]}),
-                "nope": Example({"kv_rank": 10, "rope_dim": 2, "q_rank": 9, "rope": False})}
+                "nope": Example({"kv_rank": 10, "rope_dim": 2, "q_rank": 9, "rope": False}),
+                "latent-norm": Example({"kv_rank": 11, "rope_dim": 4, "rope": False, "latent_norm": True})}
     benchmarks = {"": Example()}
 
     def check(self) -> None:
@@ -83,6 +94,7 @@ class LatentSpec(AttentionSpec):
                 raise ConfigError(f"rope_pairs={list(pairs)} must be {count}distinct pairs")
             object.__setattr__(self, "rope_pairs", tuple(pairs))  # hashable and comparable, from a list too
         require_bool("rope", self.rope)
+        require_bool("latent_norm", self.latent_norm)
         if not self.rope and self.rope_pairs is not None:
             raise ConfigError(f"rope_pairs={list(self.rope_pairs)} with rope=false: NoPE rotates nothing, so no "
                               "frequency pairs are used; leave rope_pairs unset")
@@ -147,6 +159,7 @@ class LatentAttention(nn.Module):
         self.kv_down = nn.Linear(C, r + dR, bias=False)
         # Rows of every head: [k_nope (dn) | v (hs)], DeepSeek's wkv_b.
         self.kv_up = nn.Linear(r, nh * (self.nope_dim + hs), bias=False)
+        self.latent_norm = nn.Parameter(torch.ones(r)) if spec.latent_norm else None  # the gain of c's RMSNorm
         self.out = nn.Linear(nh * hs, C, bias=False)
         self.register_buffer("rope_pairs", torch.tensor(pairs), persistent=False)  # (dR/2,)
 
@@ -178,6 +191,8 @@ class LatentAttention(nn.Module):
         """x (B, T, C) -> what the cache keeps, (B, 1, T, r + dR): [c | k_rope], k_rope rotated."""
         rows = self.kv_down(x)[:, None]  # (B, 1, T, r + dR): one row shared by every head
         c, k_rope = rows.split((self.kv_rank, self.rope_dim), dim=-1)
+        if self.latent_norm is not None:
+            c = F.rms_norm(c, (self.kv_rank,), self.latent_norm, LATENT_NORM_EPS)
         return torch.cat((c, self.rotate(k_rope, cos, sin)), dim=-1)
 
     def up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,6 +262,8 @@ class LatentAttention(nn.Module):
         if not self.rotates:  # NoPE: the angles of position 0, a rotation by nothing
             pair_cos, pair_sin = torch.ones_like(pair_cos), torch.zeros_like(pair_sin)
         c = x @ w_down[:r].T  # (B, T, r)
+        if self.latent_norm is not None:
+            c = c / torch.sqrt((c * c).mean(-1, keepdim=True) + LATENT_NORM_EPS) * self.latent_norm
         k_rope = apply_rope((x @ w_down[r:].T)[:, None], pair_cos, pair_sin)[:, 0]  # (B, T, dR)
         heads = []
         for h in range(nh):
@@ -272,7 +289,10 @@ class LatentAttention(nn.Module):
         return LatentCache(context, self, max_len)
 
     def reset_own_parameters(self) -> None:
-        """Nothing beyond the model's normal(0, init_std) of every matrix."""
+        """The latent norm's gain one; the matrices take the model's normal(0, init_std)."""
+        if self.latent_norm is not None:
+            with torch.no_grad():
+                self.latent_norm.fill_(1.0)
 
 
 def float_weight(linear: nn.Module) -> torch.Tensor:

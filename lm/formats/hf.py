@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 
 from lm.attention import SlidingSpec, SoftmaxSpec
 from lm.data.tokenizer import EOT
-from lm.formats import qwen3_next
+from lm.formats import kimi_linear, qwen3_next
 from lm.formats.checked import (
     build_checked,
     check_size_against_weights,
@@ -45,8 +45,9 @@ CONFIG_KEYS = {
 
 
 # What export takes, for its refusals.
-EXPORTABLE = ("softmax (Llama; with qk_norm, Qwen3), one undilated sliding window in every layer (Mistral), and Gated "
-              "DeltaNet beside softmax with qk_norm and gate=elementwise (Qwen3-Next)")
+EXPORTABLE = ("softmax (Llama; with qk_norm, Qwen3), one undilated sliding window in every layer (Mistral), Gated "
+              "DeltaNet beside softmax with qk_norm and gate=elementwise (Qwen3-Next), and KDA beside NoPE MLA "
+              "(Kimi Linear)")
 
 # Options of ours that change what a layer computes, and why no transformers architecture takes
 # them: naming the option is the whole refusal.
@@ -62,8 +63,8 @@ UNEXPORTABLE = {
 # transformers has a class for each model, but each class computes more than the stack alone, so an
 # export would change the model. A refusal names the nearest class and what it adds.
 NEAREST = {
-    "kda": "Kimi Linear (KimiLinearForCausalLM) also normalises the MLA latent (kv_a_layernorm) and uses "
-           "mixture-of-experts blocks",
+    "kda": "Kimi Linear (KimiLinearForCausalLM) takes KDA layers beside MLA layers with rope=false and "
+           "latent_norm=true (attn=kimi_linear), and no other kind",
     "gated_delta": "Qwen3-Next (Qwen3NextForCausalLM) takes Gated DeltaNet layers beside softmax layers with "
                    "qk_norm and gate=elementwise (attn=qwen3_next), and no other kind",
     "learned_sink": "gpt-oss (GptOssForCausalLM) has learned sinks, but only with mixture-of-experts blocks and "
@@ -89,7 +90,8 @@ def nearest_class(specs: set) -> str | None:
 
 
 def hf_architecture(config: ModelConfig) -> tuple[str, int | None]:
-    """('llama', None), ('qwen3', None), ('mistral', window), ('qwen3_next', None), or a ConfigError
+    """('llama', None), ('qwen3', None), ('mistral', window), ('qwen3_next', None), ('kimi_linear', None), or a
+    ConfigError
     naming what transformers lacks."""
     if config.short_conv:
         raise ConfigError(f"model.short_conv={config.short_conv} cannot be exported to transformers: no Llama-family "
@@ -100,6 +102,9 @@ def hf_architecture(config: ModelConfig) -> tuple[str, int | None]:
     if qwen3_next.layer_types(config) is not None:
         qwen3_next.check_exportable(config)
         return "qwen3_next", None
+    if kimi_linear.layer_types(config) is not None:
+        kimi_linear.check_exportable(config)
+        return "kimi_linear", None
     specs = set(config.attention)
     near = nearest_class(specs)
     if near is not None:
@@ -110,9 +115,9 @@ def hf_architecture(config: ModelConfig) -> tuple[str, int | None]:
             if getattr(spec, option, None) not in (None, "none"):
                 raise ConfigError(f"attn.{option}={getattr(spec, option)} cannot be exported to transformers: {why}")
     if any(spec.kind == "mla" for spec in specs):
-        raise ConfigError("attn=mla cannot be exported to transformers: DeepSeek-V2/V3, its MLA architectures, "
-                          "normalise the latent (kv_a_layernorm) and use mixture-of-experts blocks; this layer's "
-                          "latent is linear, so that an MHA model converts into it exactly")
+        raise ConfigError("attn=mla cannot be exported to transformers on its own: DeepSeek-V2/V3, its MLA "
+                          "architectures, are not among export's targets; MLA layers with rope=false and "
+                          "latent_norm=true export beside KDA layers as Kimi Linear (attn=kimi_linear)")
     if any(spec.kind == "dsa" for spec in specs):
         raise ConfigError("attn=dsa cannot be exported to transformers: DeepSeek-V3.2, its sparse attention "
                           "architecture, normalises the latent, feeds its indexer the query latent and uses "
@@ -129,12 +134,15 @@ def hf_architecture(config: ModelConfig) -> tuple[str, int | None]:
 
 
 def hf_config(config: ModelConfig, **extra):
-    """The transformers LlamaConfig, Qwen3Config, MistralConfig or Qwen3NextConfig of a model of this config."""
+    """The transformers LlamaConfig, Qwen3Config, MistralConfig, Qwen3NextConfig or KimiLinearConfig of a model of
+    this config."""
     import transformers
 
     arch, window = hf_architecture(config)
     if arch == "qwen3_next":
         return qwen3_next.qwen3_next_config(config, **extra)
+    if arch == "kimi_linear":
+        return kimi_linear.kimi_linear_config(config, **extra)
     values = {theirs: getattr(config, ours) for ours, theirs in CONFIG_KEYS.items()}
     values.update(head_dim=config.head_dim, hidden_act="silu", attention_bias=False, **extra)
     if arch == "llama":
@@ -168,8 +176,9 @@ def export_hf(model: Transformer, tokenizer: Tokenizer, out: str | Path) -> Path
         # No max_length: transformers warns when it meets one beside the caller's max_new_tokens, and
         # the context limit already is config.json's max_position_embeddings.
         transformers.GenerationConfig(bos_token_id=eot, eos_token_id=eot, pad_token_id=eot).save_pretrained(folder)
-        state = (qwen3_next.to_qwen3_next_state_dict(model.state_dict(), c) if config.model_type == "qwen3_next"
-                 else to_hf_state_dict(model.state_dict(), c))
+        convert = {"qwen3_next": qwen3_next.to_qwen3_next_state_dict,
+                   "kimi_linear": kimi_linear.to_kimi_linear_state_dict}.get(config.model_type, to_hf_state_dict)
+        state = convert(model.state_dict(), c)
         save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
         fast.save_pretrained(folder)
 

@@ -50,6 +50,9 @@ def check_parent(config: ModelConfig, spec: LatentSpec) -> None:
     check_query_rank(spec.q_rank, config.d_model)  # the bound training checks too
     if spec.rope_pairs is not None:
         raise ConfigError("attn.rope_pairs is chosen by the conversion (the 2-norm rule); leave it unset")
+    if spec.latent_norm:
+        raise ConfigError("attn.latent_norm=true cannot be converted into: the parent's keys and values are linear in "
+                          "x, and a normalised latent is not, so no factorisation reproduces them; leave it false")
 
 
 def check_inputs(config: ModelConfig, layer_inputs: list[torch.Tensor]) -> None:

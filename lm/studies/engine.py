@@ -92,6 +92,8 @@ ADDED_SINCE_RECORDS = {
     "attn.global_every": None,  # every attn config has it since the attn schemas (lm.config.attn)
     "attn.last_kind": None,  # ... and this since the open models' stacks (conf/attn/olmo3.yaml, ...)
     "attn.rope": None,  # MLA's option since NoPE (lm/attention/mla.py); null: RoPE, as before
+    "attn.latent_norm": None,  # MLA's (and DSA's) since Kimi Linear's export; null: a linear latent, as before
+    "attn.gate_bias": None,  # KDA's since Kimi Linear's export; null: the gate's bias, as before
     "optim.name": "adamw",  # before optim=muon every run trained with AdamW ...
     "optim.schedule": "cosine",  # ... and a linear warm-up then cosine decay
     "optim.decay_fraction": 0.2,  # read by schedule=wsd only
