@@ -18,9 +18,10 @@ The two models differ in layout, not in what they compute, and the export rewrit
 - it ties no embeddings (its class declares no tied weights), so a tied model writes its embedding
   twice, as embed_tokens and lm_head.
 
-Epsilons it fixes whatever its config says: 1e-6 for the L2 norm of KDA's q and k and for the latent
-norm (ours: lm.attention.mla.LATENT_NORM_EPS, the same); its KDA output norm and the blocks' norms take rms_norm_eps. Ours take attn.norm_eps for the
-first two of those and model.norm_eps for the blocks, so export needs both at 1e-6.
+Epsilons: it L2-normalises KDA's q and k and normalises the latent with 1e-6 whatever its config
+says, and norms KDA's output and the blocks with rms_norm_eps. Ours: KDA's L2 norm and output norm
+take attn.norm_eps, the blocks model.norm_eps, the latent norm lm.attention.mla.LATENT_NORM_EPS
+(1e-6); so export needs attn.norm_eps and model.norm_eps at 1e-6.
 
 Shapes: nh heads, hs head size, C d_model, r kv_rank, dR rope_dim.
 """
