@@ -42,10 +42,15 @@ EXPORTED = {**VARIANTS,
             "qwen3-next-gated-gqa": dict(n_head=4, n_kv_head=2, tie_embeddings=True, vocab_size=281,
                                          attention=GATED_SOFTMAX),
             "kimi-linear": dict(n_head=4, n_kv_head=4, tie_embeddings=True, vocab_size=277, norm_eps=1e-6,
-                                attention=[KimiDeltaSpec(chunk_size=8, conv_size=3, gate_bias=False), KIMI_MLA])}
+                                attention=[KimiDeltaSpec(chunk_size=8, conv_size=3, gate_bias=False), KIMI_MLA]),
+            # KDA without a convolution: Kimi Linear's of one tap of weight 1 (SiLU stays in both)
+            "kimi-linear-no-conv": dict(n_head=4, n_kv_head=4, tie_embeddings=False, vocab_size=269, norm_eps=1e-6,
+                                        attention=[KimiDeltaSpec(chunk_size=8, conv_size=0, gate_bias=False),
+                                                   KIMI_MLA])}
 ARCHITECTURES = {"sliding-gqa": "MistralForCausalLM", "qk-norm-gqa": "Qwen3ForCausalLM",
                  "qwen3-next": "Qwen3NextForCausalLM", "qwen3-next-gated-gqa": "Qwen3NextForCausalLM",
-                 "kimi-linear": "KimiLinearForCausalLM"}  # others: Llama
+                 "kimi-linear": "KimiLinearForCausalLM",
+                 "kimi-linear-no-conv": "KimiLinearForCausalLM"}  # others: Llama
 
 
 def scramble_norm_gains(model: torch.nn.Module) -> None:
@@ -94,6 +99,7 @@ def test_export_loads_in_transformers_with_the_same_logits_and_tokens(variant, t
     assert type(theirs).__name__ == ARCHITECTURES.get(variant, "LlamaForCausalLM")
     assert theirs.config.num_key_value_heads == model.config.n_kv_head
     assert theirs.config.num_hidden_layers == model.config.n_layer
+    assert theirs.config.max_position_embeddings == model.config.max_seq_len
     compare(model, theirs, model.config.vocab_size)
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
     text = "def forward(self, x):\n    return x"
@@ -187,6 +193,8 @@ KIMI = [KimiDeltaSpec(gate_bias=False), KIMI_MLA]
      r"^MLA layers with \(kv_rank, rope_dim\) \[\(10, 2\), \(12, 2\)\] cannot be exported to Kimi Linear"),
     ([KimiDeltaSpec(gate_bias=False, conv_size=3), KIMI_MLA, KIMI[0]], {},
      r"^KDA layers with conv_size \[3, 4\] cannot be exported to Kimi Linear: its linear_conv_kernel_dim"),
+    ([KimiDeltaSpec(gate_bias=False, conv_size=0), KIMI_MLA, KIMI[0]], {},
+     r"^KDA layers with conv_size \[0, 4\] cannot be exported to Kimi Linear: .* \(conv_size 0 counts as 1\)"),
     ([KIMI[0], KIMI[0]], {}, r"^a stack of KDA layers alone cannot be exported to Kimi Linear"),
     (KIMI, dict(norm_eps=1e-5), r"^model.norm_eps=1e-05 with KDA's attn.norm_eps=\[1e-06\] cannot be exported to "
                                 r"Kimi Linear exactly"),

@@ -20,8 +20,9 @@ class ExportSettings:
     format: str = setting("safetensors", "safetensors: model.safetensors + config.json + tokenizer.json, which "
                                          "lm.load reads; hf: a transformers folder (Llama for softmax, Qwen3 "
                                          "with qk_norm, Mistral for one undilated sliding window, Qwen3-Next for "
-                                         "attn=qwen3_next); gguf: one .gguf file for llama.cpp, "
-                                         "Ollama, LM Studio (softmax MHA/GQA/MQA models)", choice(FORMATS))
+                                         "attn=qwen3_next, Kimi Linear for attn=kimi_linear); gguf: one .gguf "
+                                         "file for llama.cpp, Ollama, LM Studio (softmax MHA/GQA/MQA models)",
+                             choice(FORMATS))
     gguf_type: str = setting("f32", "with format=gguf: f32, f16 or q8_0 (1-D tensors stay f32)")
     out: str = setting(help="the folder to write (format=gguf: the .gguf file)")
 

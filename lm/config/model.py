@@ -37,7 +37,8 @@ class ModelSettings:
     zero_init_out: bool = model_setting("zero_init_out", "the blocks' output projections start at zero (each block "
                                                          "starts as the identity)")
     norm_eps: float = model_setting("norm_eps", "the epsilon of every RMSNorm (the blocks', the final one, QK-norm); "
-                                                "1e-6 makes attn=qwen3_next exportable to Qwen3-Next")
+                                                "1e-6 makes attn=qwen3_next and attn=kimi_linear exportable to "
+                                                "Qwen3-Next and Kimi Linear")
 
 
 store("model", ModelSettings, group="model/settings")

@@ -90,9 +90,8 @@ def nearest_class(specs: set) -> str | None:
 
 
 def hf_architecture(config: ModelConfig) -> tuple[str, int | None]:
-    """('llama', None), ('qwen3', None), ('mistral', window), ('qwen3_next', None), ('kimi_linear', None), or a
-    ConfigError
-    naming what transformers lacks."""
+    """('llama', None), ('qwen3', None), ('mistral', window), ('qwen3_next', None), ('kimi_linear', None),
+    or a ConfigError naming what transformers lacks."""
     if config.short_conv:
         raise ConfigError(f"model.short_conv={config.short_conv} cannot be exported to transformers: no Llama-family "
                           "architecture convolves the input of its attention layers")
@@ -120,8 +119,8 @@ def hf_architecture(config: ModelConfig) -> tuple[str, int | None]:
                           "latent_norm=true export beside KDA layers as Kimi Linear (attn=kimi_linear)")
     if any(spec.kind == "dsa" for spec in specs):
         raise ConfigError("attn=dsa cannot be exported to transformers: DeepSeek-V3.2, its sparse attention "
-                          "architecture, normalises the latent, feeds its indexer the query latent and uses "
-                          "mixture-of-experts blocks, so no architecture there computes this layer")
+                          "architecture, feeds its indexer the query latent and uses mixture-of-experts "
+                          "blocks, so no architecture there computes this layer")
     if specs == {SoftmaxSpec()}:
         return "llama", None
     if specs == {SoftmaxSpec(qk_norm=True)}:

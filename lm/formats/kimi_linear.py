@@ -40,11 +40,11 @@ L2_EPS = 1e-6  # transformers' Kimi Linear normalises KDA's q and k with this ep
 
 
 def layer_types(config: ModelConfig) -> list[str] | None:
-    """Kimi Linear's `layer_types` for this stack ('linear_attention' for a KDA layer with a short
-    convolution, 'full_attention' for an MLA layer), or None where some layer is neither."""
+    """Kimi Linear's `layer_types` for this stack ('linear_attention' for a KDA layer, 'full_attention'
+    for an MLA layer), or None where some layer is neither."""
     types = []
     for spec in config.attention:
-        if isinstance(spec, KimiDeltaSpec) and spec.conv_size:
+        if isinstance(spec, KimiDeltaSpec):
             types.append("linear_attention")
         elif type(spec) is LatentSpec:  # DSA's spec subclasses MLA's: its indexer is not Kimi Linear's
             types.append("full_attention")
@@ -72,9 +72,9 @@ def check_exportable(config: ModelConfig) -> None:
     if any(spec.gate_bias for spec in kdas):
         raise ConfigError(f"attn.gate_bias=true {head}: its KDA output gate's up-projection has no bias; train with "
                           "attn.gate_bias=false, as attn=kimi_linear does")
-    if len({spec.conv_size for spec in kdas}) > 1:
+    if len({kernel(spec) for spec in kdas}) > 1:
         raise ConfigError(f"KDA layers with conv_size {sorted({s.conv_size for s in kdas})} {head}: its "
-                          "linear_conv_kernel_dim is one for every layer")
+                          "linear_conv_kernel_dim is one for every layer (conv_size 0 counts as 1)")
     for option, wanted, why in (("rope", False, "its MLA rotates nothing (NoPE)"),
                                 ("latent_norm", True, "its MLA RMS-normalises the latent (kv_a_layernorm)"),
                                 ("q_rank", 0, "its MLA projects queries in full (q_lora_rank null) or else "
@@ -92,6 +92,12 @@ def check_exportable(config: ModelConfig) -> None:
         raise ConfigError(f"model.norm_eps={config.norm_eps} with KDA's attn.norm_eps={eps} {head} exactly: it "
                           f"L2-normalises q and k with {L2_EPS} and norms KDA's output with the model's epsilon; "
                           f"train with model.norm_eps={L2_EPS} and attn.norm_eps at its default, {L2_EPS}")
+
+
+def kernel(spec: KimiDeltaSpec) -> int:
+    """The convolution's taps in Kimi Linear: ours without one (conv_size 0) still applies SiLU to the
+    rows, which is its convolution of one tap of weight 1 (to_kimi_linear_state_dict writes ones)."""
+    return max(spec.conv_size, 1)
 
 
 def kimi_linear_config(config: ModelConfig, **extra):
@@ -112,7 +118,7 @@ def kimi_linear_config(config: ModelConfig, **extra):
         mlp_layer_types=["dense"] * config.n_layer,
         q_lora_rank=None, kv_lora_rank=mla.kv_rank, qk_rope_head_dim=mla.rope_dim,
         qk_nope_head_dim=hs - mla.rope_dim, v_head_dim=hs,
-        linear_head_dim=hs, linear_num_heads=config.n_head, linear_conv_kernel_dim=kda.conv_size, **extra)
+        linear_head_dim=hs, linear_num_heads=config.n_head, linear_conv_kernel_dim=kernel(kda), **extra)
     hf.architectures = ["KimiLinearForCausalLM"]
     return hf
 
@@ -139,8 +145,9 @@ def to_kimi_linear_state_dict(state: dict[str, torch.Tensor], config: ModelConfi
             continue
         q, k, v = split_qkv(state[a + "qkv.weight"], nh, nh, hs)  # (nh*hs, C) each
         down, b = state[a + "decay_and_write.weight"].split((hs, nh))  # (hs, C), (nh, C)
+        conv = state.get(a + "conv", torch.ones(3 * nh * hs, 1))  # (channels, W); none: one tap of 1
         out.update({attn + "q_proj.weight": q, attn + "k_proj.weight": k, attn + "v_proj.weight": v,
-                    attn + "conv1d.weight": state[a + "conv"][:, None, :],  # (channels, 1, W)
+                    attn + "conv1d.weight": conv[:, None, :],  # (channels, 1, W)
                     attn + "forget_gate.f_a_proj.weight": down,
                     attn + "forget_gate.f_b_proj.weight": state[a + "decay_up.weight"],
                     attn + "forget_gate.dt_bias": state[a + "dt_bias"],
