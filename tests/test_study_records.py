@@ -62,6 +62,20 @@ def test_the_committed_comparisons_recall_arms_are_taken_by_todays_plan(tmp_path
     assert len(recall) > 200
 
 
+def test_the_new_kinds_recall_arms_are_taken_by_the_default_plan(tmp_path):
+    """docs/compare-new-kinds/ holds the default comparison's arms of the kinds added since it was run
+    (mamba2, dsa, kda), committed as they finish: the default study takes every finished recall arm."""
+    from lm.studies import compare
+
+    source = ROOT / "docs" / "compare-new-kinds" / "results.json"
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        arms = compare.plan(compose("compare", overrides=[f"out={tmp_path}", "tasks=[mqar]"]))
+    results = json.loads(source.read_text())
+    recall = [r for r in results["records"] + results.get("waiting", []) if r["arm"].startswith("mqar-")]
+    said = import_records(arms, tmp_path / "records", source)
+    assert recall and said.startswith(f"records_from={source}: {len(recall)} finished arms taken"), said
+
+
 def test_the_committed_frontier_arms_are_taken_by_todays_plan(tmp_path):
     """The finished arms of docs/compare-frontier/results.json (the preset runs for about 10 hours, so
     its records are committed as they finish) continue under today's preset: the same command with
