@@ -46,14 +46,19 @@ def test_every_added_setting_is_one_the_run_config_has():
             f"{key}: its default is not the value records without it ran with"
 
 
-def test_the_committed_comparisons_recall_arms_are_taken_by_todays_plan(tmp_path):
-    """The recall arms of docs/compare/results.json (no corpus, no timing in their settings) continue
-    under today's configs: their settings, with what was added since, are today's plan's."""
+@pytest.fixture(scope="module")
+def default_recall_plan(tmp_path_factory):
+    """The default study's recall arms as today's configs plan them (planning composes every kind: seconds)."""
     from lm.studies import compare
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = compose("compare", overrides=[f"out={tmp_path}", "tasks=[mqar]"])
-        arms = compare.plan(cfg)
+        return compare.plan(compose("compare", overrides=[f"out={tmp_path_factory.mktemp('plan')}", "tasks=[mqar]"]))
+
+
+def test_the_committed_comparisons_recall_arms_are_taken_by_todays_plan(default_recall_plan, tmp_path):
+    """The recall arms of docs/compare/results.json (no corpus, no timing in their settings) continue
+    under today's configs: their settings, with what was added since, are today's plan's."""
+    arms = default_recall_plan
     results = json.loads((ROOT / "docs" / "compare" / "results.json").read_text())
     recall = [r for r in results["records"] if r["arm"].startswith("mqar-")]
     said = import_records(arms, tmp_path / "records", ROOT / "docs" / "compare" / "results.json")
@@ -62,14 +67,11 @@ def test_the_committed_comparisons_recall_arms_are_taken_by_todays_plan(tmp_path
     assert len(recall) > 200
 
 
-def test_the_new_kinds_recall_arms_are_taken_by_the_default_plan(tmp_path):
+def test_the_new_kinds_recall_arms_are_taken_by_the_default_plan(default_recall_plan, tmp_path):
     """docs/compare-new-kinds/ holds the default comparison's arms of the kinds added since it was run
     (mamba2, dsa, kda), committed as they finish: the default study takes every finished recall arm."""
-    from lm.studies import compare
-
+    arms = default_recall_plan
     source = ROOT / "docs" / "compare-new-kinds" / "results.json"
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        arms = compare.plan(compose("compare", overrides=[f"out={tmp_path}", "tasks=[mqar]"]))
     results = json.loads(source.read_text())
     recall = [r for r in results["records"] + results.get("waiting", []) if r["arm"].startswith("mqar-")]
     said = import_records(arms, tmp_path / "records", source)
