@@ -32,7 +32,7 @@ import torch
 
 from lm.attention.kda import KimiDeltaSpec
 from lm.attention.mla import LatentSpec
-from lm.formats.weights import split_gate_up, split_qkv
+from lm.formats.weights import mlp_and_norm_weights, split_qkv
 from lm.model.config import ModelConfig
 from lm.util.errors import ConfigError
 
@@ -129,13 +129,8 @@ def to_kimi_linear_state_dict(state: dict[str, torch.Tensor], config: ModelConfi
     out = {"model.embed_tokens.weight": state["embed.weight"], "model.norm.weight": state["norm.weight"],
            "lm_head.weight": state["embed.weight" if config.tie_embeddings else "head.weight"]}
     for i, kind in enumerate(layer_types(config)):
-        ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
-        gate, up = split_gate_up(state[ours + "mlp.gate_up.weight"])
-        out.update({theirs + "input_layernorm.weight": state[ours + "attn_norm.weight"],
-                    theirs + "post_attention_layernorm.weight": state[ours + "mlp_norm.weight"],
-                    theirs + "mlp.gate_proj.weight": gate, theirs + "mlp.up_proj.weight": up,
-                    theirs + "mlp.down_proj.weight": state[ours + "mlp.down.weight"]})
-        a, attn = ours + "attn.", theirs + "self_attn."
+        out.update(mlp_and_norm_weights(state, config, i))
+        a, attn = f"blocks.{i}.attn.", f"model.layers.{i}.self_attn."
         if kind == "full_attention":
             out.update({attn + "q_proj.weight": state[a + "q_up.weight"],
                         attn + "kv_a_proj_with_mqa.weight": state[a + "kv_down.weight"],

@@ -25,7 +25,7 @@ import torch
 
 from lm.attention import SoftmaxSpec
 from lm.attention.gated_delta import GatedDeltaSpec
-from lm.formats.weights import split_gate_up, split_qkv
+from lm.formats.weights import mlp_and_norm_weights, split_qkv
 from lm.model.config import ModelConfig
 from lm.util.errors import ConfigError
 
@@ -114,11 +114,7 @@ def to_qwen3_next_state_dict(state: dict[str, torch.Tensor], config: ModelConfig
         out["lm_head.weight"] = state["head.weight"]
     for i, kind in enumerate(layer_types(config)):
         ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
-        gate, up = split_gate_up(state[ours + "mlp.gate_up.weight"])
-        out.update({theirs + "input_layernorm.weight": zero_centred(state[ours + "attn_norm.weight"]),
-                    theirs + "post_attention_layernorm.weight": zero_centred(state[ours + "mlp_norm.weight"]),
-                    theirs + "mlp.gate_proj.weight": gate, theirs + "mlp.up_proj.weight": up,
-                    theirs + "mlp.down_proj.weight": state[ours + "mlp.down.weight"]})
+        out.update(mlp_and_norm_weights(state, config, i, norm=zero_centred))
         q, k, v = split_qkv(state[ours + "attn.qkv.weight"], nh, nkv, hs)  # (nh*hs, C), (nkv*hs, C) x 2
         if kind == "full_attention":
             attn = theirs + "self_attn."

@@ -11,6 +11,7 @@ Shapes: nh query heads, nkv K/V heads, hs head size, C d_model, F d_ff.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -66,6 +67,23 @@ def key_map(config: ModelConfig) -> dict[str, str | tuple[str, ...]]:
             names[f"blocks.{i}.{ours}"] = (tuple(prefix + t for t in theirs) if isinstance(theirs, tuple)
                                            else prefix + theirs)
     return names
+
+
+def mlp_and_norm_weights(state: dict[str, torch.Tensor], config: ModelConfig, layer: int,
+                         norm: Callable[[torch.Tensor], torch.Tensor] = lambda gain: gain) -> dict[str, torch.Tensor]:
+    """Layer `layer`'s MLP and its two norms under transformers' names (LAYER_KEYS), for the exports whose
+    attention is their own (Qwen3-Next, Kimi Linear); `norm` rewrites a gain where the target scales
+    otherwise (Qwen3-Next's zero-centred 1 + w)."""
+    out = {}
+    for ours, theirs in LAYER_KEYS.items():
+        if ours.startswith("attn."):
+            continue
+        weight, prefix = state[f"blocks.{layer}.{ours}"], f"model.layers.{layer}."
+        if isinstance(theirs, tuple):
+            out.update((prefix + t, part) for t, part in zip(theirs, _fused_parts(ours, weight, config), strict=True))
+        else:
+            out[prefix + theirs] = norm(weight) if ours.endswith("norm.weight") else weight
+    return out
 
 
 def to_hf_state_dict(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
