@@ -137,21 +137,22 @@ def test_bench_decode_gives_every_contender_with_the_same_tokens(tmp_path):
                              "--context-steps", "2", "--eager-long", "--context-kinds", "softmax-mha", "linear",
                              "sliding", timeout=900)
     rows = {row["name"]: row for row in results["rows"]}
-    ours = {"lm eager", "lm compiled", "lm int8 dynamic", "lm int8 dynamic compiled", "lm int8 dequant",
-            "lm int8 dequant compiled"}
+    ours = {"lm eager", "lm compiled", "lm int8 native", "lm int8 native compiled", "lm int8 dequant",
+            "lm int8 dequant compiled", *int8_rows_here(("lm int8 dynamic", "lm int8 dynamic compiled"))}
     llama_cpp = {"llama.cpp F32", "llama.cpp Q8_0"} if importlib.util.find_spec("llama_cpp") else set()
     assert set(rows) == {"transformers eager", "transformers static+compile", *ours, *llama_cpp}
     # transformers and lm decode the same weights: the same greedy tokens, eager and compiled
     assert all(rows[name]["same_tokens"] for name in ("transformers eager", "transformers static+compile",
                                                       "lm compiled"))
     assert rows["lm eager"]["vs_lm_eager"] == 1 and rows["transformers eager"]["vs_transformers"] == 1
-    assert rows["lm int8 dynamic"]["weight_mb"] < rows["lm eager"]["weight_mb"]  # int8 weights, float embedding
+    assert rows["lm int8 native"]["weight_mb"] < rows["lm eager"]["weight_mb"]  # int8 weights, float embedding
     (batched,) = results["batched"]
     assert batched["batch"] == 3 and batched["prompt_lengths"] == [16, 32, 48]
     assert "\n\nbatch 3, prompts of 16 to 48 tokens" in printed
     rows = {row["name"]: row for row in batched["rows"]}
     assert set(rows) == {"transformers eager", "transformers static+compile", "lm eager", "lm compiled",
-                         "lm int8 dynamic compiled", "lm int8 dequant compiled"}
+                         "lm int8 native compiled", "lm int8 dequant compiled",
+                         *int8_rows_here(("lm int8 dynamic compiled",))}
     # rows of different lengths, left-padded for transformers, ragged for lm: the same tokens
     assert all(rows[name]["same_tokens"] for name in ("transformers eager", "transformers static+compile",
                                                       "lm compiled"))
@@ -164,6 +165,13 @@ def test_bench_decode_gives_every_contender_with_the_same_tokens(tmp_path):
     assert rates["softmax-mha"]["vs_mha"] == [1.0] * 4
     # the linear kind's state is fixed-size: less cache at 256 positions than MHA's keys and values
     assert rates["linear"]["cache_mb"] < rates["softmax-mha"]["cache_mb"]
+
+
+def int8_rows_here(rows: tuple[str, ...]) -> list[str]:
+    """`rows` of the dynamic kernel where bench.py decode runs it: not where torch._int_mm's sums are inexact."""
+    from conftest import int8_kernels_here
+
+    return list(rows) if int8_kernels_here(("dynamic",)) else []
 
 
 def test_train_variants_are_softmax_options_checked_before_any_model_is_built(capsys):
@@ -198,8 +206,8 @@ def test_bench_kernels_times_every_kernel_at_every_shape(tmp_path):
 
     results, _ = bench(tmp_path, "kernels", "--rounds", "1", "--repeats", "1", timeout=900)
     rows = {row["kernel"]: row for row in results["rows"]}
-    assert {"fp32", "lm int8 dynamic", "lm int8 dequant", "lm int8 int8pack", "lm int8 dynamic compiled",
-            "aten int4 (group 32)"} <= set(rows)
+    assert {"fp32", "lm int8 dynamic", "lm int8 native", "lm int8 dequant", "lm int8 int8pack",
+            "lm int8 dynamic compiled", "lm int8 native compiled", "aten int4 (group 32)"} <= set(rows)
     shapes = [f"{k}x{n}" for k, n in SHAPES]
     for row in rows.values():  # a step: each matmul as often as the 6-layer model runs it
         assert list(row["us"]) == shapes and all(us > 0 for us in row["us"].values())
@@ -212,7 +220,7 @@ def test_bench_int8_scores_a_trained_checkpoint_on_the_built_in_corpus(tmp_path,
     from conftest import int8_kernels_here, train_small_run
 
     ckpt = train_small_run(tmp_path, small_corpus, "trainer.max_steps=20")
-    for kernel in int8_kernels_here(("dynamic", "dequant")):
+    for kernel in int8_kernels_here(("native", "dynamic", "dequant")):
         results, printed = bench(tmp_path, "int8", "--ckpt", str(ckpt), "--tokens", "3000", "--int8-kernel", kernel,
                                  timeout=900)
         assert f"validation tokens of the built-in corpus, int8 kernel {kernel}" in printed.splitlines()[0]

@@ -15,6 +15,7 @@ from lm.formats.checkpoint import read_checkpoint
 from lm.generation.quantize import (
     KERNELS,
     Int8Linear,
+    choose_kernel,
     quantize_per_channel,
     weight_bytes,
 )
@@ -114,33 +115,70 @@ def test_the_two_int8_kernels_compute_the_same_product():
     torch.testing.assert_close(dequant(x), x @ (q.float() * scales[:, None]).T, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.skipif(not int8_matmul_is_exact(), reason="this CPU's torch._int_mm is not exact: dynamic is refused "
-                                                          "here (test_an_inexact_int8_matmul_...)")
-def test_dynamic_int8_is_the_product_of_the_rounded_activations_and_weights():
-    """The naive twin in float64: each activation row and each weight row rounded to its own int8
-    grid, multiplied as floats. torch._int_mm's int32 sums are exact, so only float32's last bits differ."""
+def rounded_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The naive twin of dynamic and native in float64: each activation row and each weight row
+    rounded to its own int8 grid (absmax / 127, a zero row's scale 1), multiplied as floats."""
+    def rounded(rows):  # (R, K) -> (R, K) float64 on the row's int8 grid
+        absmax = rows.abs().amax(1, keepdim=True)
+        step = (absmax / 127).where(absmax > 0, torch.ones_like(absmax))
+        return torch.round(rows / step).clamp(-127, 127) * step
+    rows = x.reshape(-1, x.shape[-1]).double()  # (M, K)
+    out = rounded(rows) @ rounded(weight.double()).T  # (M, N)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+@pytest.mark.parametrize("kernel", int8_kernels_here(("dynamic", "native")))
+@pytest.mark.parametrize("features", [96, 40, 130])  # 96: whole AVX2 blocks of 64 and 32 bytes; others a tail too
+def test_int8_x_int8_kernels_are_the_product_of_the_rounded_activations_and_weights(kernel, features):
+    """Their int32 sums are exact, so only float32's last bits differ from the float64 twin. (dynamic
+    is refused where torch._int_mm's sums are not: test_an_inexact_int8_matmul_...)"""
     torch.manual_seed(0)
-    linear = torch.nn.Linear(96, 40, bias=False)
-    x = torch.randn(2, 7, 96) * torch.logspace(-2, 1, 7)[:, None]  # rows of very different scales
+    linear = torch.nn.Linear(features, 40, bias=False)
+    x = torch.randn(2, 7, features) * torch.logspace(-2, 1, 7)[:, None]  # rows of very different scales
     x[1, 3] = 0  # a zero row: its scale is 1, its output 0
-    q, scales = quantize_per_channel(linear.weight)
-    rows = x.reshape(-1, 96).double()  # (14, 96)
-    row_scales = (rows.abs().amax(1, keepdim=True) / 127).where(rows.abs().amax(1, keepdim=True) > 0,
-                                                                torch.ones(14, 1, dtype=torch.float64))
-    naive = torch.round(rows / row_scales) * row_scales @ (q.double() * scales.double()[:, None]).T  # (14, 40)
-    out = Int8Linear(linear, "dynamic")(x)
+    out = Int8Linear(linear, kernel)(x)
     assert out.shape == (2, 7, 40) and out[1, 3].eq(0).all()
-    torch.testing.assert_close(out.reshape(14, 40).double(), naive, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.double(), rounded_product(x, linear.weight.float()), atol=1e-5, rtol=1e-5)
     # and it stays near the float product: each factor is off by at most half a step of its row
     torch.testing.assert_close(out, linear(x), atol=0.05 * linear(x).abs().max().item(), rtol=0)
+
+
+def test_the_native_kernel_sums_full_range_bytes_exactly_where_a_saturating_one_would_not():
+    """Every byte at +-127 of the same sign: each pair of products is 2 * 127 * 127 = 32258, the most an
+    int16 pair sum reaches without the shift to unsigned bytes that makes oneDNN's AVX2 GEMM saturate;
+    and one token alone (M = 1), as a decoding step multiplies."""
+    from lm.generation.int8_native import native_int8_linear
+
+    signs = torch.where(torch.arange(256) % 3 == 0, -1.0, 1.0)  # (K,) a pattern of +-1
+    weight = torch.stack([signs, -signs, torch.ones(256)]).to(torch.int8) * 127  # (3, 256) int8 at +-127
+    x = signs[None]  # (1, 256): rounds to +-127 with step 1/127
+    out = native_int8_linear(x, weight, torch.ones(3))  # (1, 3)
+    exact = torch.tensor([[256.0, -256.0, float(signs.sum())]])  # (127 * 127 * sums) * (1/127) * 1 per product
+    torch.testing.assert_close(out, exact * 127, rtol=1e-6, atol=0)
+
+
+def test_the_native_kernel_is_one_op_inside_a_compiled_graph():
+    """torch.compile calls it as an operator of its own: no graph break around each matmul."""
+    torch._dynamo.reset()
+    model = quantize_int8(make_model("softmax-gqa"), "native")
+    explanation = torch._dynamo.explain(model)(torch.randint(0, VOCAB, (2, 12)))
+    assert explanation.graph_break_count == 0, [str(b.reason)[:200] for b in explanation.break_reasons]
+
+
+@pytest.mark.slow
+def test_compiled_native_int8_decoding_gives_its_eager_tokens():
+    torch._dynamo.reset()
+    model = quantize_int8(make_model("softmax-gqa"), "native")
+    prompts = ragged_prompts()
+    assert generate(model, prompts, 12, compile=True) == generate(model, prompts, 12)
 
 
 def test_int8_model_keeps_logits_close_and_holds_int8_matmul_weights():
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=300, n_layer=2, d_model=64, n_head=4, n_kv_head=2, d_ff=128,
                                     max_seq_len=64)).eval()
-    quantized = quantize_int8(model)  # the default, auto: dynamic where the CPU's int8 matmul is exact
-    auto = "dynamic" if int8_matmul_is_exact() else "int8pack"
+    quantized = quantize_int8(model)  # the default, auto: native where a C compiler builds it
+    auto = choose_kernel(torch.device("cpu"))[0]
     assert {m.kernel for m in quantized.modules() if isinstance(m, Int8Linear)} == {auto}
     assert all(not isinstance(m, torch.nn.Linear) for m in quantized.modules())
     assert isinstance(model.head, torch.nn.Linear)  # the original is untouched
@@ -157,31 +195,51 @@ def test_int8_model_keeps_logits_close_and_holds_int8_matmul_weights():
     assert weight_bytes(quantized) == weight_bytes(model) - untied_float_bytes + int8_bytes
 
 
-@pytest.mark.parametrize("device, int8_instructions, exact, kernel, says", [
-    ("cpu", True, True, "dynamic", "int8 x int8 matmuls on this CPU's int8 dot-product instructions"),
-    ("cpu", False, True, "dynamic", "quantize=null compile=true may be the fastest here"),
-    ("cpu", False, False, "int8pack", "int8 x int8 matmul does not return exact sums (as oneDNN's does not "
-                                      "without int8 dot-product instructions, AVX512-VNNI or AMX), and on such a "
-                                      "CPU every int8 kernel decoded slower"),
-    ("cuda", False, True, "dequant", "the kernel that runs a decoding step on cuda"),
+NO_COMPILER = "lm's native int8 kernel cannot be built here: no C compiler found ('cc'; set CC to one)"
+
+
+@pytest.mark.parametrize("device, native_builds, exact, kernel, says", [
+    ("cpu", True, True, "native", "lm's C kernel of exact int8 x int8 sums (this CPU: "),
+    ("cpu", True, False, "native", "lm's C kernel of exact int8 x int8 sums (this CPU: "),
+    ("cpu", False, True, "dynamic", f"torch._int_mm's int8 x int8 matmuls ({NO_COMPILER}; this CPU: "),
+    ("cpu", False, False, "int8pack", f"{NO_COMPILER}, and this CPU's int8 x int8 matmul does not return exact "
+                                      "sums (this CPU: "),
+    ("cuda", True, True, "dequant", "the kernel that runs a decoding step on cuda"),
 ])
-def test_the_auto_kernel_follows_the_devices_int8_instructions_and_says_why(device, int8_instructions, exact, kernel,
-                                                                            says, monkeypatch):
+def test_the_auto_kernel_follows_what_the_cpu_can_build_and_multiply_and_says_why(device, native_builds, exact,
+                                                                                  kernel, says, monkeypatch):
+    import lm.generation.int8_native
     import lm.util.hardware
     from lm.generation.quantize import resolve_kernel
 
-    monkeypatch.setattr(lm.util.hardware, "cpu_multiplies_int8", lambda: int8_instructions)
+    monkeypatch.setattr(lm.generation.int8_native, "unavailable", lambda: None if native_builds else NO_COMPILER)
     monkeypatch.setattr(lm.util.hardware, "int8_matmul_is_exact", lambda: exact)
     chosen, why = resolve_kernel("auto", torch.device(device))
     assert chosen == kernel and why.startswith(f"int8_kernel=auto: {kernel}") and says in why and "\n" not in why
     assert resolve_kernel("dequant", torch.device(device)) == ("dequant", None)  # a named kernel is taken as named
 
 
+def test_native_is_refused_in_one_line_off_the_cpu_and_without_a_compiler(monkeypatch):
+    import lm.generation.int8_native
+    from lm.generation.quantize import resolve_kernel
+
+    with pytest.raises(GenerationError, match=r"^int8 kernel=native runs on the CPU; on cuda choose int8_kernel=auto "
+                                              r"or dequant$"):
+        resolve_kernel("native", torch.device("cuda"))
+    monkeypatch.setattr(lm.generation.int8_native, "unavailable", lambda: NO_COMPILER)
+    with pytest.raises(GenerationError, match=r"^int8 kernel=native: lm's native int8 kernel cannot be built here: no "
+                                              r"C compiler found \('cc'; set CC to one\); choose int8_kernel=auto, "
+                                              r"dequant or int8pack$"):
+        resolve_kernel("native", torch.device("cpu"))
+
+
 def test_an_inexact_int8_matmul_is_found_and_dynamic_refused_in_one_line(monkeypatch):
     """oneDNN's int8 GEMM without int8 dot-product instructions (AVX2) saturates its int16 pair sums:
     torch._int_mm's results were wrong for 83-100% of the outputs with oneDNN held to AVX2. Here a
-    torch._int_mm that computes as such a kernel does: the check finds it, `auto` takes int8pack,
-    and `dynamic` named outright is refused in one line, by generate's and serve's resolve_kernel."""
+    torch._int_mm that computes as such a kernel does: the check finds it, `auto` takes int8pack
+    where the native kernel cannot be built, and `dynamic` named outright is refused in one line, by
+    generate's and serve's resolve_kernel."""
+    import lm.generation.int8_native
     import lm.util.hardware
     from lm.generation.quantize import resolve_kernel
 
@@ -197,6 +255,7 @@ def test_an_inexact_int8_matmul_is_found_and_dynamic_refused_in_one_line(monkeyp
     monkeypatch.setattr(torch, "_int_mm", saturating)
     assert not lm.util.hardware.int8_matmul_is_exact.__wrapped__()
     monkeypatch.setattr(lm.util.hardware, "int8_matmul_is_exact", lm.util.hardware.int8_matmul_is_exact.__wrapped__)
+    monkeypatch.setattr(lm.generation.int8_native, "unavailable", lambda: NO_COMPILER)  # native aside, as without cc
     assert resolve_kernel("auto", torch.device("cpu"))[0] == "int8pack"
     with pytest.raises(GenerationError, match=r"^int8 kernel=dynamic: this CPU's int8 x int8 matmul \(torch._int_mm\) "
                                               r"does not return exact sums .*: choose int8_kernel=auto, dequant or "

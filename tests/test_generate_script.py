@@ -48,7 +48,7 @@ def test_int8_script_run_reports_a_quarter_of_the_matmul_bytes(checkpoint, capsy
     assert fp32[0].startswith("import os")
     weights = [int(re.search(r"weights ([\d,]+) bytes", e).group(1).replace(",", "")) for e in (err, fp32_err)]
     assert weights[0] < weights[1]  # the float embedding stays; every matmul weight shrinks to a quarter
-    auto, _ = choose_kernel(torch.device("cpu"))  # dynamic, or int8pack where the CPU's int8 matmul is not exact
+    auto, _ = choose_kernel(torch.device("cpu"))  # native where a C compiler builds it
     assert f"(int8, kernel {auto})" in err and "int8" not in fp32_err  # the kernel that ran is named
     assert err.startswith(f"int8_kernel=auto: {auto}")  # ... and at the start, why auto chose it
 
@@ -101,7 +101,7 @@ def incompatible_copy(checkpoint: Path, folder: Path) -> Path:
     ("temperature=-1", "temperature=-1 must be a finite number >= 0"),
     ("max_new_tokens=-1", "max_new_tokens=-1 must be an integer >= 0"),
     ("quantize=int4", "quantize='int4' must be null or int8"),
-    ("int8_kernel=fast", "int8_kernel='fast' must be one of ['auto', 'dynamic', 'dequant', 'int8pack']"),
+    ("int8_kernel=fast", "int8_kernel='fast' must be one of ['auto', 'dynamic', 'native', 'dequant', 'int8pack']"),
     ("compile=sometimes", "compile='sometimes' must be true or false"),
     ("CORRUPT", "is not a readable torch file"),
     ("INCOMPATIBLE", "has format_version=99; this lm reads versions 1, 2; a newer lm wrote it: upgrade lm"),

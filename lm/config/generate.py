@@ -33,8 +33,9 @@ class GenerateSettings:
     compile: bool = setting(False, "true: torch.compile the prefill and the one-token step (the first run compiles)")
     quantize: str | None = setting(None, "int8: int8 matmul weights (per-channel scales), a quarter of the bytes")
     int8_kernel: str = setting("auto", "with quantize=int8: auto (chosen by the device's int8 instructions, and "
-                                       "said), dynamic (activations int8 too, per token), dequant or int8pack "
-                                       "(weights only)")
+                                       "said), dynamic (activations int8 too, per token; torch._int_mm), native "
+                                       "(the same in lm's C kernel, exact on AVX2 without VNNI), dequant or "
+                                       "int8pack (weights only)")
     device: str = setting("cpu", "cpu, cuda[:n] or mps")
 
 

@@ -35,7 +35,7 @@ class ServeSettings:
                             boolean())
     quantize: str | None = setting(None, "int8: int8 matmul weights", INT8)
     int8_kernel: str = setting("auto", "with quantize=int8: auto (chosen by the device's int8 instructions, and "
-                                       "said), dynamic, dequant or int8pack")
+                                       "said), dynamic, native, dequant or int8pack")
     device: str = setting("cpu", "cpu, cuda[:n] or mps")
     drain_s: int = setting(30, "on SIGTERM: seconds the running requests get to finish", integer(0))
 

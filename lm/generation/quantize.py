@@ -5,19 +5,21 @@ int8 with one float scale per output channel (symmetric, absmax / 127): the matm
 quarter of the bytes, which is what bounds a batch-1 decoding step. The token embedding stays
 float (it is a lookup, not a matmul), so a tied head gets an int8 copy of its own.
 
-Three kernels; `auto` (the default: `kernel=`, `int8_kernel=` on the command line) chooses one by
+Four kernels; `auto` (the default: `kernel=`, `int8_kernel=` on the command line) chooses one by
 what the device multiplies fast (choose_kernel) and says which, and the others name one:
 - "dynamic": the activations are quantized too, each row (token) with its own
   absmax / 127 scale computed at run time, and `torch._int_mm` multiplies int8 by int8 into
-  int32 (oneDNN's VNNI / AVX2 integer kernels on x86): the only one that decodes faster than fp32
-  on the CPU (9.2x our fp32 step compiled, on an AVX-512 EPYC: docs/performance.md); refused
-  where torch._int_mm's sums are not exact (oneDNN's AVX2 kernels without VNNI saturate them);
+  int32 (oneDNN's VNNI kernels on x86): 9.2x our fp32 step compiled on an AVX-512 VNNI EPYC
+  (docs/performance.md); refused where torch._int_mm's sums are not exact (oneDNN's AVX2 kernels
+  without VNNI saturate them);
+- "native": the same arithmetic in lm's own C kernel (lm.generation.int8_native), whose int32 sums
+  are exact on AVX2 without VNNI: the kernel that pays on such CPUs;
 - "dequant": weights only; w_int8 -> float, one matmul, times the scales: plain PyTorch, any
   device, about fp32's speed on the CPU (the conversion costs what the smaller read saves);
 - "int8pack": weights only, `torch.ops.aten._weight_int8pack_mm`, PyTorch's weight-only int8
   kernel (several times slower than fp32 on the CPU measured).
 
-Accuracy: each weight is off by at most half its row's step (scale / 2), and with "dynamic" each
+Accuracy: each weight is off by at most half its row's step (scale / 2), and with "dynamic" and "native" each
 activation by half its row's step as well. The logits stay within 5% of their own standard
 deviation (tests/test_fast_paths.py); on a trained model the greedy next token agrees with fp32's
 at the rate `scripts/bench.py int8` reports.
@@ -35,36 +37,35 @@ import torch.nn.functional as F
 from torch import nn
 
 from lm.generation.decode import check_model
+from lm.generation.int8_native import native_int8_linear
 from lm.util.errors import GenerationError
 
 log = logging.getLogger(__name__)
 
-KERNELS = ("dynamic", "dequant", "int8pack")
+KERNELS = ("dynamic", "native", "dequant", "int8pack")
 AUTO = "auto"
 CHOICES = (AUTO, *KERNELS)
 
 
 def choose_kernel(device: torch.device) -> tuple[str, str]:
-    """(the kernel `auto` takes on `device`, one line saying which and why). Measured with
-    `scripts/bench.py decode` against lm's fp32 eager step at batch 1 (docs/performance.md):
-    on an AMD EPYC with AVX512-VNNI, dynamic 2.6x eager and 9.2x compiled; on an AMD EPYC of family
-    25 (AVX2, no VNNI), every kernel slower than fp32: dequant 0.49x eager and 0.52x compiled,
-    int8pack 0.54x / 0.52x, and dynamic (0.43x / 0.85x) is not exact there (dynamic_refusal)."""
-    from lm.util.hardware import cpu_multiplies_int8
+    """(the kernel `auto` takes on `device`, one line saying which, why, and the CPU's features).
+    Measured with `scripts/bench.py decode` at batch 1 (docs/performance.md): on the CPU, native wherever
+    it builds (it ran faster than dynamic on an AMD EPYC with AVX512-VNNI, and it is the one int8 kernel
+    faster than fp32 with AVX2 alone, where torch._int_mm is not exact); dynamic where it cannot be built
+    and torch._int_mm is exact; else int8pack, which decoded at about half fp32's speed."""
+    from lm.generation.int8_native import unavailable
+    from lm.util.hardware import cpu_features
 
     if device.type == "cuda":  # torch._int_mm on CUDA needs more than 16 rows, which a decoding step lacks
         return "dequant", "int8_kernel=auto: dequant (weights only), the kernel that runs a decoding step on cuda"
-    if dynamic_refusal(device) is not None:
-        return "int8pack", ("int8_kernel=auto: int8pack (weights only): this CPU's int8 x int8 matmul does not "
-                            "return exact sums (as oneDNN's does not without int8 dot-product instructions, "
-                            "AVX512-VNNI or AMX), and on such a CPU every int8 kernel decoded slower than fp32 "
-                            "(int8pack 0.54x eager): quantize=null compile=true is the fastest here")
-    if device.type == "cpu" and cpu_multiplies_int8():
-        return "dynamic", ("int8_kernel=auto: dynamic, int8 x int8 matmuls on this CPU's int8 dot-product "
-                           "instructions (AVX512-VNNI or AMX)")
-    return "dynamic", ("int8_kernel=auto: dynamic, int8 x int8 matmuls; this CPU has no int8 dot-product "
-                       "instructions (AVX512-VNNI, AMX), and where those were missing every int8 kernel decoded "
-                       "slower than fp32: quantize=null compile=true may be the fastest here")
+    features = f"this CPU: {cpu_features()}"
+    if (why_not := unavailable()) is None:
+        return "native", f"int8_kernel=auto: native, lm's C kernel of exact int8 x int8 sums ({features})"
+    if dynamic_refusal(device) is None:
+        return "dynamic", f"int8_kernel=auto: dynamic, torch._int_mm's int8 x int8 matmuls ({why_not}; {features})"
+    return "int8pack", (f"int8_kernel=auto: int8pack (weights only): {why_not}, and this CPU's int8 x int8 matmul "
+                        f"does not return exact sums ({features}); int8pack decoded at half fp32's speed on such a "
+                        f"CPU: quantize=null compile=true is the fastest here")
 
 
 def dynamic_refusal(device: torch.device) -> str | None:
@@ -77,6 +78,18 @@ def dynamic_refusal(device: torch.device) -> str | None:
         return ("int8 kernel=dynamic: this CPU's int8 x int8 matmul (torch._int_mm) does not return exact sums "
                 "(oneDNN saturates them without int8 dot-product instructions, AVX512-VNNI or AMX): choose "
                 "int8_kernel=auto, dequant or int8pack")
+    return None
+
+
+def native_refusal(device: torch.device) -> str | None:
+    """Why `native` cannot run on `device` (one line), or None where it can: it is a CPU kernel, built
+    with the machine's C compiler."""
+    from lm.generation.int8_native import unavailable
+
+    if device.type != "cpu":
+        return f"int8 kernel=native runs on the CPU; on {device.type} choose int8_kernel=auto or dequant"
+    if (why_not := unavailable()) is not None:
+        return f"int8 kernel=native: {why_not}; choose int8_kernel=auto, dequant or int8pack"
     return None
 
 
@@ -138,6 +151,8 @@ class Int8Linear(nn.Module):
             return out.view(*x.shape[:-1], self.out_features)
         if self.kernel == "dynamic":
             return dynamic_int8_linear(x, self.weight, self.scales)
+        if self.kernel == "native":
+            return native_int8_linear(x, self.weight, self.scales)
         return int8_linear(x, self.weight, self.scales)
 
     def extra_repr(self) -> str:
@@ -149,6 +164,8 @@ def resolve_kernel(kernel: str, device: torch.device) -> tuple[str, str | None]:
     if kernel not in CHOICES:
         raise GenerationError(f"int8 kernel={kernel!r} must be one of {list(CHOICES)}")
     if kernel == "dynamic" and (refusal := dynamic_refusal(device)) is not None:
+        raise GenerationError(refusal)
+    if kernel == "native" and (refusal := native_refusal(device)) is not None:
         raise GenerationError(refusal)
     return choose_kernel(device) if kernel == AUTO else (kernel, None)
 

@@ -21,7 +21,7 @@ import argparse
 import json
 from pathlib import Path
 
-from lm.generation.quantize import KERNELS
+from lm.generation.quantize import AUTO, CHOICES, KERNELS
 from lm.studies.attention_bench import bench_attention
 from lm.studies.bench_models import add_device_argument, attention_rows
 from lm.studies.decode_bench import LONG_CONTEXT_KINDS, bench_decode
@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     dec.add_argument("--prompt", type=int, default=32, help="prompt tokens (batches: from half to 1.5x this)")
     dec.add_argument("--new-tokens", type=int, default=128)
     dec.add_argument("--rounds", type=int, default=5, help="alternating measured rounds; the median is kept")
-    dec.add_argument("--int8-kernels", nargs="*", choices=KERNELS, default=["dynamic", "dequant"],
+    dec.add_argument("--int8-kernels", nargs="*", choices=KERNELS, default=["native", "dynamic", "dequant"],
                      help="int8 rows, eager and compiled, one pair per kernel")
     dec.add_argument("--batches", type=int, nargs="*", default=[16, 64], help="batch sizes of ragged prompts")
     dec.add_argument("--batch-rounds", type=int, default=3, help="alternating rounds of each batched table")
@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     q8 = sub.add_parser("int8", help="a trained checkpoint against its int8 copy on the built-in corpus")
     q8.add_argument("--ckpt", required=True, help="a training checkpoint or export folder")
     q8.add_argument("--tokens", type=int, default=50_000, help="validation tokens scored")
-    q8.add_argument("--int8-kernel", choices=KERNELS, default="dynamic")
+    q8.add_argument("--int8-kernel", choices=CHOICES, default=AUTO, help="auto: the kernel generate would choose")
     q8.set_defaults(run=bench_int8)
     serve = sub.add_parser("serve", help="scripts/serve.py under concurrent streaming clients, per kind")
     serve.add_argument("--kinds", nargs="+", default=SERVE_KINDS, help="kinds (bench.py attention's names) or "

@@ -26,10 +26,11 @@ def validation_windows(tokenizer, tokens: int, seq_len: int) -> tuple[torch.Tens
 def bench_int8(args) -> dict:
     """Prints the comparison; returns it as plain data (--json)."""
     from lm import load
-    from lm.generation.quantize import quantize_int8, weight_bytes
+    from lm.generation.quantize import Int8Linear, quantize_int8, weight_bytes
 
     model, tokenizer = load(args.ckpt)
     int8 = quantize_int8(model, args.int8_kernel)
+    kernel = next(m.kernel for m in int8.modules() if isinstance(m, Int8Linear))  # what `auto` chose
     inputs, targets = validation_windows(tokenizer, args.tokens, model.config.max_seq_len)
     agree = total = 0
     worst = spread = 0.0
@@ -43,11 +44,11 @@ def bench_int8(args) -> dict:
             spread = max(spread, float(full.std()))
             nll["fp32"] += float(F.cross_entropy(full.flatten(0, 1), y.flatten(), reduction="sum"))
             nll["int8"] += float(F.cross_entropy(approx.flatten(0, 1), y.flatten(), reduction="sum"))
-    results = {"ckpt": str(args.ckpt), "int8_kernel": args.int8_kernel, "tokens": total, "agreement": agree / total,
+    results = {"ckpt": str(args.ckpt), "int8_kernel": kernel, "tokens": total, "agreement": agree / total,
                "max_logit_difference": worst, "logit_std": spread, "loss_fp32": nll["fp32"] / total,
                "loss_int8": nll["int8"] / total, "weight_bytes_fp32": weight_bytes(model),
                "weight_bytes_int8": weight_bytes(int8), "embedding_bytes": model.embed.weight.numel() * 4}
-    print(f"{args.ckpt}: {total:,} validation tokens of the built-in corpus, int8 kernel {args.int8_kernel}")
+    print(f"{args.ckpt}: {total:,} validation tokens of the built-in corpus, int8 kernel {kernel}")
     print(f"next-token argmax agreement int8 vs fp32: {results['agreement']:.2%}")
     print(f"largest logit difference {worst:.4f} (logits' standard deviation {spread:.3f})")
     print(f"loss fp32 {results['loss_fp32']:.4f}, int8 {results['loss_int8']:.4f}")

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from lm.generation.int8_native import unavailable
 from lm.generation.quantize import KERNELS, Int8Linear
 from lm.studies.bench_models import REFERENCE, alternate
 from lm.util.hardware import int8_matmul_is_exact
@@ -67,12 +68,18 @@ def bench_kernels(args) -> dict:
           f"microseconds, median of {args.rounds} alternating rounds of {args.repeats} calls; the weight hot in "
           "cache (bench.py decode has the weights stream as decoding does)")
     table = {}
+    native_builds = (why_not := unavailable()) is None
+    if not native_builds:
+        print(f"lm int8 native: left out: {why_not}")
     for k, n in SHAPES:
         torch._dynamo.reset()  # each shape's compiled kernels start afresh, far from the recompile limit
         linear = torch.nn.Linear(k, n, bias=False)
         x = torch.randn(args.rows, k)
-        kernels = {"fp32": linear, **{f"lm int8 {name}": Int8Linear(linear, name) for name in KERNELS}}
-        kernels["lm int8 dynamic compiled"] = torch.compile(kernels["lm int8 dynamic"])
+        kernels = {"fp32": linear, **{f"lm int8 {name}": Int8Linear(linear, name) for name in KERNELS
+                                      if name != "native" or native_builds}}
+        for name in ("dynamic", "native"):
+            if f"lm int8 {name}" in kernels:
+                kernels[f"lm int8 {name} compiled"] = torch.compile(kernels[f"lm int8 {name}"])
         kernels["aten int4 (group 32)"] = int4_kernel(linear)
         kernels.update(torchao_kernels(linear))
         calls = {name: lambda fn=fn, x=x: [fn(x) for _ in range(args.repeats)] for name, fn in kernels.items()}

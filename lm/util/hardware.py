@@ -15,11 +15,14 @@ def cpu_multiplies_bf16() -> bool:
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
-def cpu_multiplies_int8() -> bool:
-    """Whether this CPU has int8 dot-product instructions (AVX512-VNNI or AMX), which oneDNN's int8
-    matmuls (torch._int_mm) need to beat fp32: with them int8 decoding ran 9.2x the fp32 step (an
-    AVX-512 VNNI EPYC); on an AVX2 EPYC without them every int8 kernel ran slower than fp32."""
-    return torch.cpu._is_vnni_supported() or torch.cpu._is_amx_tile_supported()
+def cpu_features() -> str:
+    """The CPU's instruction sets that choose kernels here, in a few words for the lines that say so:
+    what ATen's kernels run (DEFAULT, AVX2, AVX512, ...; ATEN_CPU_CAPABILITY holds it back) and the
+    dot-product extensions present."""
+    extensions = [name for name, present in (("AVX512-VNNI", torch.cpu._is_vnni_supported()),
+                                             ("AVX512-BF16", torch.cpu._is_avx512_bf16_supported()),
+                                             ("AMX", torch.cpu._is_amx_tile_supported())) if present]
+    return " + ".join([torch.backends.cpu.get_cpu_capability(), *extensions])
 
 
 @functools.cache

@@ -1,0 +1,75 @@
+"""`int8_kernel=native`: the `dynamic` kernel's arithmetic (activations rounded per row to int8, int8 x
+int8 sums exact in int32) in lm's own C kernel, int8_matmul.c, for CPUs without int8 dot-product
+instructions. There oneDNN's int8 GEMM behind torch._int_mm saturates its sums and PyTorch's weight-only
+kernels run slower than fp32 (docs/performance.md); this one reads a quarter of fp32's bytes and
+multiplies 32 byte pairs per AVX2 instruction without saturating.
+
+Built on first use with the machine's C compiler (lm.util.native), with AVX2 where PyTorch dispatches to
+AVX2 or AVX-512 on this CPU, else as plain C."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from lm.util.native import NativeBuildError, build_library
+
+SOURCE = Path(__file__).with_name("int8_matmul.c")
+
+
+def isa_flags() -> tuple[str, ...]:
+    """AVX2 where PyTorch's own kernels run AVX2 or AVX-512 here (ATEN_CPU_CAPABILITY holds both back)."""
+    return ("-mavx2",) if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else ()
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    """The built kernel (built once per process at most); NativeBuildError where it cannot be built."""
+    lib = build_library(SOURCE, isa_flags())
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    lib.lm_int8_linear.argtypes = [pointer, pointer, pointer, pointer, size, size, size, ctypes.c_int]
+    lib.lm_int8_linear.restype = ctypes.c_int
+    return lib
+
+
+def unavailable() -> str | None:
+    """Why the native kernel cannot run here (one line), or None where it can."""
+    try:
+        library()
+    except NativeBuildError as error:
+        return f"lm's native int8 kernel cannot be built here: {error}"
+    return None
+
+
+def _native_int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    flat = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()  # (M, K) float32: what the kernel reads
+    M, K = flat.shape
+    N = weight.shape[0]
+    out = torch.empty(M, N)  # (M, N)
+    weight, scales = weight.contiguous(), scales.to(torch.float32).contiguous()
+    if library().lm_int8_linear(flat.data_ptr(), weight.data_ptr(), scales.data_ptr(), out.data_ptr(),
+                                M, N, K, torch.get_num_threads()) != 0:
+        raise MemoryError(f"lm's native int8 kernel could not allocate {M * K} bytes of scratch")
+    return out.view(*x.shape[:-1], N).to(x.dtype)  # (..., N)
+
+
+# An operator of PyTorch's own (opaque to torch.compile, which calls it as it is) defined with
+# torch.library.Library rather than torch.library.custom_op: a call costs ~13 us instead of ~26 us
+# (measured at d_model 384), and a decoding step makes one per matmul.
+_OPS = torch.library.Library("lm", "FRAGMENT")
+_OPS.define("native_int8_linear(Tensor x, Tensor weight, Tensor scales) -> Tensor")
+_OPS.impl("native_int8_linear", _native_int8_linear, "CPU")
+
+
+@torch.library.register_fake("lm::native_int8_linear")
+def _(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def native_int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x (..., K) float, weight (N, K) int8, scales (N,) -> (..., N), as dynamic_int8_linear computes it,
+    on the CPU."""
+    return torch.ops.lm.native_int8_linear(x, weight, scales)
