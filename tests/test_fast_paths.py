@@ -136,9 +136,19 @@ def test_int8_x_int8_kernels_are_the_product_of_the_rounded_activations_and_weig
     linear = torch.nn.Linear(features, 40, bias=False)
     x = torch.randn(2, 7, features) * torch.logspace(-2, 1, 7)[:, None]  # rows of very different scales
     x[1, 3] = 0  # a zero row: its scale is 1, its output 0
-    out = Int8Linear(linear, kernel)(x)
+    layer = Int8Linear(linear, kernel)
+    out = layer(x)
     assert out.shape == (2, 7, 40) and out[1, 3].eq(0).all()
     torch.testing.assert_close(out.double(), rounded_product(x, linear.weight.float()), atol=1e-5, rtol=1e-5)
+    if kernel == "native":  # the C kernel itself at every row count (the layer hands many rows to _int_mm if exact)
+        from lm.generation.int8_native import native_int8_linear
+
+        for rows in (x[0, :1], x[0, :3], x):
+            by_c = native_int8_linear(rows, layer.weight, layer.scales)
+            torch.testing.assert_close(by_c.double(), rounded_product(rows, linear.weight.float()), atol=1e-5,
+                                       rtol=1e-5)
+        if int8_matmul_is_exact():  # ... which sums the same products: the same floats to the last bit
+            assert torch.equal(native_int8_linear(x, layer.weight, layer.scales), out)
     # and it stays near the float product: each factor is off by at most half a step of its row
     torch.testing.assert_close(out, linear(x), atol=0.05 * linear(x).abs().max().item(), rtol=0)
 

@@ -38,11 +38,17 @@ from torch import nn
 
 from lm.generation.decode import check_model
 from lm.generation.int8_native import native_int8_linear
+from lm.util import hardware
 from lm.util.errors import GenerationError
 
 log = logging.getLogger(__name__)
 
 KERNELS = ("dynamic", "native", "dequant", "int8pack")
+# Rows above which `native` gives way to torch._int_mm where that is exact. One decoding step's matmuls at
+# the reference shape on an AMD EPYC with AVX512-VNNI, one thread, against fp32: native 2.4x at 1 row, 3.3x at
+# 2, 2.7x at 4, 1.7x at 8, 1.1x at 16; torch._int_mm 1.1x, 1.6x, 2.0x, 2.0x, 1.8x. Without VNNI nothing int8
+# is faster at any row count (docs/performance.md).
+NATIVE_MAX_ROWS = 4
 AUTO = "auto"
 CHOICES = (AUTO, *KERNELS)
 
@@ -139,6 +145,10 @@ class Int8Linear(nn.Module):
         if kernel not in KERNELS:
             raise GenerationError(f"int8 kernel={kernel!r} must be one of {list(KERNELS)}")
         self.kernel = kernel
+        # native hands inputs of many rows to torch._int_mm where its sums are exact: the same arithmetic
+        # to the last bit (both round each row alike and sum exactly), and oneDNN's blocked GEMM is the faster
+        # there (NATIVE_MAX_ROWS); a plain bool, which torch.compile reads as a constant
+        self.int_mm_exact = hardware.int8_matmul_is_exact()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight, scales = quantize_per_channel(linear.weight)
         self.register_buffer("weight", weight)  # (N, K) int8
@@ -149,7 +159,8 @@ class Int8Linear(nn.Module):
             flat = x.reshape(-1, self.in_features)  # (M, K): the kernel takes 2-D inputs
             out = torch.ops.aten._weight_int8pack_mm(flat, self.weight, self.scales)  # (M, N)
             return out.view(*x.shape[:-1], self.out_features)
-        if self.kernel == "dynamic":
+        if self.kernel == "dynamic" or (self.kernel == "native" and self.int_mm_exact
+                                        and x.numel() > NATIVE_MAX_ROWS * self.in_features):
             return dynamic_int8_linear(x, self.weight, self.scales)
         if self.kernel == "native":
             return native_int8_linear(x, self.weight, self.scales)
