@@ -81,6 +81,23 @@ def test_the_installed_setuptools_builds_metadata_with_the_licence_and_the_torch
     assert ("Requires-Dist", "torch>=2.11") in headers
 
 
+@pytest.mark.slow  # builds a whole wheel: ~15 s
+def test_the_wheel_carries_the_c_source_the_native_int8_kernel_is_built_from(tmp_path):
+    """int8_kernel=native compiles lm/generation/int8_matmul.c on the user's machine: an installed
+    wheel must hold it beside the Python modules."""
+    import zipfile
+
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    shutil.copytree(ROOT / "lm", tmp_path / "lm", ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "out").mkdir()
+    build = "from setuptools import build_meta; print(build_meta.build_wheel('out'))"
+    done = subprocess.run([sys.executable, "-c", build], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    names = zipfile.ZipFile(tmp_path / "out" / done.stdout.strip().splitlines()[-1]).namelist()
+    assert "lm/generation/int8_matmul.c" in names and "lm/generation/int8_native.py" in names
+
+
 # ------------------------------------------------------------------ optimiser defaults
 
 def test_the_optim_yaml_composes_the_dataclass_and_states_no_value():
