@@ -187,7 +187,7 @@ def test_int8_model_keeps_logits_close_and_holds_int8_matmul_weights():
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=300, n_layer=2, d_model=64, n_head=4, n_kv_head=2, d_ff=128,
                                     max_seq_len=64)).eval()
-    quantized = quantize_int8(model)  # the default, auto: native where a C compiler builds it
+    quantized = quantize_int8(model)  # the default, auto: dynamic with VNNI, else native where it builds
     auto = choose_kernel(torch.device("cpu"))[0]
     assert {m.kernel for m in quantized.modules() if isinstance(m, Int8Linear)} == {auto}
     assert all(not isinstance(m, torch.nn.Linear) for m in quantized.modules())
@@ -208,20 +208,25 @@ def test_int8_model_keeps_logits_close_and_holds_int8_matmul_weights():
 NO_COMPILER = "lm's native int8 kernel cannot be built here: no C compiler found ('cc'; set CC to one)"
 
 
-@pytest.mark.parametrize("device, native_builds, exact, kernel, says", [
-    ("cpu", True, True, "native", "lm's C kernel of exact int8 x int8 sums (this CPU: "),
-    ("cpu", True, False, "native", "lm's C kernel of exact int8 x int8 sums (this CPU: "),
-    ("cpu", False, True, "dynamic", f"torch._int_mm's int8 x int8 matmuls ({NO_COMPILER}; this CPU: "),
-    ("cpu", False, False, "int8pack", f"{NO_COMPILER}, and this CPU's int8 x int8 matmul does not return exact "
-                                      "sums (this CPU: "),
-    ("cuda", True, True, "dequant", "the kernel that runs a decoding step on cuda"),
+@pytest.mark.parametrize("device, int8_instructions, native_builds, exact, kernel, says", [
+    ("cpu", True, True, True, "dynamic", "torch._int_mm's int8 x int8 matmuls on the CPU's int8 dot-product "
+                                         "instructions (this CPU: "),
+    ("cpu", False, True, True, "native", "lm's C kernel of exact int8 x int8 sums, for a CPU without int8 "
+                                         "dot-product instructions (AVX512-VNNI, AMX) or whose torch._int_mm is "
+                                         "not exact (this CPU: "),
+    ("cpu", True, True, False, "native", "lm's C kernel of exact int8 x int8 sums"),  # VNNI, but oneDNN held back
+    ("cpu", False, False, True, "dynamic", f"torch._int_mm's int8 x int8 matmuls ({NO_COMPILER}; this CPU: "),
+    ("cpu", False, False, False, "int8pack", f"{NO_COMPILER}, and this CPU's int8 x int8 matmul does not return "
+                                             "exact sums (this CPU: "),
+    ("cuda", False, True, True, "dequant", "the kernel that runs a decoding step on cuda"),
 ])
-def test_the_auto_kernel_follows_what_the_cpu_can_build_and_multiply_and_says_why(device, native_builds, exact,
-                                                                                  kernel, says, monkeypatch):
+def test_the_auto_kernel_follows_what_the_cpu_can_build_and_multiply_and_says_why(
+        device, int8_instructions, native_builds, exact, kernel, says, monkeypatch):
     import lm.generation.int8_native
     import lm.util.hardware
     from lm.generation.quantize import resolve_kernel
 
+    monkeypatch.setattr(lm.util.hardware, "cpu_multiplies_int8", lambda: int8_instructions)
     monkeypatch.setattr(lm.generation.int8_native, "unavailable", lambda: None if native_builds else NO_COMPILER)
     monkeypatch.setattr(lm.util.hardware, "int8_matmul_is_exact", lambda: exact)
     chosen, why = resolve_kernel("auto", torch.device(device))

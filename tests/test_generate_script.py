@@ -48,7 +48,7 @@ def test_int8_script_run_reports_a_quarter_of_the_matmul_bytes(checkpoint, capsy
     assert fp32[0].startswith("import os")
     weights = [int(re.search(r"weights ([\d,]+) bytes", e).group(1).replace(",", "")) for e in (err, fp32_err)]
     assert weights[0] < weights[1]  # the float embedding stays; every matmul weight shrinks to a quarter
-    auto, _ = choose_kernel(torch.device("cpu"))  # native where a C compiler builds it
+    auto, _ = choose_kernel(torch.device("cpu"))  # dynamic with VNNI, else native where it builds
     assert f"(int8, kernel {auto})" in err and "int8" not in fp32_err  # the kernel that ran is named
     assert err.startswith(f"int8_kernel=auto: {auto}")  # ... and at the start, why auto chose it
 

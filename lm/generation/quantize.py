@@ -55,19 +55,26 @@ CHOICES = (AUTO, *KERNELS)
 
 def choose_kernel(device: torch.device) -> tuple[str, str]:
     """(the kernel `auto` takes on `device`, one line saying which, why, and the CPU's features).
-    Measured with `scripts/bench.py decode` at batch 1 (docs/performance.md): on the CPU, native wherever
-    it builds (it ran faster than dynamic on an AMD EPYC with AVX512-VNNI, and it is the one int8 kernel
-    faster than fp32 with AVX2 alone, where torch._int_mm is not exact); dynamic where it cannot be built
-    and torch._int_mm is exact; else int8pack, which decoded at about half fp32's speed."""
+    Measured with `scripts/bench.py decode` at batch 1 (docs/performance.md): on a CPU with int8
+    dot-product instructions, dynamic (9.2x our fp32 eager step compiled on an AVX512-VNNI EPYC; native
+    ran 0.9x dynamic compiled there); without them native, the one int8 kernel faster than fp32 there
+    (5.5x compiled held to AVX2, where torch._int_mm is not exact); where native cannot be built,
+    dynamic if torch._int_mm is exact, else int8pack, which decoded at about half fp32's speed."""
     from lm.generation.int8_native import unavailable
-    from lm.util.hardware import cpu_features
+    from lm.util.hardware import cpu_features, cpu_multiplies_int8
 
     if device.type == "cuda":  # torch._int_mm on CUDA needs more than 16 rows, which a decoding step lacks
         return "dequant", "int8_kernel=auto: dequant (weights only), the kernel that runs a decoding step on cuda"
     features = f"this CPU: {cpu_features()}"
+    exact = dynamic_refusal(device) is None
+    if exact and cpu_multiplies_int8():
+        return "dynamic", (f"int8_kernel=auto: dynamic, torch._int_mm's int8 x int8 matmuls on the CPU's int8 "
+                           f"dot-product instructions ({features})")
     if (why_not := unavailable()) is None:
-        return "native", f"int8_kernel=auto: native, lm's C kernel of exact int8 x int8 sums ({features})"
-    if dynamic_refusal(device) is None:
+        return "native", (f"int8_kernel=auto: native, lm's C kernel of exact int8 x int8 sums, for a CPU without "
+                          f"int8 dot-product instructions (AVX512-VNNI, AMX) or whose torch._int_mm is not exact "
+                          f"({features})")
+    if exact:
         return "dynamic", f"int8_kernel=auto: dynamic, torch._int_mm's int8 x int8 matmuls ({why_not}; {features})"
     return "int8pack", (f"int8_kernel=auto: int8pack (weights only): {why_not}, and this CPU's int8 x int8 matmul "
                         f"does not return exact sums ({features}); int8pack decoded at half fp32's speed on such a "
