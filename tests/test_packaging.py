@@ -65,17 +65,24 @@ def test_the_licence_is_mit_and_the_package_says_so():
     assert (project["license"], project["license-files"]) == ("MIT", ["LICENSE"])
 
 
+def build_from_a_copy(folder: Path, hook: str) -> Path:
+    """What setuptools' `hook` (a PEP 517 build_meta function) builds, offline with the setuptools this
+    environment has, from a copy of the sources in `folder` (a build writes lm.egg-info beside
+    pyproject.toml): the path of the metadata folder or wheel."""
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, folder / name)
+    shutil.copytree(ROOT / "lm", folder / "lm", ignore=shutil.ignore_patterns("__pycache__"))
+    (folder / "out").mkdir()
+    build = f"from setuptools import build_meta; print(build_meta.{hook}('out'))"
+    done = subprocess.run([sys.executable, "-c", build], cwd=folder, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return folder / "out" / done.stdout.strip().splitlines()[-1]
+
+
 def test_the_installed_setuptools_builds_metadata_with_the_licence_and_the_torch_range(tmp_path):
     """The wheel's metadata, built offline with the setuptools this environment has, from a copy of
     the sources (a build writes lm.egg-info beside pyproject.toml)."""
-    for name in ("pyproject.toml", "README.md", "LICENSE"):
-        shutil.copy(ROOT / name, tmp_path / name)
-    shutil.copytree(ROOT / "lm", tmp_path / "lm", ignore=shutil.ignore_patterns("__pycache__"))
-    (tmp_path / "out").mkdir()
-    build = "from setuptools import build_meta; print(build_meta.prepare_metadata_for_build_wheel('out'))"
-    done = subprocess.run([sys.executable, "-c", build], cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    metadata = (tmp_path / "out" / done.stdout.strip().splitlines()[-1] / "METADATA").read_text()
+    metadata = (build_from_a_copy(tmp_path, "prepare_metadata_for_build_wheel") / "METADATA").read_text()
     headers = {tuple(line.split(": ", 1)) for line in metadata.split("\n\n")[0].splitlines()}  # before the readme
     assert ("License-Expression", "MIT") in headers and ("License-File", "LICENSE") in headers
     assert ("Requires-Dist", "torch>=2.11") in headers
@@ -87,14 +94,7 @@ def test_the_wheel_carries_the_c_source_the_native_int8_kernel_is_built_from(tmp
     wheel must hold it beside the Python modules."""
     import zipfile
 
-    for name in ("pyproject.toml", "README.md", "LICENSE"):
-        shutil.copy(ROOT / name, tmp_path / name)
-    shutil.copytree(ROOT / "lm", tmp_path / "lm", ignore=shutil.ignore_patterns("__pycache__"))
-    (tmp_path / "out").mkdir()
-    build = "from setuptools import build_meta; print(build_meta.build_wheel('out'))"
-    done = subprocess.run([sys.executable, "-c", build], cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    names = zipfile.ZipFile(tmp_path / "out" / done.stdout.strip().splitlines()[-1]).namelist()
+    names = zipfile.ZipFile(build_from_a_copy(tmp_path, "build_wheel")).namelist()
     assert "lm/generation/int8_matmul.c" in names and "lm/generation/int8_native.py" in names
 
 
