@@ -55,12 +55,14 @@ def small_corpus(tmp_path_factory) -> Path:
 
 def int8_kernels_here(kernels) -> list[str]:
     """Those of `kernels` that generate and serve run on this CPU: dynamic is refused where its int8
-    matmul does not return exact sums (lm.generation.quantize.dynamic_refusal)."""
+    matmul does not return exact sums (lm.generation.quantize.dynamic_refusal), native where the machine
+    has no C compiler to build it with (native_refusal)."""
     import torch
 
-    from lm.generation.quantize import dynamic_refusal
+    from lm.generation.quantize import dynamic_refusal, native_refusal
 
-    return [k for k in kernels if k != "dynamic" or dynamic_refusal(torch.device("cpu")) is None]
+    refusals = {"dynamic": dynamic_refusal, "native": native_refusal}
+    return [k for k in kernels if k not in refusals or refusals[k](torch.device("cpu")) is None]
 
 
 def train_small_run(folder: Path, corpus: Path, *overrides: str) -> Path:

@@ -137,22 +137,21 @@ def test_bench_decode_gives_every_contender_with_the_same_tokens(tmp_path):
                              "--context-steps", "2", "--eager-long", "--context-kinds", "softmax-mha", "linear",
                              "sliding", timeout=900)
     rows = {row["name"]: row for row in results["rows"]}
-    ours = {"lm eager", "lm compiled", "lm int8 native", "lm int8 native compiled", "lm int8 dequant",
-            "lm int8 dequant compiled", *int8_rows_here(("lm int8 dynamic", "lm int8 dynamic compiled"))}
+    ours = {"lm eager", "lm compiled", "lm int8 dequant", "lm int8 dequant compiled",
+            *int8_rows_here(("native", "dynamic"), ("", " compiled"))}
     llama_cpp = {"llama.cpp F32", "llama.cpp Q8_0"} if importlib.util.find_spec("llama_cpp") else set()
     assert set(rows) == {"transformers eager", "transformers static+compile", *ours, *llama_cpp}
     # transformers and lm decode the same weights: the same greedy tokens, eager and compiled
     assert all(rows[name]["same_tokens"] for name in ("transformers eager", "transformers static+compile",
                                                       "lm compiled"))
     assert rows["lm eager"]["vs_lm_eager"] == 1 and rows["transformers eager"]["vs_transformers"] == 1
-    assert rows["lm int8 native"]["weight_mb"] < rows["lm eager"]["weight_mb"]  # int8 weights, float embedding
+    assert rows["lm int8 dequant"]["weight_mb"] < rows["lm eager"]["weight_mb"]  # int8 weights, float embedding
     (batched,) = results["batched"]
     assert batched["batch"] == 3 and batched["prompt_lengths"] == [16, 32, 48]
     assert "\n\nbatch 3, prompts of 16 to 48 tokens" in printed
     rows = {row["name"]: row for row in batched["rows"]}
     assert set(rows) == {"transformers eager", "transformers static+compile", "lm eager", "lm compiled",
-                         "lm int8 native compiled", "lm int8 dequant compiled",
-                         *int8_rows_here(("lm int8 dynamic compiled",))}
+                         "lm int8 dequant compiled", *int8_rows_here(("native", "dynamic"), (" compiled",))}
     # rows of different lengths, left-padded for transformers, ragged for lm: the same tokens
     assert all(rows[name]["same_tokens"] for name in ("transformers eager", "transformers static+compile",
                                                       "lm compiled"))
@@ -167,11 +166,12 @@ def test_bench_decode_gives_every_contender_with_the_same_tokens(tmp_path):
     assert rates["linear"]["cache_mb"] < rates["softmax-mha"]["cache_mb"]
 
 
-def int8_rows_here(rows: tuple[str, ...]) -> list[str]:
-    """`rows` of the dynamic kernel where bench.py decode runs it: not where torch._int_mm's sums are inexact."""
+def int8_rows_here(kernels: tuple[str, ...], suffixes: tuple[str, ...]) -> list[str]:
+    """The rows bench.py decode and kernels give `kernels` here: none for dynamic where torch._int_mm's
+    sums are inexact, none for native without a C compiler to build it."""
     from conftest import int8_kernels_here
 
-    return list(rows) if int8_kernels_here(("dynamic",)) else []
+    return [f"lm int8 {kernel}{suffix}" for kernel in int8_kernels_here(kernels) for suffix in suffixes]
 
 
 def test_train_variants_are_softmax_options_checked_before_any_model_is_built(capsys):
@@ -206,8 +206,8 @@ def test_bench_kernels_times_every_kernel_at_every_shape(tmp_path):
 
     results, _ = bench(tmp_path, "kernels", "--rounds", "1", "--repeats", "1", timeout=900)
     rows = {row["kernel"]: row for row in results["rows"]}
-    assert {"fp32", "lm int8 dynamic", "lm int8 native", "lm int8 dequant", "lm int8 int8pack",
-            "lm int8 dynamic compiled", "lm int8 native compiled", "aten int4 (group 32)"} <= set(rows)
+    assert {"fp32", "lm int8 dequant", "lm int8 int8pack", "aten int4 (group 32)",
+            *int8_rows_here(("native", "dynamic"), ("", " compiled"))} <= set(rows)
     shapes = [f"{k}x{n}" for k, n in SHAPES]
     for row in rows.values():  # a step: each matmul as often as the 6-layer model runs it
         assert list(row["us"]) == shapes and all(us > 0 for us in row["us"].values())

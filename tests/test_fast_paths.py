@@ -153,6 +153,7 @@ def test_int8_x_int8_kernels_are_the_product_of_the_rounded_activations_and_weig
     torch.testing.assert_close(out, linear(x), atol=0.05 * linear(x).abs().max().item(), rtol=0)
 
 
+@pytest.mark.skipif(not int8_kernels_here(("native",)), reason="no C compiler here to build the native kernel")
 def test_the_native_kernel_sums_full_range_bytes_exactly_where_a_saturating_one_would_not():
     """Every byte at +-127 of the same sign: each pair of products is 2 * 127 * 127 = 32258, the most an
     int16 pair sum reaches without the shift to unsigned bytes that makes oneDNN's AVX2 GEMM saturate;
@@ -167,20 +168,56 @@ def test_the_native_kernel_sums_full_range_bytes_exactly_where_a_saturating_one_
     torch.testing.assert_close(out, exact * 127, rtol=1e-6, atol=0)
 
 
-def test_the_native_kernel_is_one_op_inside_a_compiled_graph():
+@pytest.mark.skipif(not int8_kernels_here(("native",)), reason="no C compiler here to build the native kernel")
+def test_the_native_kernel_is_one_op_inside_a_compiled_graph(monkeypatch):
     """torch.compile calls it as an operator of its own: no graph break around each matmul."""
+    import lm.generation.int8_native as native
+
+    built, calls = native.library(), []
+
+    class Counting:  # the built library, counting the kernel's calls
+        def lm_int8_linear(self, *args):
+            calls.append(1)
+            return built.lm_int8_linear(*args)
+
+    monkeypatch.setattr(native, "library", Counting)
     torch._dynamo.reset()
     model = quantize_int8(make_model("softmax-gqa"), "native")
-    explanation = torch._dynamo.explain(model)(torch.randint(0, VOCAB, (2, 12)))
+    explanation = torch._dynamo.explain(model)(torch.randint(0, VOCAB, (1, 3)))  # 3 rows: the C kernel's share
     assert explanation.graph_break_count == 0, [str(b.reason)[:200] for b in explanation.break_reasons]
+    assert len(calls) >= len([m for m in model.modules() if isinstance(m, Int8Linear)])  # ... and it ran
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not int8_kernels_here(("native",)), reason="no C compiler here to build the native kernel")
 def test_compiled_native_int8_decoding_gives_its_eager_tokens():
     torch._dynamo.reset()
     model = quantize_int8(make_model("softmax-gqa"), "native")
     prompts = ragged_prompts()
     assert generate(model, prompts, 12, compile=True) == generate(model, prompts, 12)
+
+
+@pytest.mark.skipif(not int8_kernels_here(("native",)), reason="no C compiler here to build the native kernel")
+def test_the_native_kernel_refuses_operands_it_would_read_past_in_one_line():
+    from lm.generation.int8_native import native_int8_linear
+
+    weight_float = torch.randn(8, 64)
+    q, scales = quantize_per_channel(weight_float)
+    for x, weight, s, says in [
+        (torch.randn(1, 128), q, scales, r"weight must be int8 of shape \(N, 128\), got torch.int8 \(8, 64\)"),
+        (torch.randn(1, 64), q.float(), scales, r"weight must be int8 of shape \(N, 64\), got torch.float32"),
+        (torch.randn(1, 64), q, scales[:5], r"scales must have shape \(8,\), got \(5,\)"),
+    ]:
+        with pytest.raises(ValueError, match=rf"^native int8 linear: {says}"):
+            native_int8_linear(x, weight, s)
+    x = torch.randn(2, 64)
+    torch.set_default_dtype(torch.float64)  # the output buffer is float32 whatever torch's default
+    try:
+        out = native_int8_linear(x, q, scales)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), rounded_product(x, weight_float), atol=1e-5, rtol=1e-5)
 
 
 def test_int8_model_keeps_logits_close_and_holds_int8_matmul_weights():
@@ -219,6 +256,7 @@ NO_COMPILER = "lm's native int8 kernel cannot be built here: no C compiler found
     ("cpu", False, False, False, "int8pack", f"{NO_COMPILER}, and this CPU's int8 x int8 matmul does not return "
                                              "exact sums (this CPU: "),
     ("cuda", False, True, True, "dequant", "the kernel that runs a decoding step on cuda"),
+    ("mps", False, True, True, "dequant", "the kernel that runs a decoding step on mps"),  # not native: CPU only
 ])
 def test_the_auto_kernel_follows_what_the_cpu_can_build_and_multiply_and_says_why(
         device, int8_instructions, native_builds, exact, kernel, says, monkeypatch):

@@ -44,11 +44,33 @@ def unavailable() -> str | None:
     return None
 
 
+# 127 * 127 * K must fit the kernel's int32 sums.
+MAX_FEATURES = (2**31 - 1) // (127 * 127)
+
+
+def check_operands(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> None:
+    """What the kernel reads through raw pointers, checked first: a wrong shape or dtype is one line,
+    never a read past a buffer."""
+    K, N = x.shape[-1], weight.shape[0]
+    if weight.dtype != torch.int8 or weight.dim() != 2 or weight.shape[1] != K:
+        raise ValueError(f"native int8 linear: weight must be int8 of shape (N, {K}), got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    if scales.shape != (N,):
+        raise ValueError(f"native int8 linear: scales must have shape ({N},), got {tuple(scales.shape)}")
+    if not (x.device.type == weight.device.type == scales.device.type == "cpu"):
+        raise ValueError("native int8 linear: runs on the CPU; its tensors are on "
+                         f"{sorted({x.device.type, weight.device.type, scales.device.type})}")
+    if K > MAX_FEATURES:
+        raise ValueError(f"native int8 linear: {K} input features, more than the {MAX_FEATURES} whose int32 sums "
+                         f"stay exact")
+
+
 def _native_int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    check_operands(x, weight, scales)
     flat = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()  # (M, K) float32: what the kernel reads
     M, K = flat.shape
     N = weight.shape[0]
-    out = torch.empty(M, N)  # (M, N)
+    out = torch.empty(M, N, dtype=torch.float32, device="cpu")  # (M, N), whatever torch's defaults are
     weight, scales = weight.contiguous(), scales.to(torch.float32).contiguous()
     if library().lm_int8_linear(flat.data_ptr(), weight.data_ptr(), scales.data_ptr(), out.data_ptr(),
                                 M, N, K, torch.get_num_threads()) != 0:
@@ -57,8 +79,8 @@ def _native_int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Ten
 
 
 # An operator of PyTorch's own (opaque to torch.compile, which calls it as it is) defined with
-# torch.library.Library rather than torch.library.custom_op: a call costs ~13 us instead of ~26 us
-# (measured at d_model 384), and a decoding step makes one per matmul.
+# torch.library.Library rather than torch.library.custom_op: a call cost 13 us instead of 26 us (timed
+# over 5,000 calls at d_model 384, one thread), and a decoding step makes one per matmul.
 _OPS = torch.library.Library("lm", "FRAGMENT")
 _OPS.define("native_int8_linear(Tensor x, Tensor weight, Tensor scales) -> Tensor")
 _OPS.impl("native_int8_linear", _native_int8_linear, "CPU")
@@ -70,6 +92,6 @@ def _(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tens
 
 
 def native_int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x (..., K) float, weight (N, K) int8, scales (N,) -> (..., N), as dynamic_int8_linear computes it,
-    on the CPU."""
+    """x (..., K) float, weight (N, K) int8, scales (N,) -> (..., N), as dynamic_int8_linear computes it
+    in float32, on the CPU. For inference: it has no gradient (no autograd formula is registered)."""
     return torch.ops.lm.native_int8_linear(x, weight, scales)

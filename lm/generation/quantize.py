@@ -45,9 +45,10 @@ log = logging.getLogger(__name__)
 
 KERNELS = ("dynamic", "native", "dequant", "int8pack")
 # Rows above which `native` gives way to torch._int_mm where that is exact. One decoding step's matmuls at
-# the reference shape on an AMD EPYC with AVX512-VNNI, one thread, against fp32: native 2.4x at 1 row, 3.3x at
-# 2, 2.7x at 4, 1.7x at 8, 1.1x at 16; torch._int_mm 1.1x, 1.6x, 2.0x, 2.0x, 1.8x. Without VNNI nothing int8
-# is faster at any row count (docs/performance.md).
+# the reference shape (lm.studies.kernel_bench's shapes, each timed alone, its weight hot in cache) on an
+# AMD EPYC with AVX512-VNNI, one thread beside another job, against fp32: native 2.4x at 1 row, 3.3x at 2,
+# 2.7x at 4, 1.7x at 8, 1.1x at 16; torch._int_mm 1.1x, 1.6x, 2.0x, 2.0x, 1.8x. Without exact sums from
+# torch._int_mm (AVX2 without VNNI) native serves every row count.
 NATIVE_MAX_ROWS = 4
 AUTO = "auto"
 CHOICES = (AUTO, *KERNELS)
@@ -56,15 +57,17 @@ CHOICES = (AUTO, *KERNELS)
 def choose_kernel(device: torch.device) -> tuple[str, str]:
     """(the kernel `auto` takes on `device`, one line saying which, why, and the CPU's features).
     Measured with `scripts/bench.py decode` at batch 1 (docs/performance.md): on a CPU with int8
-    dot-product instructions, dynamic (9.2x our fp32 eager step compiled on an AVX512-VNNI EPYC; native
-    ran 0.9x dynamic compiled there); without them native, the one int8 kernel faster than fp32 there
-    (5.5x compiled held to AVX2, where torch._int_mm is not exact); where native cannot be built,
-    dynamic if torch._int_mm is exact, else int8pack, which decoded at about half fp32's speed."""
+    dot-product instructions, dynamic (9.2x our fp32 eager step compiled on an AVX512-VNNI EPYC of family
+    26; on one of family 25, native ran 0.9x dynamic compiled); without them native, the one int8 kernel
+    faster than fp32 there (5.5x compiled held to AVX2, where torch._int_mm is not exact); where native
+    cannot be built,
+    dynamic if torch._int_mm is exact, else int8pack, which decoded at 0.54-0.68x our fp32 step."""
     from lm.generation.int8_native import unavailable
     from lm.util.hardware import cpu_features, cpu_multiplies_int8
 
-    if device.type == "cuda":  # torch._int_mm on CUDA needs more than 16 rows, which a decoding step lacks
-        return "dequant", "int8_kernel=auto: dequant (weights only), the kernel that runs a decoding step on cuda"
+    if device.type != "cpu":  # torch._int_mm on CUDA needs more than 16 rows, which a decoding step lacks
+        return "dequant", (f"int8_kernel=auto: dequant (weights only), the kernel that runs a decoding step on "
+                           f"{device.type}")
     features = f"this CPU: {cpu_features()}"
     exact = dynamic_refusal(device) is None
     if exact and cpu_multiplies_int8():
@@ -77,7 +80,7 @@ def choose_kernel(device: torch.device) -> tuple[str, str]:
     if exact:
         return "dynamic", f"int8_kernel=auto: dynamic, torch._int_mm's int8 x int8 matmuls ({why_not}; {features})"
     return "int8pack", (f"int8_kernel=auto: int8pack (weights only): {why_not}, and this CPU's int8 x int8 matmul "
-                        f"does not return exact sums ({features}); int8pack decoded at half fp32's speed on such a "
+                        f"does not return exact sums ({features}); int8pack decoded at 0.54-0.68x fp32 on such a "
                         f"CPU: quantize=null compile=true is the fastest here")
 
 
@@ -152,9 +155,10 @@ class Int8Linear(nn.Module):
         if kernel not in KERNELS:
             raise GenerationError(f"int8 kernel={kernel!r} must be one of {list(KERNELS)}")
         self.kernel = kernel
-        # native hands inputs of many rows to torch._int_mm where its sums are exact: the same arithmetic
-        # to the last bit (both round each row alike and sum exactly), and oneDNN's blocked GEMM is the faster
-        # there (NATIVE_MAX_ROWS); a plain bool, which torch.compile reads as a constant
+        # native hands float32 inputs of many rows to torch._int_mm where its sums are exact: the same
+        # floats to the last bit (both round each row alike, sum exactly and scale in float32), and oneDNN's
+        # blocked GEMM is the faster there (NATIVE_MAX_ROWS); a plain bool, which torch.compile reads as
+        # a constant
         self.int_mm_exact = hardware.int8_matmul_is_exact()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight, scales = quantize_per_channel(linear.weight)
@@ -166,7 +170,7 @@ class Int8Linear(nn.Module):
             flat = x.reshape(-1, self.in_features)  # (M, K): the kernel takes 2-D inputs
             out = torch.ops.aten._weight_int8pack_mm(flat, self.weight, self.scales)  # (M, N)
             return out.view(*x.shape[:-1], self.out_features)
-        if self.kernel == "dynamic" or (self.kernel == "native" and self.int_mm_exact
+        if self.kernel == "dynamic" or (self.kernel == "native" and self.int_mm_exact and x.dtype == torch.float32
                                         and x.numel() > NATIVE_MAX_ROWS * self.in_features):
             return dynamic_int8_linear(x, self.weight, self.scales)
         if self.kernel == "native":
