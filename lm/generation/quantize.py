@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lm.generation import int8_native
 from lm.generation.decode import check_model
 from lm.generation.int8_native import native_int8_linear
 from lm.util import hardware
@@ -60,20 +61,16 @@ def choose_kernel(device: torch.device) -> tuple[str, str]:
     dot-product instructions, dynamic (9.2x our fp32 eager step compiled on an AVX512-VNNI EPYC of family
     26; on one of family 25, native ran 0.9x dynamic compiled); without them native, the one int8 kernel
     faster than fp32 there (5.5x compiled held to AVX2, where torch._int_mm is not exact); where native
-    cannot be built,
-    dynamic if torch._int_mm is exact, else int8pack, which decoded at 0.54-0.68x our fp32 step."""
-    from lm.generation.int8_native import unavailable
-    from lm.util.hardware import cpu_features, cpu_multiplies_int8
-
+    cannot be built, dynamic if torch._int_mm is exact, else int8pack, which decoded at 0.54-0.68x our fp32 step."""
     if device.type != "cpu":  # torch._int_mm on CUDA needs more than 16 rows, which a decoding step lacks
         return "dequant", (f"int8_kernel=auto: dequant (weights only), the kernel that runs a decoding step on "
                            f"{device.type}")
-    features = f"this CPU: {cpu_features()}"
+    features = f"this CPU: {hardware.cpu_features()}"
     exact = dynamic_refusal(device) is None
-    if exact and cpu_multiplies_int8():
+    if exact and hardware.cpu_multiplies_int8():
         return "dynamic", (f"int8_kernel=auto: dynamic, torch._int_mm's int8 x int8 matmuls on the CPU's int8 "
                            f"dot-product instructions ({features})")
-    if (why_not := unavailable()) is None:
+    if (why_not := int8_native.unavailable()) is None:
         return "native", (f"int8_kernel=auto: native, lm's C kernel of exact int8 x int8 sums, for a CPU without "
                           f"int8 dot-product instructions (AVX512-VNNI, AMX) or whose torch._int_mm is not exact "
                           f"({features})")
@@ -88,9 +85,7 @@ def dynamic_refusal(device: torch.device) -> str | None:
     """Why `dynamic` cannot run on `device` (one line), or None where it can: on a CPU whose
     torch._int_mm does not return exact sums (lm.util.hardware.int8_matmul_is_exact) its outputs
     would be wrong, not merely rounded."""
-    from lm.util.hardware import int8_matmul_is_exact
-
-    if device.type == "cpu" and not int8_matmul_is_exact():
+    if device.type == "cpu" and not hardware.int8_matmul_is_exact():
         return ("int8 kernel=dynamic: this CPU's int8 x int8 matmul (torch._int_mm) does not return exact sums "
                 "(oneDNN saturates them without int8 dot-product instructions, AVX512-VNNI or AMX): choose "
                 "int8_kernel=auto, dequant or int8pack")
@@ -100,11 +95,9 @@ def dynamic_refusal(device: torch.device) -> str | None:
 def native_refusal(device: torch.device) -> str | None:
     """Why `native` cannot run on `device` (one line), or None where it can: it is a CPU kernel, built
     with the machine's C compiler."""
-    from lm.generation.int8_native import unavailable
-
     if device.type != "cpu":
         return f"int8 kernel=native runs on the CPU; on {device.type} choose int8_kernel=auto or dequant"
-    if (why_not := unavailable()) is not None:
+    if (why_not := int8_native.unavailable()) is not None:
         return f"int8 kernel=native: {why_not}; choose int8_kernel=auto, dequant or int8pack"
     return None
 
