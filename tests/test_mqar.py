@@ -8,7 +8,7 @@ from omegaconf import open_dict
 
 from lm import load
 from lm.data.mqar import IGNORE, RecallTask, number_tokenizer
-from lm.training.module import next_token_loss, scored_batch
+from lm.training.module import scored_batch
 from lm.util.errors import DataError
 
 
@@ -127,7 +127,7 @@ def test_only_answers_are_scored_and_accuracy_counts_them():
     assert n == 1 and int(correct) == 1
     expected = torch.nn.functional.cross_entropy(forward(inputs)[0, 3:4], torch.tensor([9]))
     assert torch.allclose(loss_sum, expected)
-    mean, n = next_token_loss(forward, (inputs, targets))
+    mean, n, _ = scored_batch(forward, (inputs, targets), reduction="mean")
     assert n == 1 and torch.allclose(mean, expected)
 
 

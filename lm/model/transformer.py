@@ -78,6 +78,12 @@ class Transformer(nn.Module):
         With a `cache` (lm.model.generation_cache), idx holds the next T tokens after those the cache has
         seen: positions continue from there and each layer attends through its cache.
         """
+        return self.head(self.hidden(idx, cache))
+
+    def hidden(self, idx: torch.Tensor, cache: GenerationCache | None = None) -> torch.Tensor:
+        """The final normalised hidden states (B, T, C) that the head turns into logits: what the
+        training loss takes when it applies the head itself, chunk by chunk
+        (lm.model.linear_cross_entropy)."""
         T = idx.shape[1]
         seen = cache.seen if cache is not None else 0
         if self.context_limited and seen + T > self.config.max_seq_len:
@@ -94,7 +100,7 @@ class Transformer(nn.Module):
                 x = block(x, cos, sin, cache.layers[i], conv_cache=cache.short_convs[i])
         if cache is not None:
             cache.advance(T)
-        return self.head(self.norm(x))
+        return self.norm(x)
 
     def decode_step(self, idx: torch.Tensor, cache: GenerationCache, pos: torch.Tensor) -> torch.Tensor:
         """Logits (B, V) of one new token per row, idx (B, 1), each at its row's slot pos (B,) (a 0-dim

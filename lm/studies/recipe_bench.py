@@ -76,7 +76,7 @@ class Contender:
         from lm.data.modules import make_data_module
         from lm.model.transformer import Transformer
         from lm.studies.evaluate import token_stream
-        from lm.training.module import LitLM
+        from lm.training.module import LitLM, Scorer
         from lm.training.optim import optim_config
         from lm.training.settings import model_config_from
         from lm.training.setup import pick_precision
@@ -87,7 +87,7 @@ class Contender:
         data.setup("fit")
         torch.manual_seed(cfg.seed)
         self.model = Transformer(model_config_from(cfg, data.tokenizer.get_vocab_size())).train()
-        self.forward = torch.compile(self.model) if cfg.compile else self.model
+        self.scorer = Scorer(self.model, cfg.loss_chunk, cfg.compile)
         module = LitLM(self.model, optim_config(cfg.optim), total_steps=self.max_steps)
         optimizers = module.configure_optimizers()
         self.optimizer, self.schedule = optimizers["optimizer"], optimizers["lr_scheduler"]["scheduler"]
@@ -114,7 +114,7 @@ class Contender:
         started = time.perf_counter()
         batch = next(self.batches)  # (B, T + 1)
         with self.autocast():
-            loss, _ = next_token_loss(self.forward, batch)
+            loss, _ = next_token_loss(self.scorer, batch)
         loss.backward()
         if self.clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from lm.data.mqar import IGNORE
 from lm.formats.checkpoint import FORMAT_VERSION
+from lm.model.linear_cross_entropy import linear_cross_entropy
 from lm.model.transformer import Transformer
 from lm.training.optim import (
     OptimConfig,
@@ -37,29 +38,62 @@ def inputs_and_targets(batch) -> tuple[torch.Tensor, torch.Tensor]:
     return batch[:, :-1], batch[:, 1:]
 
 
-def next_token_loss(forward, batch, reduction: str = "mean") -> tuple[torch.Tensor, int]:
+class Scorer:
+    """Scores a batch's next-token targets, as training and validation take them: the model's
+    final hidden states (compiled with `compile`), then the head and the cross-entropy `loss_chunk`
+    positions at a time (lm.model.linear_cross_entropy), which never holds the (B*T, V) logits
+    whole; with `loss_chunk` 0 the plain head and F.cross_entropy over every logit (`scored_batch`).
+    `logits` is the model's forward, compiled alike, for what needs the logits themselves."""
+
+    def __init__(self, model: Transformer, loss_chunk: int = 0, compile: bool = False):
+        self.model, self.loss_chunk = model, loss_chunk
+        self.logits = torch.compile(model) if compile else model
+        self.hidden = torch.compile(model.hidden) if compile else model.hidden
+
+    def __call__(self, batch, reduction: str = "sum", accuracy: bool = True):
+        """(cross-entropy, targets scored, targets the arg-max predicts right or None)."""
+        if not self.loss_chunk:
+            return scored_batch(self.logits, batch, reduction, accuracy)
+        inputs, targets = inputs_and_targets(batch)  # (B, T) each
+        hidden = self.hidden(inputs).flatten(0, 1)  # (B*T, C)
+        targets = targets.flatten()  # (B*T,)
+        scored = linear_cross_entropy(hidden, self.model.head.weight, targets, self.loss_chunk, IGNORE, accuracy)
+        loss, correct = scored if accuracy else (scored, None)
+        if reduction == "mean":
+            loss = loss / (targets != IGNORE).sum()  # on the device: no sync
+        return loss, scored_count(batch, targets), correct
+
+
+def scored_count(batch, targets: torch.Tensor) -> int:
+    """How many targets a batch scores: a text batch every one; counting a recall batch's answers
+    syncs, but only there."""
+    return targets.numel() if isinstance(batch, torch.Tensor) else int((targets != IGNORE).sum())
+
+
+def next_token_loss(scorer: Scorer, batch, reduction: str = "mean") -> tuple[torch.Tensor, int]:
     """Cross-entropy of the batch's targets, and the number of targets scored."""
-    loss, n, _ = scored_batch(forward, batch, reduction, accuracy=False)
+    loss, n, _ = scorer(batch, reduction, accuracy=False)
     return loss, n
 
 
 def scored_batch(forward, batch, reduction: str = "sum", accuracy: bool = True):
-    """(cross-entropy, targets scored, targets the arg-max predicts right or None)."""
+    """(cross-entropy, targets scored, targets the arg-max predicts right or None) from the logits
+    forward(inputs) (B, T, V), held whole: the naive twin of the chunked loss."""
     inputs, targets = inputs_and_targets(batch)  # (B, T) each
     logits = forward(inputs).flatten(0, 1)  # (B*T, V)
     targets = targets.flatten()  # (B*T,)
-    loss = F.cross_entropy(logits.float(), targets, reduction=reduction, ignore_index=IGNORE)
-    # A text batch scores every target; counting a recall batch's answers syncs, but only there.
-    n = targets.numel() if isinstance(batch, torch.Tensor) else int((targets != IGNORE).sum())
+    # float32 at least (bf16 logits under autocast); float64 stays float64, as in the chunked loss
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    loss = F.cross_entropy(logits, targets, reduction=reduction, ignore_index=IGNORE)
     correct = (logits.argmax(-1) == targets).sum() if accuracy else None  # IGNORE never equals an id
-    return loss, n, correct
+    return loss, scored_count(batch, targets), correct
 
 
-def loss_sums(forward, batch) -> torch.Tensor:
+def loss_sums(scorer: Scorer, batch) -> torch.Tensor:
     """(3,) float on the batch's device: the summed cross-entropy of the targets scored, their
     number and how many of them the arg-max predicts. A tensor, not numbers, so validation steps
     queue on the device without waiting for each other."""
-    loss_sum, n, correct = scored_batch(forward, batch)
+    loss_sum, n, correct = scorer(batch)
     return torch.stack([loss_sum.detach(), torch.tensor(float(n), device=loss_sum.device), correct.float()])
 
 
@@ -86,10 +120,11 @@ def evaluate_loss(model: torch.nn.Module, batches: Iterable) -> LossTotals:
     targets) with IGNORE where a target is not scored. Added up in float64 on the host, so a
     long evaluation loses no precision (and MPS, which has no float64, works too)."""
     device = next(model.parameters()).device
+    scorer = Scorer(model)
     total = torch.zeros(3, dtype=torch.float64)
     for batch in batches:
         batch = batch.to(device) if isinstance(batch, torch.Tensor) else [part.to(device) for part in batch]
-        total += loss_sums(model, batch).cpu().double()
+        total += loss_sums(scorer, batch).cpu().double()
     nll, targets, correct = total.tolist()
     return LossTotals(nll=nll, targets=int(targets), correct=int(correct))
 
@@ -194,6 +229,7 @@ class NonFiniteWatch:
 class LitLM(L.LightningModule):
     def __init__(self, model: Transformer, optim: OptimConfig, total_steps: int,
                  tokenizer_json: str | None = None, run_config: dict | None = None, compile: bool = False,
+                 loss_chunk: int = 0,
                  provenance: dict | None = None, skip_nonfinite: bool = False, corpus_fingerprint: str | None = None,
                  teacher: Transformer | None = None, distill: float = 0.0, temperature: float = 1.0):
         """With `distill` > 0 the training loss adds distill * T^2 * KL(teacher || model) at temperature
@@ -216,10 +252,9 @@ class LitLM(L.LightningModule):
         self.val_history: list[tuple[int, float, float, float]] = []
         self.train_seconds = 0.0  # time in training steps, validation excluded, over every resumed part
         self.train_tokens = 0
-        # The callable the steps run, kept out of the module tree (object.__setattr__ bypasses
-        # nn.Module's registration), so checkpoints hold the plain model's parameter names once,
-        # loadable with or without compile.
-        object.__setattr__(self, "_forward", torch.compile(model) if compile else model)
+        # What the steps run: not a module, so its compiled callables stay out of the module tree and
+        # checkpoints hold the plain model's parameter names once, loadable with or without compile.
+        self._score = Scorer(model, loss_chunk, compile)
         # The frozen teacher is kept out of the module tree the same way: no teacher weights in the
         # checkpoints, the optimizer or the DDP/FSDP wrapping, and Lightning's train() leaves it in eval mode.
         if teacher is not None:
@@ -232,7 +267,7 @@ class LitLM(L.LightningModule):
         self.watch = NonFiniteWatch()
 
     def loss(self, batch: torch.Tensor) -> tuple[torch.Tensor, int]:
-        return next_token_loss(self._forward, batch)
+        return next_token_loss(self._score, batch)
 
     def training_losses(self, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(loss to minimise, cross-entropy, KL to the teacher or None without distillation). The
@@ -247,7 +282,7 @@ class LitLM(L.LightningModule):
             ce, _ = self.loss(batch)
             return ce, ce, None
         inputs, targets = inputs_and_targets(batch)  # (B, T) each
-        logits = self._forward(inputs)  # (B, T, V)
+        logits = self._score.logits(inputs)  # (B, T, V)
         ce = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE)
         with torch.no_grad():
             teacher_logits = self._teacher(inputs)  # (B, T, V)
@@ -311,7 +346,7 @@ class LitLM(L.LightningModule):
         self.log("train/grad_norm", torch.nn.utils.get_total_norm(grads))
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
-        self._val_sums.append(loss_sums(self._forward, batch))
+        self._val_sums.append(loss_sums(self._score, batch))
 
     def on_train_end(self) -> None:
         self.watch.check()

@@ -52,7 +52,7 @@ def lightning_module(cfg: DictConfig, model: Transformer, data, start: Start, di
     """LitLM around `model`, with what its checkpoints record (tokenizer, run config, provenance, corpus)."""
     return LitLM(model, optim_config(cfg.optim), total_steps=cfg.trainer.max_steps,
                  tokenizer_json=data.tokenizer.to_str(), run_config=OmegaConf.to_container(cfg, resolve=True),
-                 compile=cfg.compile, provenance=start.provenance, corpus_fingerprint=corpus_fingerprint(data),
+                 compile=cfg.compile, loss_chunk=cfg.loss_chunk, provenance=start.provenance, corpus_fingerprint=corpus_fingerprint(data),
                  skip_nonfinite=setting_value(cfg.trainer, TrainerSettings, "skip_nonfinite"), **distillation)
 
 
