@@ -144,3 +144,29 @@ def test_train_script_rejects_bad_config_in_one_line(override, message, tmp_path
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [message]
     assert not any(tmp_path.glob("*/*.ckpt"))
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    ([], [True] * 4),  # model=nano turns it on
+    (["model=tiny"], [False] * 4),  # the studies' shape leaves each kind's own
+    (["attn.qk_norm=false"], [False] * 4),  # attn.qk_norm, when given, decides
+    (["model.qk_norm=false", "attn.qk_norm=true"], [True] * 4),
+    (["attn=linear"], [None] * 4),  # a kind without QK-norm is left as it is
+    (["attn=qwen3_next"], [None, None, None, True]),  # a hybrid: only its softmax layer has it
+])
+def test_the_model_shapes_qk_norm_reaches_every_layer_whose_kind_has_it(overrides, expected):
+    from lm.config.compose import compose_train
+    from lm.training.settings import model_config_from
+
+    config = model_config_from(compose_train(overrides), vocab_size=64)
+    assert [getattr(spec, "qk_norm", None) for spec in config.attention] == expected
+
+
+def test_model_qk_norm_is_refused_in_one_line_when_not_a_boolean():
+    from lm.config.compose import compose_train
+    from lm.training.settings import check_run_settings, model_config_from
+
+    cfg = compose_train(["model.qk_norm=3"])
+    with pytest.raises(ConfigError, match="model.qk_norm=3 must be true or false"):
+        check_run_settings(cfg)
+        model_config_from(cfg, vocab_size=64)

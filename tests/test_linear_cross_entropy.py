@@ -112,3 +112,28 @@ def test_under_bf16_autocast_it_stays_near_the_plain_loss():
     torch.testing.assert_close(loss, expected, rtol=2e-3, atol=0)
     assert (got_h - want_h).norm() / want_h.norm() < 2e-2
     assert (got_w - want_w).norm() / want_w.norm() < 2e-2
+
+
+def test_a_run_config_written_before_the_setting_builds_its_module_with_the_default():
+    # an uptraining continues its source run's stored config, which older checkpoints wrote without it
+    from types import SimpleNamespace
+
+    from omegaconf import open_dict
+
+    from lm.config.compose import compose_train
+    from lm.config.train import TrainSettings
+    from lm.training.setup import lightning_module
+    from lm.training.start import Start
+
+    cfg = compose_train(["logger=none"])
+    with open_dict(cfg):
+        del cfg["loss_chunk"]
+    model = tiny_model()
+    data = SimpleNamespace(tokenizer=SimpleNamespace(to_str=lambda: "{}"))
+    lit = lightning_module(cfg, model, data, Start(model.config, vocab_from_tokenizer=True), {})
+    assert lit._score.loss_chunk == TrainSettings.loss_chunk == 512
+
+
+def test_a_reduction_other_than_sum_or_mean_is_refused():
+    with pytest.raises(ValueError, match="reduction must be 'sum' or 'mean', got 'none'"):
+        Scorer(tiny_model(), 4)(torch.randint(0, 50, (2, 5)), reduction="none")

@@ -202,8 +202,9 @@ def test_an_installed_distributions_entry_point_registers_its_kind_and_a_broken_
 def test_training_prints_every_layers_resolved_options(tmp_path, small_corpus, capsys):
     train_small_run(tmp_path, small_corpus, "attn=sliding", "attn.window=[3,5]", "attn.global_every=2")
     out = capsys.readouterr().out
-    assert ("attention: 1 x sliding(gate=none, qk_norm=False, window=3, dilation=1, sink_tokens=0, learned_sink=False, "
-            "softcap=None), 1 x softmax(gate=none, qk_norm=False, learned_sink=False, softcap=None)") in out
+    # model=nano's qk_norm turns QK-norm on in both kinds, which have it
+    assert ("attention: 1 x sliding(gate=none, qk_norm=True, window=3, dilation=1, sink_tokens=0, learned_sink=False, "
+            "softcap=None), 1 x softmax(gate=none, qk_norm=True, learned_sink=False, softcap=None)") in out
 
 
 # ------------------------------------------------------------------ the scripts' run-side settings

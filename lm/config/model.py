@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from lm.config.settings import library_setting, setting, store
+from lm.config.settings import boolean, library_setting, setting, store
 from lm.model.config import ModelConfig
 
 
@@ -36,6 +36,9 @@ class ModelSettings:
                                     "equal size)")
     zero_init_out: bool = model_setting("zero_init_out", "the blocks' output projections start at zero (each block "
                                                          "starts as the identity)")
+    qk_norm: bool | None = setting(None, "QK-norm (RMS-normalised queries and keys) in every layer whose attention "
+                                         "kind has it, unless attn.qk_norm says otherwise; null: each kind's own "
+                                         "choice", boolean(nullable=True))
     norm_eps: float = model_setting("norm_eps", "the epsilon of every RMSNorm (the blocks', the final one, QK-norm); "
                                                 "1e-6 makes attn=qwen3_next and attn=kimi_linear exportable to "
                                                 "Qwen3-Next and Kimi Linear")

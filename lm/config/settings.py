@@ -65,8 +65,8 @@ def training_seed() -> Bound:
                  lambda n, v: require_int(n, v, minimum=0, maximum=TRAINING_SEED_MAX), nullable=True)
 
 
-def boolean() -> Bound:
-    return Bound("true or false", require_bool)
+def boolean(nullable: bool = False) -> Bound:
+    return Bound("true or false", require_bool, nullable)
 
 
 def fraction(nullable: bool = False) -> Bound:

@@ -51,10 +51,10 @@ class TrainSettings:
 
 
 # The recipe scripts/train.py trained with before model=nano and optim=muon (Muon, wsd) became its
-# defaults: the tiny model (6.3M parameters), AdamW with the cosine schedule, 500 steps, the loss over
-# the whole logits at once (before loss_chunk). The studies
-# (compare, the frontier) train their arms with it, so their committed records hold until a study is
-# rerun on purpose, and `bench.py recipe` measures the default against it.
+# defaults: the tiny model (6.3M parameters), AdamW with the cosine schedule, 500 steps, and the loss
+# made from the whole logits at once (loss_chunk=0). The studies (compare, the frontier) train their
+# arms with it, so their committed records hold until a study is rerun on purpose, and `bench.py
+# recipe` measures the default against it.
 ADAMW_RECIPE = ("model=tiny", "optim=adamw", "trainer.max_steps=500", "loss_chunk=0")
 
 

@@ -8,9 +8,9 @@ its log-softmax, then their gradient: at the default training batch (16 x 256 po
 AVX2 CPU those passes cost about as much as the output layer's three matmuls themselves. Here each
 chunk's (n, V) logits are made, turned into their gradient (softmax - one-hot) in place while they are
 in cache, and folded straight into the gradients of the hidden states and of the weight; the loss
-is a scalar, so its backward only scales the gradients already made. This is what Liger-Kernel's
-fused linear cross-entropy and Apple's Cut Cross-Entropy (Wijmans et al. 2024) do on a GPU; here the
-chunks are plain PyTorch ops. The naive twin is F.cross_entropy over the whole logits
+is a scalar, so its backward only scales the gradients already made. Liger-Kernel's fused linear
+cross-entropy does the same on a GPU (Cut Cross-Entropy, Wijmans et al. 2024, recomputes the logits in
+the backward instead); here the chunks are plain PyTorch ops. The naive twin is F.cross_entropy over the whole logits
 (tests/test_linear_cross_entropy.py).
 """
 
@@ -46,7 +46,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 # d loss / d logits = softmax - one-hot per scored row; ignored rows are zeroed by
                 # scaling the (n, C) operands, not the (n, V) chunk.
                 grad_logits = log_probs.exp_()  # (n, V), in place: the chunk is not read again
-                grad_logits[torch.arange(len(t), device=t.device), t] -= 1
+                grad_logits.scatter_add_(1, t[:, None], grad_logits.new_full((len(t), 1), -1.0))
                 weight_of_row = scored.to(grad_logits.dtype)[:, None]  # (n, 1)
                 grad_hidden[start:start + chunk] = (grad_logits @ weight) * weight_of_row
                 grad_weight += grad_logits.T @ (h * weight_of_row)
@@ -55,6 +55,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return (loss, correct) if accuracy else loss
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # its gradients are made, not traced: no second derivative
     def backward(ctx, grad_loss, *_):
         grad_hidden, grad_weight = ctx.saved_tensors
         return grad_hidden * grad_loss, grad_weight * grad_loss, None, None, None, None, None
@@ -62,11 +63,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int = 512,
                          ignore_index: int = -100, accuracy: bool = False):
-    """Summed cross-entropy (a 0-dim float32) of `targets` (N,) under the logits hidden (N, C) @
-    weight (V, C).T, made `chunk` positions at a time; targets equal to `ignore_index` are not
-    scored. With `accuracy`, also the number of scored targets the arg-max predicts (0-dim long):
-    (loss, correct). Equal to F.cross_entropy(hidden @ weight.T, targets, reduction="sum") up to
-    rounding, and so are its gradients with respect to hidden and weight."""
+    """Summed cross-entropy (0-dim; float32, or float64 for float64 inputs) of `targets` (N,) under
+    the logits hidden (N, C) @ weight (V, C).T, made `chunk` positions at a time; targets equal to
+    `ignore_index` are not scored. With `accuracy`, also the number of scored targets the arg-max
+    predicts (0-dim long): (loss, correct). Equal to F.cross_entropy(hidden @ weight.T, targets,
+    reduction="sum") up to rounding, and so are its gradients with respect to hidden and weight."""
     if chunk < 1:
         raise ValueError(f"chunk must be at least 1 position, got {chunk}")
     with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)

@@ -103,7 +103,8 @@ ADDED_SINCE_RECORDS = {
     "model.mlp": "swiglu",  # every model was SwiGLU before model.mlp=relu2 ...
     "model.zero_init_out": False,  # ... and initialised its output projections as GPT-2 does
     "model.norm_eps": 1e-5,  # ModelConfig's, before the model group declared it (lm/config/model.py)
-    "loss_chunk": 0,  # every run scored its whole logits at once before the chunked loss (lm.model.linear_cross_entropy)
+    "model.qk_norm": None,  # the shape's QK-norm switch, since model=nano turned it on; null: each kind's own
+    "loss_chunk": 0,  # every run made its whole logits at once before lm.model.linear_cross_entropy
 }
 
 

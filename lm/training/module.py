@@ -48,10 +48,14 @@ class Scorer:
     def __init__(self, model: Transformer, loss_chunk: int = 0, compile: bool = False):
         self.model, self.loss_chunk = model, loss_chunk
         self.logits = torch.compile(model) if compile else model
-        self.hidden = torch.compile(model.hidden) if compile else model.hidden
+        # only a chunked loss asks for the hidden states, so a plain one scores any module of logits
+        self.hidden = (torch.compile(model.hidden) if compile else model.hidden) if loss_chunk else None
 
     def __call__(self, batch, reduction: str = "sum", accuracy: bool = True):
-        """(cross-entropy, targets scored, targets the arg-max predicts right or None)."""
+        """(cross-entropy, targets scored, targets the arg-max predicts right or None); `reduction`
+        "sum" or "mean" over the targets scored."""
+        if reduction not in ("sum", "mean"):
+            raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
         if not self.loss_chunk:
             return scored_batch(self.logits, batch, reduction, accuracy)
         inputs, targets = inputs_and_targets(batch)  # (B, T) each

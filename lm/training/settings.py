@@ -4,10 +4,13 @@ temperature of distillation (`distillation_settings`)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from omegaconf import DictConfig, OmegaConf
 
 from lm.attention import layer_specs
 from lm.config.data import check_data_settings
+from lm.config.model import ModelSettings
 from lm.config.settings import check_settings, setting_value
 from lm.config.train import check_train_settings
 from lm.config.trainer import TrainerSettings
@@ -22,6 +25,8 @@ from lm.util.errors import ConfigError
 def model_config_from(cfg: DictConfig, vocab_size: int) -> ModelConfig:
     """ModelConfig from the `model` and `attn` groups; the vocabulary comes from the tokenizer."""
     model = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k != "name"}
+    qk_norm = model.pop("qk_norm", None)  # the shape's own choice, for the kinds that have QK-norm
+    check_settings({"qk_norm": qk_norm}, ModelSettings, "model.")  # the rest ModelConfig checks itself
     attn = OmegaConf.to_container(cfg.attn, resolve=True)
     attn.pop("name", None)
     n_kv_head = attn.pop("n_kv_head", None)
@@ -31,6 +36,8 @@ def model_config_from(cfg: DictConfig, vocab_size: int) -> ModelConfig:
         raise ConfigError(f"give attn.kind (one kind for every layer) or attn.pattern (kinds, repeated over the "
                           f"layers), not {'both' if kind else 'neither'}")
     specs = layer_specs(pattern if pattern is not None else kind, model["n_layer"], attn, every, last_kind=last_kind)
+    if qk_norm is not None and attn.get("qk_norm") is None:  # attn.qk_norm, when given, decides instead
+        specs = [dataclasses.replace(spec, qk_norm=qk_norm) if hasattr(spec, "qk_norm") else spec for spec in specs]
     config = ModelConfig(vocab_size=vocab_size, attention=specs, n_kv_head=n_kv_head, **model)
     check_layers_build(config)  # sizes bounded by the model's shape, before any data or training
     return config

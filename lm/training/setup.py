@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
 from lm.config.settings import setting_value
+from lm.config.train import TrainSettings
 from lm.config.trainer import TrainerSettings
 from lm.data.modules import make_data_module
 from lm.model.transformer import Transformer
@@ -52,7 +53,9 @@ def lightning_module(cfg: DictConfig, model: Transformer, data, start: Start, di
     """LitLM around `model`, with what its checkpoints record (tokenizer, run config, provenance, corpus)."""
     return LitLM(model, optim_config(cfg.optim), total_steps=cfg.trainer.max_steps,
                  tokenizer_json=data.tokenizer.to_str(), run_config=OmegaConf.to_container(cfg, resolve=True),
-                 compile=cfg.compile, loss_chunk=cfg.loss_chunk, provenance=start.provenance, corpus_fingerprint=corpus_fingerprint(data),
+                 compile=cfg.compile, provenance=start.provenance, corpus_fingerprint=corpus_fingerprint(data),
+                 # a run config written before the setting (an uptraining's source run) takes its default
+                 loss_chunk=setting_value(cfg, TrainSettings, "loss_chunk"),
                  skip_nonfinite=setting_value(cfg.trainer, TrainerSettings, "skip_nonfinite"), **distillation)
 
 
