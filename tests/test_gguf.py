@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lm import ConfigError, ModelConfig, Transformer, generate
-from lm.attention import SlidingSpec
+from lm.attention import SlidingSpec, SoftmaxSpec
 from lm.attention.mla import LatentSpec
 from lm.data.tokenizer import train_tokenizer
 from lm.formats.gguf import export_gguf
@@ -60,8 +60,10 @@ def test_a_trained_checkpoint_runs_with_our_greedy_tokens(tmp_path, small_corpus
 
     from lm import load
 
-    # The default training config (train.yaml, as `make train` runs it), shrunk to test size.
-    model, tokenizer = load(train_small_run(tmp_path, small_corpus, "trainer.max_steps=20", "optim.warmup_steps=5"))
+    # The default training config (train.yaml, as `make train` runs it), shrunk to test size, in the
+    # Llama shape the docs train for export: SwiGLU, no QK-norm.
+    model, tokenizer = load(train_small_run(tmp_path, small_corpus, "trainer.max_steps=20", "optim.warmup_steps=5",
+                                            "model.mlp=swiglu", "model.qk_norm=null"))
     export_gguf(model, tokenizer, tmp_path / "model.gguf")
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="model.gguf").eval()
     prompt = torch.tensor([tokenizer.encode("def main(argv):\n    ").ids])
@@ -77,6 +79,15 @@ def test_gguf_tokenizer_encodes_as_ours(tokenizer, tmp_path):
     for text in ["def forward(self, x):\n    return  x", "héllo wörld ✓<|endoftext|>next", "   \t\n"]:
         assert theirs(text)["input_ids"] == tokenizer.encode(text).ids
     assert theirs.eos_token == "<|endoftext|>"
+
+
+def test_qk_norm_is_refused_naming_the_training_setting_and_the_export_that_takes_it(tokenizer, tmp_path):
+    # model=nano, the default shape, turns QK-norm on: llama.cpp's llama architecture has no q/k norms
+    model = Transformer(ModelConfig(vocab_size=301, n_layer=2, d_model=32, n_head=4, d_ff=48,
+                                    attention=SoftmaxSpec(qk_norm=True)))
+    with pytest.raises(ConfigError, match=r"attn.qk_norm=True has no GGUF equivalent.*model.qk_norm=null.*Qwen3"):
+        export_gguf(model, tokenizer, tmp_path / "model.gguf")
+    assert not any(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("attention", ["linear", SlidingSpec(window=8), LatentSpec(kv_rank=12, rope_dim=4)], ids=str)

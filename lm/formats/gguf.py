@@ -43,8 +43,11 @@ def check_exportable(model: Transformer) -> None:
                           "architecture does not convolve the input of its attention layers")
     if model.config.mlp != "swiglu":
         raise ConfigError(f"model.mlp={model.config.mlp} has no GGUF equivalent: llama.cpp's llama architecture's "
-                          "MLP is SwiGLU")
+                          "MLP is SwiGLU (train with model.mlp=swiglu to export)")
     kinds = set(model.config.attention)
+    if kinds == {SoftmaxSpec(qk_norm=True)}:
+        raise ConfigError("attn.qk_norm=True has no GGUF equivalent here: the llama architecture does not normalise "
+                          "queries and keys (train with model.qk_norm=null to export; format=hf exports it as Qwen3)")
     if kinds != {SoftmaxSpec()}:
         raise ConfigError(f"attention {model.config.describe_attention()} has no GGUF equivalent that llama.cpp runs "
                           "exactly; GGUF export takes softmax MHA/GQA/MQA models (the llama architecture)")

@@ -97,7 +97,7 @@ def hf_architecture(config: ModelConfig) -> tuple[str, int | None]:
                           "architecture convolves the input of its attention layers")
     if config.mlp != "swiglu":
         raise ConfigError(f"model.mlp={config.mlp} cannot be exported to transformers: the Llama family's MLP is "
-                          "SwiGLU")
+                          "SwiGLU (train with model.mlp=swiglu to export)")
     if qwen3_next.layer_types(config) is not None:
         qwen3_next.check_exportable(config)
         return "qwen3_next", None
