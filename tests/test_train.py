@@ -84,10 +84,12 @@ def test_warmup_then_cosine_schedule():
 
 def test_hybrid_sliding_and_linear_models_train_end_to_end(train_config):
     runs = {
-        ("attn=hybrid", "attn.pattern=[linear,sliding]", "attn.window=8"): [LinearSpec(), SlidingSpec(window=8)],
+        # model=nano's QK-norm reaches the kinds that have it (sliding, softmax), not linear attention
+        ("attn=hybrid", "attn.pattern=[linear,sliding]", "attn.window=8"):
+            [LinearSpec(), SlidingSpec(window=8, qk_norm=True)],
         ("attn=sliding", "attn.window=[4,8]", "attn.dilation=[1,2]", "attn.n_kv_head=2"):
-            [SlidingSpec(window=4), SlidingSpec(window=8, dilation=2)],
-        ("attn=sliding", "attn.global_every=2"): [SlidingSpec(), SoftmaxSpec()],
+            [SlidingSpec(window=4, qk_norm=True), SlidingSpec(window=8, dilation=2, qk_norm=True)],
+        ("attn=sliding", "attn.global_every=2"): [SlidingSpec(qk_norm=True), SoftmaxSpec(qk_norm=True)],
         ("attn=linear", "attn.feature_map=taylor", "attn.n_kv_head=1"): [LinearSpec(feature_map="taylor")] * 2,
     }
     for overrides, layers in runs.items():
