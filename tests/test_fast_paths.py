@@ -128,17 +128,17 @@ def rounded_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kernel", int8_kernels_here(("dynamic", "native")))
-@pytest.mark.parametrize("features", [96, 40, 130])  # 96: whole AVX2 blocks of 64 and 32 bytes; others a tail too
+@pytest.mark.parametrize("features", [96, 40, 130])  # 96: whole AVX2 blocks of 32 bytes; others a tail too
 def test_int8_x_int8_kernels_are_the_product_of_the_rounded_activations_and_weights(kernel, features):
     """Their int32 sums are exact, so only float32's last bits differ from the float64 twin. (dynamic
     is refused where torch._int_mm's sums are not: test_an_inexact_int8_matmul_...)"""
     torch.manual_seed(0)
-    linear = torch.nn.Linear(features, 40, bias=False)
+    linear = torch.nn.Linear(features, 42, bias=False)  # 42 outputs: native's blocks of 4 rows and 2 left over
     x = torch.randn(2, 7, features) * torch.logspace(-2, 1, 7)[:, None]  # rows of very different scales
     x[1, 3] = 0  # a zero row: its scale is 1, its output 0
     layer = Int8Linear(linear, kernel)
     out = layer(x)
-    assert out.shape == (2, 7, 40) and out[1, 3].eq(0).all()
+    assert out.shape == (2, 7, 42) and out[1, 3].eq(0).all()
     torch.testing.assert_close(out.double(), rounded_product(x, linear.weight.float()), atol=1e-5, rtol=1e-5)
     if kernel == "native":  # the C kernel itself at every row count (the layer hands many rows to _int_mm if exact)
         from lm.generation.int8_native import native_int8_linear
@@ -166,6 +166,24 @@ def test_the_native_kernel_sums_full_range_bytes_exactly_where_a_saturating_one_
     out = native_int8_linear(x, weight, torch.ones(3))  # (1, 3)
     exact = torch.tensor([[256.0, -256.0, float(signs.sum())]])  # (127 * 127 * sums) * (1/127) * 1 per product
     torch.testing.assert_close(out, exact * 127, rtol=1e-6, atol=0)
+
+
+@pytest.mark.skipif(not int8_kernels_here(("native",)), reason="no C compiler here to build the native kernel")
+def test_the_native_kernel_built_without_avx2_gives_the_same_floats():
+    """The plain C loops a CPU without AVX2 gets: the same exact sums, so the same floats to the last bit,
+    at whole blocks of four rows and 32 bytes, and at rows and bytes left over."""
+    from lm.generation import int8_native
+
+    plain = int8_native.build(())  # no -mavx2: the compiler's baseline target, the #else branches
+    torch.manual_seed(0)
+    for rows, features, outputs in [(1, 384, 44), (3, 130, 7), (5, 40, 2)]:
+        weight = torch.randn(outputs, features)
+        q, scales = quantize_per_channel(weight)
+        x = torch.randn(rows, features)
+        by_plain = int8_native.run_kernel(plain, x, q, scales)
+        torch.testing.assert_close(by_plain.double(), rounded_product(x, weight), atol=1e-5, rtol=1e-5)
+        if int8_native.isa_flags():
+            assert torch.equal(by_plain, int8_native.native_int8_linear(x, q, scales))
 
 
 @pytest.mark.skipif(not int8_kernels_here(("native",)), reason="no C compiler here to build the native kernel")

@@ -34,36 +34,73 @@ static float quantize_row(const float *x, int8_t *q, int64_t K) {
     return scale;
 }
 
-/* sum_k a[k] * b[k] over int8 values in -127..127, exact in int32. */
-static int32_t dot_int8(const int8_t *a, const int8_t *b, int64_t K) {
-    int64_t k = 0;
+/* sum_k a[k] * b[k] over int8 values in -127..127, exact in int32: the plain loop, for the rows and
+ * features the blocked loops below leave over. */
+static int32_t dot_int8_plain(const int8_t *a, const int8_t *b, int64_t from, int64_t K) {
     int32_t sum = 0;
+    for (int64_t k = from; k < K; k++) sum += (int32_t)a[k] * (int32_t)b[k];
+    return sum;
+}
+
+#if defined(__AVX2__)
+/* The 8 int32 lanes of each of four accumulators summed: (a, b, c, d) -> their four totals. */
+static __m128i sum_lanes4(__m256i a, __m256i b, __m256i c, __m256i d) {
+    __m256i ab = _mm256_hadd_epi32(a, b), cd = _mm256_hadd_epi32(c, d);  /* pairs of lanes, per 128-bit half */
+    __m256i abcd = _mm256_hadd_epi32(ab, cd);  /* each half: a, b, c, d partial sums */
+    return _mm_add_epi32(_mm256_castsi256_si128(abcd), _mm256_extracti128_si256(abcd, 1));
+}
+
+/* One 32-byte block of products, pair-summed to 8 int32 lanes: |a| as unsigned bytes times b with a's
+ * sign, so each int16 pair sum is at most 2 * 127 * 127 and vpmaddubsw cannot saturate. */
+static inline __m256i block_products(__m256i a_abs, __m256i a, __m256i b, __m256i ones) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(a_abs, _mm256_sign_epi8(b, a)), ones);
+}
+#endif
+
+/* Four weight rows (w, w + K, w + 2K, w + 3K) against one quantized row a (and |a|, a_abs): the four
+ * exact sums. The block of a is loaded once for all four rows, whose accumulators are summed together
+ * at the end. */
+static void dot4_int8(const int8_t *a, const uint8_t *a_abs, const int8_t *w, int64_t K, int32_t *sums) {
+    int64_t k = 0;
+    int32_t total[4] = {0, 0, 0, 0};
 #if defined(__AVX2__)
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256i acc0 = _mm256_setzero_si256(), acc1 = _mm256_setzero_si256();  /* two chains: the adds overlap */
-    for (; k + 64 <= K; k += 64) {
-        __m256i a0 = _mm256_loadu_si256((const __m256i *)(a + k)), b0 = _mm256_loadu_si256((const __m256i *)(b + k));
-        __m256i a1 = _mm256_loadu_si256((const __m256i *)(a + k + 32));
-        __m256i b1 = _mm256_loadu_si256((const __m256i *)(b + k + 32));
-        /* |a| as unsigned bytes times b with a's sign: pairs of products in int16, then in int32 */
-        acc0 = _mm256_add_epi32(acc0, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(a0, a0),
-                                                                           _mm256_sign_epi8(b0, a0)), ones));
-        acc1 = _mm256_add_epi32(acc1, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(a1, a1),
-                                                                           _mm256_sign_epi8(b1, a1)), ones));
-    }
+    __m256i acc0 = _mm256_setzero_si256(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
     for (; k + 32 <= K; k += 32) {
-        __m256i a0 = _mm256_loadu_si256((const __m256i *)(a + k)), b0 = _mm256_loadu_si256((const __m256i *)(b + k));
-        acc0 = _mm256_add_epi32(acc0, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(a0, a0),
-                                                                           _mm256_sign_epi8(b0, a0)), ones));
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(a + k));
+        const __m256i x_abs = _mm256_loadu_si256((const __m256i *)(a_abs + k));
+        acc0 = _mm256_add_epi32(acc0, block_products(x_abs, x, _mm256_loadu_si256((const __m256i *)(w + k)), ones));
+        acc1 = _mm256_add_epi32(acc1, block_products(x_abs, x, _mm256_loadu_si256((const __m256i *)(w + K + k)),
+                                                     ones));
+        acc2 = _mm256_add_epi32(acc2, block_products(x_abs, x,
+                                                     _mm256_loadu_si256((const __m256i *)(w + 2 * K + k)), ones));
+        acc3 = _mm256_add_epi32(acc3, block_products(x_abs, x,
+                                                     _mm256_loadu_si256((const __m256i *)(w + 3 * K + k)), ones));
     }
-    __m256i acc = _mm256_add_epi32(acc0, acc1);  /* 8 int32 lanes -> 1 */
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
-    sum = _mm_cvtsi128_si32(s);
+    _mm_storeu_si128((__m128i *)total, sum_lanes4(acc0, acc1, acc2, acc3));
+#else
+    (void)a_abs;
 #endif
-    for (; k < K; k++) sum += (int32_t)a[k] * (int32_t)b[k];
-    return sum;
+    for (int r = 0; r < 4; r++) sums[r] = total[r] + dot_int8_plain(a, w + r * K, k, K);
+}
+
+/* One weight row against one quantized row: the exact sum (the rows left over from blocks of four). */
+static int32_t dot_int8(const int8_t *a, const uint8_t *a_abs, const int8_t *w, int64_t K) {
+    int64_t k = 0;
+    int32_t total = 0;
+#if defined(__AVX2__)
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i acc = _mm256_setzero_si256();
+    for (; k + 32 <= K; k += 32)
+        acc = _mm256_add_epi32(acc, block_products(_mm256_loadu_si256((const __m256i *)(a_abs + k)),
+                                                   _mm256_loadu_si256((const __m256i *)(a + k)),
+                                                   _mm256_loadu_si256((const __m256i *)(w + k)), ones));
+    const __m256i zero = _mm256_setzero_si256();
+    total = _mm_cvtsi128_si32(sum_lanes4(acc, zero, zero, zero));
+#else
+    (void)a_abs;
+#endif
+    return total + dot_int8_plain(a, w, k, K);
 }
 
 /* The kernel: returns 0, or 1 where its scratch memory could not be had (nothing written then).
@@ -71,24 +108,36 @@ static int32_t dot_int8(const int8_t *a, const int8_t *b, int64_t K) {
 int lm_int8_linear(const float *x, const int8_t *w, const float *w_scale, float *y,
                    int64_t M, int64_t N, int64_t K, int threads) {
     int8_t *xq = malloc((size_t)(M * K));
+    uint8_t *xq_abs = malloc((size_t)(M * K));
     float *x_scale = malloc((size_t)M * sizeof(float));
-    if (xq == NULL || x_scale == NULL) {
+    if (xq == NULL || xq_abs == NULL || x_scale == NULL) {
         free(xq);
+        free(xq_abs);
         free(x_scale);
         return 1;
     }
-    for (int64_t m = 0; m < M; m++) x_scale[m] = quantize_row(x + m * K, xq + m * K, K);
-    /* Output features split across threads: each reads its share of w once, all M rows against each
-     * weight row while it is in L1. */
+    for (int64_t m = 0; m < M; m++) {
+        x_scale[m] = quantize_row(x + m * K, xq + m * K, K);
+        for (int64_t k = m * K; k < (m + 1) * K; k++) xq_abs[k] = (uint8_t)(xq[k] < 0 ? -xq[k] : xq[k]);
+    }
+    /* Output features split across threads in blocks of four rows: each thread reads its share of w once,
+     * all M rows of x against each block while it is in L1. The order of dynamic's
+     * (acc * x_scale) * w_scale, so the two agree to the last bit. */
+    const int64_t blocks = N / 4;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const int8_t *w_row = w + n * K;
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t n = 4 * b;
+        int32_t sums[4];
         for (int64_t m = 0; m < M; m++) {
-            /* the order of dynamic's (acc * x_scale) * w_scale, so the two agree to the last bit */
-            y[m * N + n] = (float)dot_int8(xq + m * K, w_row, K) * x_scale[m] * w_scale[n];
+            dot4_int8(xq + m * K, xq_abs + m * K, w + n * K, K, sums);
+            for (int r = 0; r < 4; r++) y[m * N + n + r] = (float)sums[r] * x_scale[m] * w_scale[n + r];
         }
     }
+    for (int64_t n = 4 * blocks; n < N; n++)
+        for (int64_t m = 0; m < M; m++)
+            y[m * N + n] = (float)dot_int8(xq + m * K, xq_abs + m * K, w + n * K, K) * x_scale[m] * w_scale[n];
     free(xq);
+    free(xq_abs);
     free(x_scale);
     return 0;
 }

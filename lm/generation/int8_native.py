@@ -25,14 +25,19 @@ def isa_flags() -> tuple[str, ...]:
     return ("-mavx2",) if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else ()
 
 
-@functools.cache
-def library() -> ctypes.CDLL:
-    """The built kernel (built once per process at most); NativeBuildError where it cannot be built."""
-    lib = build_library(SOURCE, isa_flags())
+def build(flags: tuple[str, ...]) -> ctypes.CDLL:
+    """The kernel built with these compiler flags, its function's C signature declared."""
+    lib = build_library(SOURCE, flags)
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     lib.lm_int8_linear.argtypes = [pointer, pointer, pointer, pointer, size, size, size, ctypes.c_int]
     lib.lm_int8_linear.restype = ctypes.c_int
     return lib
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    """The built kernel (built once per process at most); NativeBuildError where it cannot be built."""
+    return build(isa_flags())
 
 
 def unavailable() -> str | None:
@@ -52,12 +57,15 @@ def check_operands(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) 
     """What the kernel reads through raw pointers, checked first: a wrong shape or dtype is one line,
     never a read past a buffer."""
     K, N = x.shape[-1], weight.shape[0]
+    if (weight.dtype == torch.int8 and weight.dim() == 2 and weight.shape[1] == K and scales.shape == (N,)
+            and x.is_cpu and weight.is_cpu and scales.is_cpu and K <= MAX_FEATURES):
+        return  # the common case in one test: this runs once per matmul of every decoding step
     if weight.dtype != torch.int8 or weight.dim() != 2 or weight.shape[1] != K:
         raise ValueError(f"native int8 linear: weight must be int8 of shape (N, {K}), got {weight.dtype} "
                          f"{tuple(weight.shape)}")
     if scales.shape != (N,):
         raise ValueError(f"native int8 linear: scales must have shape ({N},), got {tuple(scales.shape)}")
-    if not (x.device.type == weight.device.type == scales.device.type == "cpu"):
+    if not (x.is_cpu and weight.is_cpu and scales.is_cpu):
         raise ValueError("native int8 linear: runs on the CPU; its tensors are on "
                          f"{sorted({x.device.type, weight.device.type, scales.device.type})}")
     if K > MAX_FEATURES:
@@ -65,17 +73,29 @@ def check_operands(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) 
                          f"stay exact")
 
 
-def _native_int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def run_kernel(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x (..., K) float, weight (N, K) int8, scales (N,) -> (..., N) in x's dtype, through `lib`'s kernel."""
     check_operands(x, weight, scales)
-    flat = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()  # (M, K) float32: what the kernel reads
-    M, K = flat.shape
-    N = weight.shape[0]
-    out = torch.empty(M, N, dtype=torch.float32, device="cpu")  # (M, N), whatever torch's defaults are
-    weight, scales = weight.contiguous(), scales.to(torch.float32).contiguous()
-    if library().lm_int8_linear(flat.data_ptr(), weight.data_ptr(), scales.data_ptr(), out.data_ptr(),
+    dtype = x.dtype
+    # A decoding step calls this once per matmul, so each tensor is converted only where it must be: the
+    # quantized layers hold a contiguous int8 weight and float32 scales, and decode float32 rows.
+    if dtype != torch.float32 or not x.is_contiguous():
+        x = x.to(torch.float32).contiguous()  # (..., K) float32: what the kernel reads
+    if not weight.is_contiguous():
+        weight = weight.contiguous()
+    if scales.dtype != torch.float32 or not scales.is_contiguous():
+        scales = scales.to(torch.float32).contiguous()
+    K, N = x.shape[-1], weight.shape[0]
+    M = x.numel() // K if K else 0
+    out = torch.empty(*x.shape[:-1], N, dtype=torch.float32, device="cpu")  # (..., N), whatever the defaults
+    if M and lib.lm_int8_linear(x.data_ptr(), weight.data_ptr(), scales.data_ptr(), out.data_ptr(),
                                 M, N, K, torch.get_num_threads()) != 0:
         raise MemoryError(f"lm's native int8 kernel could not allocate {M * K} bytes of scratch")
-    return out.view(*x.shape[:-1], N).to(x.dtype)  # (..., N)
+    return out if dtype == torch.float32 else out.to(dtype)
+
+
+def _native_int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return run_kernel(library(), x, weight, scales)
 
 
 # An operator of PyTorch's own (opaque to torch.compile, which calls it as it is) defined with
