@@ -161,10 +161,12 @@ def test_the_native_kernel_sums_full_range_bytes_exactly_where_a_saturating_one_
     from lm.generation.int8_native import native_int8_linear
 
     signs = torch.where(torch.arange(256) % 3 == 0, -1.0, 1.0)  # (K,) a pattern of +-1
-    weight = torch.stack([signs, -signs, torch.ones(256)]).to(torch.int8) * 127  # (3, 256) int8 at +-127
+    rows = [signs, -signs, torch.ones(256), -torch.ones(256), signs]  # a block of four rows and one left over
+    weight = torch.stack(rows).to(torch.int8) * 127  # (5, 256) int8 at +-127
     x = signs[None]  # (1, 256): rounds to +-127 with step 1/127
-    out = native_int8_linear(x, weight, torch.ones(3))  # (1, 3)
-    exact = torch.tensor([[256.0, -256.0, float(signs.sum())]])  # (127 * 127 * sums) * (1/127) * 1 per product
+    out = native_int8_linear(x, weight, torch.ones(5))  # (1, 5)
+    total = float(signs.sum())
+    exact = torch.tensor([[256.0, -256.0, total, -total, 256.0]])  # (127 * 127 * sums) * (1/127) * 1 per product
     torch.testing.assert_close(out, exact * 127, rtol=1e-6, atol=0)
 
 
@@ -174,7 +176,7 @@ def test_the_native_kernel_built_without_avx2_gives_the_same_floats():
     at whole blocks of four rows and 32 bytes, and at rows and bytes left over."""
     from lm.generation import int8_native
 
-    plain = int8_native.build(())  # no -mavx2: the compiler's baseline target, the #else branches
+    plain = int8_native.build(("-mno-avx2",))  # the #else branches, whatever the compiler targets by default
     torch.manual_seed(0)
     for rows, features, outputs in [(1, 384, 44), (3, 130, 7), (5, 40, 2)]:
         weight = torch.randn(outputs, features)
@@ -184,6 +186,35 @@ def test_the_native_kernel_built_without_avx2_gives_the_same_floats():
         torch.testing.assert_close(by_plain.double(), rounded_product(x, weight), atol=1e-5, rtol=1e-5)
         if int8_native.isa_flags():
             assert torch.equal(by_plain, int8_native.native_int8_linear(x, q, scales))
+
+
+@pytest.mark.skipif(not int8_kernels_here(("native",)), reason="no C compiler here to build the native kernel")
+def test_the_native_kernel_takes_any_layout_and_dtype_and_answers_in_the_inputs():
+    """The wrapper converts only what is not contiguous float32 already; whatever it is handed, the answer
+    is the contiguous float32 one, in x's dtype and shape, and no features sum to zero."""
+    from lm.generation.int8_native import native_int8_linear
+
+    torch.manual_seed(0)
+    q, scales = quantize_per_channel(torch.randn(9, 40))  # (9, 40) int8, (9,)
+    x = torch.randn(2, 3, 40)
+    plain = native_int8_linear(x, q, scales)  # (2, 3, 9) float32
+    assert plain.shape == (2, 3, 9) and plain.dtype == torch.float32
+    wide = torch.randn(3, 2, 80)  # every other feature: a non-contiguous x
+    for variant, weight, s in [
+        (x.transpose(0, 1).contiguous().transpose(0, 1), q, scales),  # non-contiguous x, same values
+        (x, q.t().contiguous().t(), scales),  # non-contiguous weight
+        (x, q, scales.double()),  # float64 scales
+    ]:
+        assert torch.equal(native_int8_linear(variant, weight, s), plain)
+    strided = wide[..., ::2]  # (3, 2, 40), not contiguous
+    assert torch.equal(native_int8_linear(strided, q, scales), native_int8_linear(strided.contiguous(), q, scales))
+    for dtype in (torch.bfloat16, torch.float64):
+        out = native_int8_linear(x.to(dtype), q, scales)
+        assert out.dtype == dtype and out.shape == (2, 3, 9)
+        assert torch.equal(out, native_int8_linear(x.to(dtype).float(), q, scales).to(dtype))
+    assert native_int8_linear(torch.randn(0, 40), q, scales).shape == (0, 9)
+    no_features = native_int8_linear(torch.randn(3, 0), torch.zeros(5, 0, dtype=torch.int8), torch.ones(5))
+    assert torch.equal(no_features, torch.zeros(3, 5))
 
 
 @pytest.mark.skipif(not int8_kernels_here(("native",)), reason="no C compiler here to build the native kernel")

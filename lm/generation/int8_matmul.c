@@ -60,7 +60,7 @@ static inline __m256i block_products(__m256i a_abs, __m256i a, __m256i b, __m256
 /* How far ahead of the four rows being read the weights are asked for (_mm_prefetch, which never faults,
  * so reading past the last row is harmless). A decoding step reads each weight once, and between two
  * matmuls the rest of the step runs, so the rows come from L3 or memory: asking for them 6 KiB ahead
- * made one step's 25 matmuls 1.5x faster with their weights in L3 and 1.25x from memory (reference shape,
+ * made one step's 25 matmuls 1.6-1.7x faster with their weights in L3 and 1.2-1.4x from memory (reference shape,
  * one thread, held to AVX2; 1.5 to 12 KiB ahead all gained about as much). */
 #define PREFETCH_BYTES 6144
 

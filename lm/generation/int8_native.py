@@ -88,7 +88,9 @@ def run_kernel(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, scales: 
     K, N = x.shape[-1], weight.shape[0]
     M = x.numel() // K if K else 0
     out = torch.empty(*x.shape[:-1], N, dtype=torch.float32, device="cpu")  # (..., N), whatever the defaults
-    if M and lib.lm_int8_linear(x.data_ptr(), weight.data_ptr(), scales.data_ptr(), out.data_ptr(),
+    if K == 0:
+        out.zero_()  # a sum over no features (the kernel would be asked for no scratch at all)
+    elif M and lib.lm_int8_linear(x.data_ptr(), weight.data_ptr(), scales.data_ptr(), out.data_ptr(),
                                 M, N, K, torch.get_num_threads()) != 0:
         raise MemoryError(f"lm's native int8 kernel could not allocate {M * K} bytes of scratch")
     return out if dtype == torch.float32 else out.to(dtype)
