@@ -185,6 +185,46 @@ def test_train_variants_are_softmax_options_checked_before_any_model_is_built(ca
         assert message in str(refused.value)
 
 
+def test_the_chunked_loss_contender_takes_the_plain_contenders_step():
+    """bench.py train's "lm chunked loss" row trains what the "lm" row does, the loss made a chunk of
+    positions at a time: from the same weights and batch, the same loss and the same weights after
+    the AdamW step (float64; 7-position chunks that do not divide the 72 positions)."""
+    from lm import ModelConfig, Transformer
+    from lm.studies.train_bench import chunked_loss_step_fn, train_step_fn
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=97, n_layer=2, d_model=32, n_head=4, n_kv_head=2, d_ff=64, max_seq_len=24)
+    plain = Transformer(cfg).double()
+    chunked = Transformer(cfg).double()
+    chunked.load_state_dict(plain.state_dict())
+    before = {name: t.clone() for name, t in plain.state_dict().items()}
+    batch = torch.randint(0, cfg.vocab_size, (3, cfg.max_seq_len + 1))
+    plain_loss = train_step_fn(plain, lambda m, x: m(x))(batch)
+    chunked_loss = chunked_loss_step_fn(chunked, chunked.hidden, chunk=7)(batch)
+    torch.testing.assert_close(chunked_loss, plain_loss)
+    for (name, after_plain), after_chunked in zip(plain.state_dict().items(), chunked.state_dict().values(),
+                                                  strict=True):
+        torch.testing.assert_close(after_chunked, after_plain, msg=name)
+        assert not torch.equal(after_plain, before[name]), f"{name}: the step left it as it was"
+
+
+def test_bench_train_times_the_chunked_loss_beside_the_plain_one(tmp_path):
+    """`--json` of a small `bench.py train`: the chunked-loss row beside ours and the peer, counted
+    with our FLOPs; `--loss-chunk 0` leaves it out."""
+    from lm.studies.bench import main
+
+    common = ["train", "--model", "tiny", "--seq", "32", "--batch", "2", "--steps", "1", "--warmup", "0",
+              "--no-compile"]
+    main([*common, "--loss-chunk", "16", "--json", str(tmp_path / "chunked.json")])
+    rows = {row["name"]: row for row in json.loads((tmp_path / "chunked.json").read_text())["rows"]}
+    assert {"lm", "transformers", "lm chunked loss"} <= set(rows)
+    assert rows["lm chunked loss"]["flops_per_step"] == rows["lm"]["flops_per_step"]
+    assert rows["lm chunked loss"]["tokens_per_s"] > 0
+    main([*common, "--loss-chunk", "0", "--json", str(tmp_path / "plain.json")])
+    rows = [row["name"] for row in json.loads((tmp_path / "plain.json").read_text())["rows"]]
+    assert "lm chunked loss" not in rows and "lm" in rows
+
+
 def test_the_int4_contender_is_the_product_with_its_4_bit_weights():
     """bench.py kernels times PyTorch's int4 CPU kernel; what it times must be the matmul it claims:
     x times the weight rounded to 16 levels per group of 32, in float64."""

@@ -21,6 +21,7 @@ import argparse
 import json
 from pathlib import Path
 
+from lm.config.train import TrainSettings
 from lm.generation.quantize import AUTO, CHOICES, KERNELS
 from lm.studies.attention_bench import bench_attention
 from lm.studies.bench_models import add_device_argument, attention_rows
@@ -61,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--no-compile", dest="compile", action="store_false", help="skip the compiled contender")
     train.add_argument("--compile-peers", action="store_true",
                        help="compiled copies of transformers' and litgpt's models too")
+    train.add_argument("--loss-chunk", type=int, default=TrainSettings.loss_chunk, metavar="N",
+                       help="also time ours with the loss made N positions at a time, as training does "
+                            "(loss_chunk; default: training's, %(default)s); 0: no such rows")
     train.add_argument("--variants", nargs="+", type=checked_variant, default=[], metavar="OPTIONS",
                        help="more contenders: the same model with softmax options, e.g. gate=elementwise,qk_norm=true")
     train.set_defaults(run=bench_train)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from lm import ModelConfig, Transformer
 from lm.attention import SoftmaxSpec, spec_from_dict
 from lm.config.compose import CONF_DIR
+from lm.model.linear_cross_entropy import linear_cross_entropy
 from lm.studies.bench_models import (
     REFERENCE,
     bench_device,
@@ -45,16 +46,41 @@ def matmul_peak_flops(device: torch.device, repeats: int = 10) -> float:
 
 def train_step_fn(model: torch.nn.Module, logits_of, autocast: torch.dtype | None = None):
     """One training step: forward (under bf16 autocast when `autocast` says, as `bf16-mixed`
-    trains), loss in float32, backward, fused AdamW."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    trains), loss in float32 at least from the whole logits, backward, fused AdamW."""
 
-    def step(batch: torch.Tensor) -> None:
+    def loss_of(batch: torch.Tensor) -> torch.Tensor:
         with torch.autocast(batch.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
             logits = logits_of(model, batch[:, :-1])  # (B, T, V)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 up to float32; float64 stays
+        return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+
+    return optimizer_step_fn(model, loss_of)
+
+
+def chunked_loss_step_fn(model: Transformer, hidden_of, chunk: int, autocast: torch.dtype | None = None):
+    """One training step as `lm` trains (`loss_chunk`): the final hidden states, then the head and the
+    cross-entropy `chunk` positions at a time (lm.model.linear_cross_entropy), never the whole logits."""
+
+    def loss_of(batch: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(batch.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            hidden = hidden_of(batch[:, :-1]).flatten(0, 1)  # (B, T, C) -> (B*T, C)
+            summed = linear_cross_entropy(hidden, model.head.weight, batch[:, 1:].flatten(), chunk)
+        return summed / hidden.shape[0]  # the mean, as the plain step's F.cross_entropy
+
+    return optimizer_step_fn(model, loss_of)
+
+
+def optimizer_step_fn(model: torch.nn.Module, loss_of):
+    """loss_of(batch), its backward and a fused AdamW step, as one callable of the batch that returns
+    the loss (detached; reading it is the caller's sync, not the step's)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+    def step(batch: torch.Tensor) -> torch.Tensor:
+        loss = loss_of(batch)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
 
     return step
 
@@ -151,6 +177,17 @@ def train_contenders(cfg: ModelConfig, args, autocast: torch.dtype | None) -> tu
                 models[f"{name} compiled"] = copy_
                 steps[f"{name} compiled"] = train_step_fn(copy_, lambda m, x, f=compiled_peer, of=logits_of: of(f, x),
                                                           autocast)
+    if args.loss_chunk:  # ours again, trained as `lm` trains: the loss a chunk of positions at a time
+        chunked = Transformer(cfg)
+        chunked.load_state_dict(ours.state_dict())
+        models["lm chunked loss"] = chunked
+        steps["lm chunked loss"] = chunked_loss_step_fn(chunked, chunked.hidden, args.loss_chunk, autocast)
+        if args.compile:  # compiled as `compile=true` training compiles it: the hidden states, not the loss
+            twin = Transformer(cfg)
+            twin.load_state_dict(ours.state_dict())
+            models["lm compiled chunked loss"] = twin
+            steps["lm compiled chunked loss"] = chunked_loss_step_fn(twin, torch.compile(twin.hidden),
+                                                                     args.loss_chunk, autocast)
     for variant in args.variants:  # the same shape with attention options: gate, qk_norm, softcap ...
         models[variant] = Transformer(dataclasses.replace(cfg, attention=variant_spec(variant)))
         steps[variant] = train_step_fn(models[variant], lambda m, x: m(x), autocast)
@@ -209,6 +246,11 @@ def bench_train(args) -> dict:
         for peer in (f"{p}{suffix}" if f"{p}{suffix}" in medians else p for p in peers):
             if name in medians:
                 print(f"{name} / {peer} tokens/s: {medians[peer] / medians[name]:.2f}x")
+    for name in ("lm chunked loss", "lm compiled chunked loss"):
+        if name in medians:
+            plain = name.replace(" chunked loss", "")
+            if plain in medians:
+                print(f"{name} / {plain} tokens/s: {medians[plain] / medians[name]:.2f}x")
     for variant in args.variants:
         print(f"{variant} / lm tokens/s: {medians['lm'] / medians[variant]:.2f}x")
     return {"device": describe_device(device), "precision": precision, "params": ours.num_params(),
