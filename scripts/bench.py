@@ -10,8 +10,8 @@ from lm.studies.bench import build_parser, main
 from lm.util.cli import exit_on_user_error
 from lm.util.errors import ConfigError
 
-ZERO_TAKES_MEANING = {"warmup", "positions", "rounds", "loss_chunk"}  # no warm-up steps; first-position
-# latency; no rounds; no chunked-loss rows
+# where 0 means something: no warm-up steps; first-position latency; no rounds; no chunked-loss rows
+ZERO_TAKES_MEANING = {"warmup", "positions", "rounds", "loss_chunk"}
 
 
 def check_arguments(argv: list[str]) -> None:

@@ -208,21 +208,43 @@ def test_the_chunked_loss_contender_takes_the_plain_contenders_step():
         assert not torch.equal(after_plain, before[name]), f"{name}: the step left it as it was"
 
 
-def test_bench_train_times_the_chunked_loss_beside_the_plain_one(tmp_path):
-    """`--json` of a small `bench.py train`: the chunked-loss row beside ours and the peer, counted
-    with our FLOPs; `--loss-chunk 0` leaves it out."""
+def test_bench_train_times_the_chunked_loss_beside_the_plain_one(tmp_path, monkeypatch):
+    """`--json` of a small `bench.py train` (the matmul peak not measured): the chunked-loss row beside
+    ours and the peer, counted with our FLOPs; `--loss-chunk 0` builds no such contender."""
+    from argparse import Namespace
+
+    from lm.studies import train_bench
     from lm.studies.bench import main
 
-    common = ["train", "--model", "tiny", "--seq", "32", "--batch", "2", "--steps", "1", "--warmup", "0",
-              "--no-compile"]
-    main([*common, "--loss-chunk", "16", "--json", str(tmp_path / "chunked.json")])
+    monkeypatch.setattr(train_bench, "matmul_peak_flops", lambda device: 1e9)
+    main(["train", "--model", "tiny", "--seq", "32", "--batch", "2", "--steps", "1", "--warmup", "0", "--no-compile",
+          "--loss-chunk", "16", "--json", str(tmp_path / "chunked.json")])
     rows = {row["name"]: row for row in json.loads((tmp_path / "chunked.json").read_text())["rows"]}
     assert {"lm", "transformers", "lm chunked loss"} <= set(rows)
     assert rows["lm chunked loss"]["flops_per_step"] == rows["lm"]["flops_per_step"]
     assert rows["lm chunked loss"]["tokens_per_s"] > 0
-    main([*common, "--loss-chunk", "0", "--json", str(tmp_path / "plain.json")])
-    rows = [row["name"] for row in json.loads((tmp_path / "plain.json").read_text())["rows"]]
-    assert "lm chunked loss" not in rows and "lm" in rows
+    cfg = train_bench.bench_shape(Namespace(model="tiny", vocab=64, seq=16))
+    models, _, _ = train_bench.train_contenders(cfg, Namespace(loss_chunk=0, compile=True, compile_peers=False,
+                                                               variants=[]), None)
+    assert not any("chunked" in name for name in models) and "lm compiled" in models
+
+
+def test_the_chunked_loss_contender_scores_as_training_does_under_bf16_autocast():
+    """Under bf16 autocast (as bf16-mixed trains) the chunked contender's loss is the one training's
+    Scorer takes with the same chunk, on the same weights and batch."""
+    from lm import ModelConfig, Transformer
+    from lm.studies.train_bench import chunked_loss_step_fn
+    from lm.training.module import Scorer
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=97, n_layer=2, d_model=32, n_head=4, n_kv_head=2, d_ff=64, max_seq_len=24)
+    model = Transformer(cfg)
+    batch = torch.randint(0, cfg.vocab_size, (3, cfg.max_seq_len + 1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        trained, _, _ = Scorer(model, loss_chunk=7)(batch, "mean", accuracy=False)
+    stepped = chunked_loss_step_fn(model, model.hidden, 7, autocast=torch.bfloat16)(batch)  # the weights before
+    assert trained.dtype == stepped.dtype == torch.float32
+    torch.testing.assert_close(stepped, trained.detach())
 
 
 def test_the_int4_contender_is_the_product_with_its_4_bit_weights():

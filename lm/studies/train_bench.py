@@ -1,5 +1,6 @@
 """`scripts/bench.py train`: one training step of the reference shape (or a conf/model shape) against
-transformers' LlamaForCausalLM (and litgpt's GPT where installed), eager and compiled, with MFU.
+transformers' LlamaForCausalLM (and litgpt's GPT where installed), eager and compiled, with MFU; and
+ours again with the loss made a chunk of positions at a time, as training makes it (`loss_chunk`).
 
 The contenders step in alternating rounds and each keeps its median step time, so background load
 hits all of them alike: compare the ratios, not one absolute figure.
@@ -58,8 +59,10 @@ def train_step_fn(model: torch.nn.Module, logits_of, autocast: torch.dtype | Non
 
 
 def chunked_loss_step_fn(model: Transformer, hidden_of, chunk: int, autocast: torch.dtype | None = None):
-    """One training step as `lm` trains (`loss_chunk`): the final hidden states, then the head and the
-    cross-entropy `chunk` positions at a time (lm.model.linear_cross_entropy), never the whole logits."""
+    """One training step as `lm` trains (`loss_chunk`): the final hidden states `hidden_of(x)` (the
+    model's `hidden`, or it compiled), then the head and the cross-entropy `chunk` positions at a time
+    (lm.model.linear_cross_entropy), never the whole logits; both under autocast, as Scorer runs them
+    inside bf16-mixed training."""
 
     def loss_of(batch: torch.Tensor) -> torch.Tensor:
         with torch.autocast(batch.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
@@ -153,8 +156,9 @@ def litgpt_model(cfg: ModelConfig) -> torch.nn.Module | None:
 
 def train_contenders(cfg: ModelConfig, args, autocast: torch.dtype | None) -> tuple[dict, dict, list[str]]:
     """({name: model}, {name: its training step}, the peers' names): ours, transformers' (and
-    litgpt's), a compiled copy of ours (--no-compile: none) and of the peers (--compile-peers), and
-    ours with each of --variants' attention options. Built on the current default device."""
+    litgpt's), a compiled copy of ours (--no-compile: none) and of the peers (--compile-peers), copies
+    of ours with the loss a chunk at a time, eager and compiled (--loss-chunk 0: none), and ours with
+    each of --variants' attention options. Built on the current default device."""
     ours = Transformer(cfg)
     peers = {"transformers": (hf_llama(cfg), lambda m, x: m(input_ids=x).logits)}
     litgpt = litgpt_model(cfg)
