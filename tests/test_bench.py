@@ -200,7 +200,7 @@ def test_the_chunked_loss_contender_takes_the_plain_contenders_step():
     before = {name: t.clone() for name, t in plain.state_dict().items()}
     batch = torch.randint(0, cfg.vocab_size, (3, cfg.max_seq_len + 1))
     plain_loss = train_step_fn(plain, lambda m, x: m(x))(batch)
-    chunked_loss = chunked_loss_step_fn(chunked, chunked.hidden, chunk=7)(batch)
+    chunked_loss = chunked_loss_step_fn(chunked, chunk=7)(batch)
     torch.testing.assert_close(chunked_loss, plain_loss)
     for (name, after_plain), after_chunked in zip(plain.state_dict().items(), chunked.state_dict().values(),
                                                   strict=True):
@@ -242,7 +242,7 @@ def test_the_chunked_loss_contender_scores_as_training_does_under_bf16_autocast(
     batch = torch.randint(0, cfg.vocab_size, (3, cfg.max_seq_len + 1))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         trained, _, _ = Scorer(model, loss_chunk=7)(batch, "mean", accuracy=False)
-    stepped = chunked_loss_step_fn(model, model.hidden, 7, autocast=torch.bfloat16)(batch)  # the weights before
+    stepped = chunked_loss_step_fn(model, 7, autocast=torch.bfloat16)(batch)  # the weights before
     assert trained.dtype == stepped.dtype == torch.float32
     torch.testing.assert_close(stepped, trained.detach())
 

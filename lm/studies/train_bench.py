@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from lm import ModelConfig, Transformer
 from lm.attention import SoftmaxSpec, spec_from_dict
 from lm.config.compose import CONF_DIR
-from lm.model.linear_cross_entropy import linear_cross_entropy
 from lm.studies.bench_models import (
     REFERENCE,
     bench_device,
@@ -58,17 +57,19 @@ def train_step_fn(model: torch.nn.Module, logits_of, autocast: torch.dtype | Non
     return optimizer_step_fn(model, loss_of)
 
 
-def chunked_loss_step_fn(model: Transformer, hidden_of, chunk: int, autocast: torch.dtype | None = None):
-    """One training step as `lm` trains (`loss_chunk`): the final hidden states `hidden_of(x)` (the
-    model's `hidden`, or it compiled), then the head and the cross-entropy `chunk` positions at a time
-    (lm.model.linear_cross_entropy), never the whole logits; both under autocast, as Scorer runs them
-    inside bf16-mixed training."""
+def chunked_loss_step_fn(model: Transformer, chunk: int, compile: bool = False,
+                         autocast: torch.dtype | None = None):
+    """One training step as `lm` trains (`loss_chunk`), through training's own Scorer: the final
+    hidden states (compiled with `compile`, as `compile=true` trains), then the head and the
+    cross-entropy `chunk` positions at a time (lm.model.linear_cross_entropy), never the whole
+    logits; under autocast, as bf16-mixed training runs it."""
+    from lm.training.module import Scorer  # here: the bench's parser loads without Lightning
+
+    scorer = Scorer(model, chunk, compile)
 
     def loss_of(batch: torch.Tensor) -> torch.Tensor:
         with torch.autocast(batch.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-            hidden = hidden_of(batch[:, :-1]).flatten(0, 1)  # (B, T, C) -> (B*T, C)
-            summed = linear_cross_entropy(hidden, model.head.weight, batch[:, 1:].flatten(), chunk)
-        return summed / hidden.shape[0]  # the mean, as the plain step's F.cross_entropy
+            return scorer(batch, "mean", accuracy=False)[0]
 
     return optimizer_step_fn(model, loss_of)
 
@@ -160,6 +161,12 @@ def train_contenders(cfg: ModelConfig, args, autocast: torch.dtype | None) -> tu
     of ours with the loss a chunk at a time, eager and compiled (--loss-chunk 0: none), and ours with
     each of --variants' attention options. Built on the current default device."""
     ours = Transformer(cfg)
+
+    def copy_of_ours() -> Transformer:
+        twin = Transformer(cfg)
+        twin.load_state_dict(ours.state_dict())
+        return twin
+
     peers = {"transformers": (hf_llama(cfg), lambda m, x: m(input_ids=x).logits)}
     litgpt = litgpt_model(cfg)
     if litgpt is not None:
@@ -169,8 +176,7 @@ def train_contenders(cfg: ModelConfig, args, autocast: torch.dtype | None) -> tu
     for name, (model, logits_of) in peers.items():
         steps[name] = train_step_fn(model, logits_of, autocast)
     if args.compile:  # a second copy of our model, compiled as `compile=true` training compiles it
-        twin = Transformer(cfg)
-        twin.load_state_dict(ours.state_dict())
+        twin = copy_of_ours()
         compiled = torch.compile(twin)
         models["lm compiled"] = twin
         steps["lm compiled"] = train_step_fn(twin, lambda m, x: compiled(x), autocast)
@@ -181,17 +187,11 @@ def train_contenders(cfg: ModelConfig, args, autocast: torch.dtype | None) -> tu
                 models[f"{name} compiled"] = copy_
                 steps[f"{name} compiled"] = train_step_fn(copy_, lambda m, x, f=compiled_peer, of=logits_of: of(f, x),
                                                           autocast)
-    if args.loss_chunk:  # ours again, trained as `lm` trains: the loss a chunk of positions at a time
-        chunked = Transformer(cfg)
-        chunked.load_state_dict(ours.state_dict())
-        models["lm chunked loss"] = chunked
-        steps["lm chunked loss"] = chunked_loss_step_fn(chunked, chunked.hidden, args.loss_chunk, autocast)
-        if args.compile:  # compiled as `compile=true` training compiles it: the hidden states, not the loss
-            twin = Transformer(cfg)
-            twin.load_state_dict(ours.state_dict())
-            models["lm compiled chunked loss"] = twin
-            steps["lm compiled chunked loss"] = chunked_loss_step_fn(twin, torch.compile(twin.hidden),
-                                                                     args.loss_chunk, autocast)
+    # ours again, trained as `lm` trains: the loss a chunk of positions at a time, eager and compiled
+    for name, compile in (("lm chunked loss", False), ("lm compiled chunked loss", True)):
+        if args.loss_chunk and (args.compile or not compile):
+            models[name] = copy_of_ours()
+            steps[name] = chunked_loss_step_fn(models[name], args.loss_chunk, compile, autocast)
     for variant in args.variants:  # the same shape with attention options: gate, qk_norm, softcap ...
         models[variant] = Transformer(dataclasses.replace(cfg, attention=variant_spec(variant)))
         steps[variant] = train_step_fn(models[variant], lambda m, x: m(x), autocast)
