@@ -84,8 +84,9 @@ def test_two_process_ddp_with_muon_matches_one_process(train_config, tmp_path):
 
     # Newton-Schulz in float32: gradients summed in another order differ in their last float32 bits,
     # which a bf16 iteration (auto's choice on a CPU with bf16 instructions) can turn into 2^-8 of an
-    # update, more than the bound below at optim=muon's learning rate of 0.04. A rank stepping on its
-    # own half batch would be off by about 1e-2 (measured: 5e-3 to 1.5e-2 per tensor at lr 0.02).
+    # update, more than the bound below at a Muon learning rate of 0.04 (twice the default). A rank
+    # stepping on its own half batch would be off by about 1e-2 (measured: 5e-3 to 1.5e-2 per tensor at
+    # lr 0.02).
     muon = ("optim=muon", "optim.ns_dtype=float32")
     single = train(train_config(*muon, "data.batch_size=8", "trainer.max_steps=4", "run_name=single"))
     ddp_ckpt = run_ddp(train_config(), tmp_path, *muon, "trainer.max_steps=4")

@@ -53,7 +53,7 @@ class MuonConfig(OptimConfig):
 
     name: str = setting("muon", "the optimizer: adamw | muon (optim=adamw chooses its group)")
     # lr, adamw_lr, schedule and decay_fraction: the best of the measured recipe table (docs/training.md)
-    lr: float = setting(0.04, "Muon's peak learning rate, for the hidden matrices", positive())
+    lr: float = setting(0.02, "Muon's peak learning rate, for the hidden matrices", positive())
     weight_decay: float = setting(0.01, "Muon's decoupled weight decay: each step multiplies the matrices by "
                                         "1 - lr * weight_decay", DECAY)
     momentum: float = setting(0.95, "Muon's momentum", MOMENTUM)
@@ -68,7 +68,7 @@ class MuonConfig(OptimConfig):
                              choice(ADJUST_LR))
     schedule: str = redefault(OptimConfig, "schedule", "wsd")
     decay_fraction: float = redefault(OptimConfig, "decay_fraction", 0.4)
-    adamw_lr: float = setting(6e-3, "AdamW's peak learning rate, for everything that is not a hidden matrix",
+    adamw_lr: float = setting(1.2e-2, "AdamW's peak learning rate, for everything that is not a hidden matrix",
                               positive())
     adamw_weight_decay: float = setting(0.1, "AdamW's weight decay, on its 2-D parameters but the embedding "
                                              "(never norms, biases)", DECAY)
