@@ -52,7 +52,8 @@ class MuonConfig(OptimConfig):
     `adamw_weight_decay`, with beta1, beta2 and fused, are AdamW's."""
 
     name: str = setting("muon", "the optimizer: adamw | muon (optim=adamw chooses its group)")
-    # lr, adamw_lr, schedule and decay_fraction: the best of the measured recipe table (docs/training.md)
+    # schedule and decay_fraction: the best of the measured recipe table; lr and adamw_lr: the best of the grid
+    # swept with QK-norm (docs/training.md, "The learning rates and steps with QK-norm")
     lr: float = setting(0.02, "Muon's peak learning rate, for the hidden matrices", positive())
     weight_decay: float = setting(0.01, "Muon's decoupled weight decay: each step multiplies the matrices by "
                                         "1 - lr * weight_decay", DECAY)
