@@ -30,7 +30,7 @@ class TrainerSettings:
     precision: str = setting("auto", "auto: bf16-mixed on a GPU and on a CPU with bf16 instructions (AVX512-BF16, "
                                      "AMX), else 32-true", PRECISION)
     max_steps: int = setting(400, "optimizer steps (the default recipe's: docs/training.md, "
-                                         "\"The learning rates and steps with QK-norm\")", integer())
+                                  "\"The learning rates and steps with QK-norm\")", integer())
     val_every_n_steps: int = setting(100, "optimizer steps between validations", integer())
     limit_val_batches: int = setting(20, "batches per validation", integer())
     gradient_clip_val: float | None = setting(1.0, "the gradients' global norm is clipped to it; 0 or null: no "
