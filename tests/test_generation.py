@@ -430,11 +430,14 @@ def test_a_compiled_prefill_runs_once_and_the_later_chunks_of_a_long_prompt_run_
 
 
 class WrittenStorages(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records the storage of every tensor an op writes in place (its schema marks the argument written)."""
+    """Records the storage of every tensor an op writes in place (its schema marks the argument written),
+    and of every tensor an op makes afresh (a return its schema does not alias to an argument), so that
+    what was written minus what was made is what the ops wrote of tensors that existed before them."""
 
     def __init__(self):
         super().__init__()
         self.written = set()
+        self.made = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -443,7 +446,11 @@ class WrittenStorages(torch.utils._python_dispatch.TorchDispatchMode):
                 value = args[i] if i < len(args) else kwargs.get(argument.name)
                 if isinstance(value, torch.Tensor):
                     self.written.add(value.untyped_storage().data_ptr())
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        for returned, value in zip(func._schema.returns, out if isinstance(out, (tuple, list)) else (out,)):
+            if returned.alias_info is None and isinstance(value, torch.Tensor):
+                self.made.add(value.untyped_storage().data_ptr())
+        return out
 
 
 @pytest.mark.parametrize("name", list(KINDS) + WITH_CONV)
@@ -452,25 +459,17 @@ def test_every_buffer_the_decoding_step_writes_is_one_the_cache_holds(name):
     addresses, the only inputs a CUDA graph may write in place, and the row operations copy them:
     the step must write nothing else (a tensor it wrote outside the declaration would make inductor
     skip the graph, and be left behind when a row is replaced)."""
-    import gc
-    import warnings
-
     model = make_model(name)
     with torch.no_grad():
         cache, _ = prefill_ragged(model, [[1, 2, 3], [4, 5, 6, 7, 8]], max_len=12)
         held = {t.untyped_storage().data_ptr() for t in cache.held_tensors()}
         for token in range(3):
             idx, pos = torch.full((2, 1), token), torch.tensor(cache.seen)
-            # The step's inputs are among the tensors alive before it (kept alive, so no temporary of
-            # the step reuses their memory); what it writes of those must be what the cache holds.
-            with warnings.catch_warnings():  # isinstance on some module objects warns of deprecations
-                warnings.simplefilter("ignore")
-                # plain tensors only: a compiled graph left earlier in the process leaves fake ones, with no memory
-                alive = [o for o in gc.get_objects() if type(o) in (torch.Tensor, torch.nn.Parameter)]
-            before = {t.untyped_storage().data_ptr() for t in alive}
             with WrittenStorages() as spy:
                 model.decode_step(idx, cache, pos)
             cache.advance(1)
-            written = spy.written & before
+            # a storage the step made is its own temporary; any other it wrote existed before the step
+            # (a parameter, a cache buffer, a tensor some module keeps), and must be one the cache holds
+            written = spy.written - spy.made
             assert written, "the step wrote no cache buffer"
             assert written <= held, f"{len(written - held)} written inputs that the cache does not hold"
