@@ -447,9 +447,10 @@ class WrittenStorages(torch.utils._python_dispatch.TorchDispatchMode):
                 if isinstance(value, torch.Tensor):
                     self.written.add(value.untyped_storage().data_ptr())
         out = func(*args, **kwargs)
-        for returned, value in zip(func._schema.returns, out if isinstance(out, (tuple, list)) else (out,)):
-            if returned.alias_info is None and isinstance(value, torch.Tensor):
-                self.made.add(value.untyped_storage().data_ptr())
+        returns = func._schema.returns
+        for returned, value in zip(returns, (out,) if len(returns) == 1 else out or (), strict=True):
+            made = [] if returned.alias_info is not None else value if isinstance(value, (tuple, list)) else [value]
+            self.made.update(t.untyped_storage().data_ptr() for t in made if isinstance(t, torch.Tensor))
         return out
 
 
