@@ -234,7 +234,7 @@ def test_the_chunked_loss_contender_scores_as_training_does_under_bf16_autocast(
     Scorer takes with the same chunk, on the same weights and batch."""
     from lm import ModelConfig, Transformer
     from lm.studies.train_bench import chunked_loss_step_fn
-    from lm.training.module import Scorer
+    from lm.training.scoring import Scorer
 
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=97, n_layer=2, d_model=32, n_head=4, n_kv_head=2, d_ff=64, max_seq_len=24)

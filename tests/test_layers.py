@@ -94,10 +94,12 @@ def test_import_lm_loads_nothing_heavy_or_posix_only():
     assert out.strip() == "[]"
 
 
-def test_the_scripts_settings_load_no_lightning():
+def test_the_scripts_settings_and_the_scoring_load_no_lightning():
     """lm.config, which every script imports before it reads its settings (generate, serve, export,
-    eval), loads no Lightning: a script that trains nothing starts without it."""
-    code = "import sys, lm.config; print('lightning' in sys.modules)"
+    eval), loads no Lightning: a script that trains nothing starts without it. Nor does scoring a
+    batch (the evaluation, the training benchmark) or checking a distillation's settings."""
+    code = ("import sys, lm.config, lm.training.scoring, lm.training.distill, lm.studies.evaluate; "
+            "print('lightning' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 

@@ -9,7 +9,7 @@ from lm.data.mqar import IGNORE
 from lm.model.config import ModelConfig
 from lm.model.linear_cross_entropy import linear_cross_entropy
 from lm.model.transformer import Transformer
-from lm.training.module import Scorer, next_token_loss
+from lm.training.scoring import Scorer, next_token_loss
 
 
 def operands(N=37, C=12, V=29, ignored=(3, 4, 5, 6, 7, 30), seed=0):

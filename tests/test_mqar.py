@@ -8,7 +8,7 @@ from omegaconf import open_dict
 
 from lm import load
 from lm.data.mqar import IGNORE, RecallTask, number_tokenizer
-from lm.training.module import scored_batch
+from lm.training.scoring import scored_batch
 from lm.util.errors import DataError
 
 

@@ -19,7 +19,7 @@ from lm.model.transformer import Transformer
 from lm.studies.decode_speed import decode_speed
 from lm.studies.engine import Arm, import_records, machine, ran_on_machine, run_arms, sealed
 from lm.studies.report import pyplot, write_results
-from lm.training.module import evaluate_loss
+from lm.training.scoring import evaluate_loss
 from lm.util.errors import DataError, Interrupted, RunInterrupted
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"

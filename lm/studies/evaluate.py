@@ -35,6 +35,7 @@ from lm.data.corpora import Corpus, is_validation
 from lm.data.recall_task import IGNORE
 from lm.data.tokenizer import EOT
 from lm.model.transformer import Transformer
+from lm.training.scoring import evaluate_loss
 from lm.util.errors import DataError
 
 
@@ -107,10 +108,6 @@ def scoring_windows(ids: torch.Tensor, counted: torch.Tensor, T: int, batch_size
 def score(model: Transformer, ids: torch.Tensor, counted: torch.Tensor, n_bytes: int, documents: int,
           batch_size: int = 8, progress: bool = True) -> Score:
     """Sum of -log p over the counted tokens of the stream, in windows of max_seq_len + 1."""
-    # Imported here, not at the top: it loads Lightning, seconds that scripts/eval.py's input checks and
-    # the importers of split_documents/token_stream need not wait for.
-    from lm.training.module import evaluate_loss
-
     T = model.config.max_seq_len
     batches = scoring_windows(ids, counted, T, batch_size)
     total_batches = math.ceil(math.ceil((len(ids) - 1) / T) / batch_size)

@@ -76,8 +76,9 @@ class Contender:
         from lm.data.modules import make_data_module
         from lm.model.transformer import Transformer
         from lm.studies.evaluate import token_stream
-        from lm.training.module import LitLM, Scorer
+        from lm.training.module import LitLM
         from lm.training.optim import optim_config
+        from lm.training.scoring import Scorer
         from lm.training.settings import model_config_from
         from lm.training.setup import pick_precision
 
@@ -109,7 +110,7 @@ class Contender:
     def step(self) -> None:
         """One optimizer step, as training takes it: the batch, forward and loss, backward, clipping,
         the optimizer and the schedule; its seconds counted."""
-        from lm.training.module import next_token_loss
+        from lm.training.scoring import next_token_loss
 
         started = time.perf_counter()
         batch = next(self.batches)  # (B, T + 1)

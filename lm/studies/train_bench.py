@@ -28,6 +28,7 @@ from lm.studies.bench_models import (
     hf_llama,
     timed,
 )
+from lm.training.scoring import Scorer
 from lm.util.errors import ConfigError
 
 MODEL_CONFIGS = CONF_DIR / "model"
@@ -63,8 +64,6 @@ def chunked_loss_step_fn(model: Transformer, chunk: int, compile: bool = False,
     hidden states (compiled with `compile`, as `compile=true` trains), then the head and the
     cross-entropy `chunk` positions at a time (lm.model.linear_cross_entropy), never the whole
     logits; under autocast, as bf16-mixed training runs it."""
-    from lm.training.module import Scorer  # here: the bench's parser loads without Lightning
-
     scorer = Scorer(model, chunk, compile)
 
     def loss_of(batch: torch.Tensor) -> torch.Tensor:

@@ -30,8 +30,8 @@ from lm.studies.ablation_report import ablation_table, uptraining_plot
 from lm.studies.decode_speed import decode_speed
 from lm.studies.engine import Arm, machine, recorded_settings, run_arms
 from lm.studies.report import write_results
-from lm.training.module import evaluate_loss
 from lm.training.run import train
+from lm.training.scoring import evaluate_loss
 from lm.training.uptraining import (
     Target,
     check_conversion,

@@ -17,7 +17,7 @@ from lm.config.trainer import TrainerSettings
 from lm.config.uptrain import UptrainOptions
 from lm.model.config import ModelConfig, check_layers_build
 from lm.model.transformer import Transformer
-from lm.training.module import check_distillation
+from lm.training.distill import check_distillation
 from lm.training.optim import check_optim_settings, optim_config
 from lm.util.errors import ConfigError
 

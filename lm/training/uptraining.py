@@ -37,8 +37,9 @@ from lm.formats.convert import check_convertible, to_grouped
 from lm.formats.to_latent import check_parent, to_latent
 from lm.model.config import ModelConfig
 from lm.model.transformer import Transformer
-from lm.training.module import check_distillation, evaluate_loss, inputs_and_targets
+from lm.training.distill import check_distillation
 from lm.training.run import train
+from lm.training.scoring import evaluate_loss, inputs_and_targets
 from lm.util.errors import ConfigError, RunInterrupted
 from lm.util.files import run_folder
 from lm.util.paths import resolve_path
