@@ -17,7 +17,7 @@ from conftest import compose_config  # noqa: E402
 from serving import CHAT_TEMPLATE, greedy_text, model, running, tokenizer, write_checkpoint  # noqa: E402
 
 from lm.serving.run import prepare  # noqa: E402
-from lm.studies.serve_bench import find_llama_server  # noqa: E402
+from lm.studies.servers import find_llama_server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
