@@ -430,27 +430,42 @@ def test_a_compiled_prefill_runs_once_and_the_later_chunks_of_a_long_prompt_run_
 
 
 class WrittenStorages(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records the storage of every tensor an op writes in place (its schema marks the argument written),
-    and of every tensor an op makes afresh (a return its schema does not alias to an argument), so that
-    what was written minus what was made is what the ops wrote of tensors that existed before them."""
+    """Records the storage of every tensor an op writes in place (its schema marks the argument
+    written; a list of tensors too), and of every tensor an op makes afresh (a return its schema does
+    not alias to an argument, unless it is an argument's storage all the same, as `unsafe_chunk` and
+    `_unsafe_view` return), so that what was written minus what was made is what the ops wrote of
+    tensors that existed before them. Every storage recorded is kept alive while the mode lives, so
+    no later one takes its address."""
 
     def __init__(self):
         super().__init__()
-        self.written = set()
-        self.made = set()
+        self.written, self.made, self.kept = set(), set(), []
+
+    @staticmethod
+    def tensors(value) -> list[torch.Tensor]:  # an argument or a return: a tensor, or a list of them
+        if isinstance(value, torch.Tensor):
+            return [value]
+        return [t for t in value if isinstance(t, torch.Tensor)] if isinstance(value, (list, tuple)) else []
+
+    def record(self, into: set, tensors: list[torch.Tensor]) -> None:
+        for t in tensors:
+            into.add(t.untyped_storage().data_ptr())
+            self.kept.append(t.untyped_storage())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        inputs = set()
         for i, argument in enumerate(func._schema.arguments):
+            value = args[i] if i < len(args) else kwargs.get(argument.name)
+            tensors = self.tensors(value)
+            inputs.update(t.untyped_storage().data_ptr() for t in tensors)
             if argument.alias_info is not None and argument.alias_info.is_write:
-                value = args[i] if i < len(args) else kwargs.get(argument.name)
-                if isinstance(value, torch.Tensor):
-                    self.written.add(value.untyped_storage().data_ptr())
+                self.record(self.written, tensors)
         out = func(*args, **kwargs)
         returns = func._schema.returns
         for returned, value in zip(returns, (out,) if len(returns) == 1 else out or (), strict=True):
-            made = [] if returned.alias_info is not None else value if isinstance(value, (tuple, list)) else [value]
-            self.made.update(t.untyped_storage().data_ptr() for t in made if isinstance(t, torch.Tensor))
+            if returned.alias_info is None:
+                self.record(self.made, [t for t in self.tensors(value) if t.untyped_storage().data_ptr() not in inputs])
         return out
 
 
@@ -474,3 +489,5 @@ def test_every_buffer_the_decoding_step_writes_is_one_the_cache_holds(name):
             written = spy.written - spy.made
             assert written, "the step wrote no cache buffer"
             assert written <= held, f"{len(written - held)} written inputs that the cache does not hold"
+            # and in place: a buffer the step replaced would leave a CUDA graph's static address behind
+            assert {t.untyped_storage().data_ptr() for t in cache.held_tensors()} == held
