@@ -13,7 +13,7 @@ import lm
 from lm.data.mqar import IGNORE, PAD, mix_tasks, mixed_examples
 from lm.model.config import ConfigError
 from lm.model.generation_cache import GenerationCache
-from lm.studies.frontier_report import pareto_front, state_points, still_learning
+from lm.studies.frontier_report import on_plateau, pareto_front, state_points, still_learning
 
 # Every path of the frontier at toy sizes: three kinds, two state sizes each, one seed, seconds.
 TOY = ["preset=frontier", "kinds=[mha,linear,sliding]", "extra_kinds=[]", "per_kind=null", "seeds=1",
@@ -123,14 +123,26 @@ def test_a_point_takes_its_best_rate_on_the_mix_and_is_marked_when_the_budget_st
                record("linear", "n_head=4", 0.03, 1, 0.2, flat, tests=((64, 4, 0.90, 1000),)),
                {"task": "frontier", "kind": "mha", "point": "width=32", "lr": 0.01, "seed": 0, "diverged": "nan"},
                record("mha", "width=32", 0.03, 0, 0.9, flat, steps=60, tests=((64, 4, 0.95, 8000),))]
-    linear, mha = state_points(records, threshold=0.01)
+    linear, mha = state_points(records, threshold=0.01, plateau=0.05)
     # the rate is chosen on the mix (0.6 > 0.2), not on a test, so one model answers every test
-    assert (linear.lr, linear.seeds, linear.budget_stopped) == (0.01, 2, True)
+    assert (linear.lr, linear.seeds, linear.budget_stopped, linear.on_plateau) == (0.01, 2, True, False)
     assert linear.accuracy[(64, 4)] == pytest.approx((0.4, 0.1414), abs=1e-4)
     assert linear.state_bytes == {(64, 4): 1000}
-    assert not state_points(records, threshold=0.5)[0].budget_stopped  # a rise of 0.2 is within 0.5
-    assert (mha.lr, mha.budget_stopped, mha.state_bytes) == (0.03, False, {(64, 4): 8000})
+    assert not state_points(records, threshold=0.5, plateau=0.05)[0].budget_stopped  # a rise of 0.2 is within 0.5
+    assert (mha.lr, mha.budget_stopped, mha.on_plateau, mha.state_bytes) == (0.03, False, False, {(64, 4): 8000})
     assert not still_learning(records[-1], 0.0)  # stopped early at 0.99: converged, whatever the last rise
+
+
+def test_a_point_that_ran_every_step_near_chance_is_marked_on_the_plateau():
+    """MQAR is learnt in a jump: a run that ends on the flat stretch before it (no rise at its last
+    validation, so not *budget*) has not shown the kind's limit either."""
+    flat_at_chance = [[50, 5.3, 0.010, 1.0], [100, 5.3, 0.012, 2.0]]
+    stuck = record("gated_delta", "n_head=8", 0.01, 0, 0.012, flat_at_chance)
+    point, = state_points([stuck], threshold=0.01, plateau=0.05)
+    assert (point.budget_stopped, point.on_plateau) == (False, True)
+    assert not on_plateau(stuck, 0.01)  # 0.012 is above a plateau bound of 0.01
+    # an arm that stopped before its last step (at 0.99, or interrupted) is not said to be on the plateau
+    assert not on_plateau(record("mha", "width=32", 0.01, 0, 0.012, flat_at_chance, steps=60), 0.05)
 
 
 def test_a_mix_pads_each_task_after_its_answers():

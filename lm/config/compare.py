@@ -231,6 +231,9 @@ class FrontierSettings:
     still_learning: float = setting(0.01, "an arm that ran every step and whose last held-out accuracy rose by "
                                           "more than this over the one before is marked stopped by the budget, "
                                           "not converged", number(0))
+    plateau: float = setting(0.05, "an arm that ran every step and ended at most this accuracy on the mix is marked "
+                                   "still on MQAR's plateau (it is learnt in a jump), not a measured limit",
+                             fraction())
     batch_size: int = setting(256, "examples per step, the mix shuffled together", integer())
     examples: int | None = setting(180000, "training examples, shared equally by the mix's cells (Based: 100k "
                                            "at 64 / 4 pairs, 20k at each other); null: steps x batch_size fresh "

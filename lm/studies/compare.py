@@ -169,10 +169,10 @@ def run_study(cfg: DictConfig) -> dict | None:
         # the finished arms of waiting entries are kept too, so records_from can continue from this file
         results["unfinished"] = {"planned": len(arms), "arms": unfinished}
         results["waiting"] = waiting
-    still_learning = cfg.frontier.still_learning
+    still_learning, plateau = cfg.frontier.still_learning, cfg.frontier.plateau
     frontier = frontier_tables(records, results["settings"])
     table = comparison_table(results) + ("\n" + "\n".join(frontier) if frontier else "")
     write_results(out, results, table,
                   {"mqar_accuracy.png": mqar_plot, "lm_loss.png": lm_loss_plot,
-                   "frontier.png": lambda records: frontier_plot(records, still_learning)})
+                   "frontier.png": lambda records: frontier_plot(records, still_learning, plateau)})
     return results

@@ -6,7 +6,10 @@ A state size's number is the best learning rate's mean over seeds, the rate chos
 held-out accuracy on the training mix (one model per point for every test, not the best rate per
 test). A point is marked stopped by the budget when a seed of that rate ran every step and its
 last held-out accuracy still rose by more than `frontier.still_learning` over the one before: a
-fixed-state kind still learning at its last step has not shown its limit.
+fixed-state kind still learning at its last step has not shown its limit. Nor has one that ran every
+step and never left MQAR's plateau (its last accuracy on the mix at most `frontier.plateau`): the
+task is learnt in a jump after a flat stretch near chance, so the budget may have ended before the
+jump, or the kind may never make it; those points are marked too, and neither reading is claimed.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ class StatePoint:
     lr: float
     seeds: int
     diverged: int  # seeds of that rate that diverged (they count as accuracy 0)
-    budget_stopped: bool
+    budget_stopped: bool  # still learning at its last step
+    on_plateau: bool  # ran every step and never left the plateau near chance
     accuracy: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)  # test -> (mean, spread)
     state_bytes: dict[tuple[int, int], int] = field(default_factory=dict)  # test -> bytes per sequence
 
@@ -35,15 +39,24 @@ def mix_accuracy(r: dict) -> float:
     return 0.0 if diverged(r) else r["val_accuracy"]
 
 
+def ran_every_step(r: dict) -> bool:
+    return not diverged(r) and r["steps"] >= r["settings"]["trainer"]["max_steps"]
+
+
 def still_learning(r: dict, threshold: float) -> bool:
     """Whether the arm ran every step and its held-out accuracy rose by more than `threshold`
     between its last two validations."""
-    if diverged(r) or r["steps"] < r["settings"]["trainer"]["max_steps"] or len(r["history"]) < 2:
+    if not ran_every_step(r) or len(r["history"]) < 2:
         return False
     return r["history"][-1][2] - r["history"][-2][2] > threshold
 
 
-def state_points(records: list[dict], threshold: float) -> list[StatePoint]:
+def on_plateau(r: dict, plateau: float) -> bool:
+    """Whether the arm ran every step and ended with its held-out accuracy on the mix at most `plateau`."""
+    return ran_every_step(r) and r["val_accuracy"] <= plateau
+
+
+def state_points(records: list[dict], threshold: float, plateau: float) -> list[StatePoint]:
     """Every (kind, state size) of the frontier records, in the records' order."""
     grouped: dict[tuple[str, str], dict[float, list[dict]]] = {}
     for r in records:
@@ -55,7 +68,7 @@ def state_points(records: list[dict], threshold: float) -> list[StatePoint]:
         rs = by_lr[lr]
         kept = [r for r in rs if not diverged(r)]
         point = StatePoint(kind, label, lr, len(rs), len(rs) - len(kept),
-                           any(still_learning(r, threshold) for r in rs))
+                           any(still_learning(r, threshold) for r in rs), any(on_plateau(r, plateau) for r in rs))
         # the bytes do not depend on the rate or the seed: any finished record of the point says them
         measured = next((r for rates in by_lr.values() for r in rates if not diverged(r)), None)
         if measured is not None:
@@ -92,7 +105,7 @@ def frontier_tables(records: list[dict], settings: dict) -> list[str]:
     if not any(r["task"] == "frontier" for r in records):
         return []
     f = settings["frontier"]
-    points = state_points(records, f["still_learning"])
+    points = state_points(records, f["still_learning"], f["plateau"])
     train = " ".join(f"{s}/{p}" for s, p in f["train"])
     lrs = sorted({r["lr"] for r in records if r["task"] == "frontier"})
     seeds = max(p.seeds for p in points)
@@ -106,7 +119,10 @@ def frontier_tables(records: list[dict], settings: dict) -> list[str]:
              f"Each point: the best of the learning rates {', '.join(f'{lr:g}' for lr in lrs)} by mean accuracy on "
              f"the mix, mean ± standard deviation over {seeds} seed{'s' if seeds > 1 else ''}. **front**: on the "
              "Pareto frontier of its test; *budget*: still learning at its last step (a seed ran every step and "
-             "its held-out accuracy still rose), so its accuracy is not the kind's limit.", ""]
+             "its held-out accuracy still rose), so its accuracy is not the kind's limit; *plateau*: a seed ran "
+             f"every step and ended at most {f['plateau']:g} on the mix, still on the flat stretch before MQAR's "
+             "jump, so the budget may have stopped it before the jump or the kind may never make it: not a "
+             "measured limit either.", ""]
     for cell in test_cells(points):
         shown, front = panel(points, cell)
         lines += [f"#### Sequence {cell[0]}, {cell[1]} pairs", "",
@@ -114,6 +130,7 @@ def frontier_tables(records: list[dict], settings: dict) -> list[str]:
         for i, p in enumerate(shown):
             mean, spread = p.accuracy[cell]
             notes = [n for n, on in (("**front**", i in front), ("*budget*", p.budget_stopped),
+                                     ("*plateau*", p.on_plateau),
                                      (f"{p.diverged} of {p.seeds} diverged", p.diverged)) if on]
             lines.append(f"| {p.kind} | {p.label} | {si_bytes(p.state_bytes[cell])} | {mean:.3f}"
                          + (f" ± {spread:.3f}" if p.seeds > 1 else "") + f" | {p.lr:g} | {', '.join(notes)} |")
@@ -124,11 +141,12 @@ def frontier_tables(records: list[dict], settings: dict) -> list[str]:
     return lines
 
 
-def frontier_plot(records: list[dict], threshold: float):
+def frontier_plot(records: list[dict], threshold: float, plateau: float):
     """One panel per test cell: accuracy against state bytes (log axis), one line per kind through
-    its state sizes, hollow markers where the budget stopped a point, the Pareto frontier as a black
-    step line; None without frontier records."""
-    points = state_points(records, threshold)
+    its state sizes, hollow markers where a point is not a measured limit (still learning, or still on
+    the plateau, at the last step), the Pareto frontier as a black step line; None without frontier
+    records."""
+    points = state_points(records, threshold, plateau)
     cells = test_cells(points)
     if not cells:
         return None
@@ -147,7 +165,7 @@ def frontier_plot(records: list[dict], threshold: float):
             x = [p.state_bytes[cell] for p in own]
             y = [p.accuracy[cell][0] for p in own]
             ax.plot(x, y, label=kind, linewidth=1, **style)
-            stopped = [(xi, yi) for p, xi, yi in zip(own, x, y, strict=True) if p.budget_stopped]
+            stopped = [(xi, yi) for p, xi, yi in zip(own, x, y, strict=True) if p.budget_stopped or p.on_plateau]
             if stopped:  # hollow: the same marker, filled white
                 ax.plot(*zip(*stopped, strict=True), linestyle="none", markerfacecolor="white", **style)
         edge = [shown[i] for i in sorted(front, key=lambda i: shown[i].state_bytes[cell])]
@@ -167,5 +185,6 @@ def frontier_plot(records: list[dict], threshold: float):
     for ax in spare:
         ax.axis("off")
     spare[0].legend(list(handles.values()), list(handles), loc="center", fontsize="small",
-                    ncol=1 + len(handles) // 12, title="hollow: stopped by the\nstep budget, still learning")
+                    ncol=1 + len(handles) // 12,
+                    title="hollow: not a measured limit\n(still learning, or on the\nplateau, at the last step)")
     return fig
