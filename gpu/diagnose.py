@@ -1,12 +1,16 @@
 """What the gpu tier and bench-train left open, measured in one short call on a GPU machine:
 
-  taylor   linear-taylor-mqa's compiled decoding against eager: the plain forward compiled by
-           aot_eager and by inductor, then generate(compile=True) one prompt at a time and batched
-  profile  the compiled `model=base` training step of bench-train (sequence 1024, batch 16,
-           bf16-mixed): step time, MFU, the CUDA time of matmuls, attention and the rest, the top
-           kernels; then the step with the loss inside the compiled graph, at batch 16 and 32
+  taylor     linear-taylor-mqa's compiled decoding against eager, part by part: the compiled prefill's
+             logits and cache state, three steps captured as a CUDA graph and compiled without one,
+             each from the eager prefill's cache; the same for Taylor with 4 K/V heads and elu's MQA
+  odd_chunk  gated_delta-mha-odd-chunk's bf16 gradient error beside gated_delta's, with cuDNN's TF32
+             on and off, and the GPU's float32 gradient against the CPU's
+  profile    the compiled `model=base` training step of bench-train (sequence 1024, batch 16,
+             bf16-mixed): step time, MFU, the CUDA time of matmuls, attention and the rest, the top
+             kernels; then the step with the loss inside the compiled graph, at batch 16 and 32; the
+             step as compile=true trains (loss_chunk 512); the loss compiled with max-autotune
 
-    PYTHONPATH=/tmp/lm-site:$PWD python3 gpu/diagnose.py [taylor] [profile]   # after a gpu/run stage
+    PYTHONPATH=/tmp/lm-site:$PWD python3 gpu/diagnose.py [taylor] [odd_chunk] [profile]   # after a gpu/run stage
 """
 
 from __future__ import annotations
@@ -24,30 +28,101 @@ os.environ.setdefault("LM_GPU_TIER_DEVICE", "cuda")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 def taylor() -> None:
+    """Which compiled part gives linear-taylor-mqa other tokens than eager: the prefill (compiled with
+    static shapes, no CUDA graph) or the step (captured as a CUDA graph, or compiled without one),
+    measured as logits and cache states side by side from the same starting cache; then a Taylor
+    model with a K/V head per query head, and elu's MQA, so the feature map and the grouping are
+    told apart."""
     import test_gpu as tier
 
     from lm import generate
+    from lm.attention import LinearSpec
+    from lm.model.generation_cache import GenerationCache
 
-    model = tier.gpu_model("linear-taylor-mqa").eval()
+    tier.KINDS["linear-taylor-mha"] = (LinearSpec(feature_map="taylor"), 4)
+    tier.KINDS["linear-elu-mqa"] = (LinearSpec(), 1)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, tier.VOCAB, (n,), generator=g).tolist() for n in (3, 17, 9)]  # the tier's prompts
-    for n, prompt in enumerate(prompts):
-        idx = torch.tensor([prompt], device=tier.DEVICE)
-        with torch.no_grad():
-            eager = model(idx)
-            for backend in ("aot_eager", "inductor"):
-                torch._dynamo.reset()
-                compiled = torch.compile(model, dynamic=False, backend=backend)(idx)
-                same = bool((compiled.argmax(-1) == eager.argmax(-1)).all())
-                print(f"taylor prompt{n} len{len(prompt)} {backend}: rel err "
-                      f"{tier.relative_error(compiled, eager):.2e}, argmax same {same}")
-    torch._dynamo.reset()
-    for n, prompt in enumerate(prompts):
-        compiled, eager = generate(model, [prompt], 8, compile=True), generate(model, [prompt], 8)
-        print(f"taylor alone prompt{n}: compiled {compiled[0][-8:]} eager {eager[0][-8:]}")
-    torch._dynamo.reset()
-    compiled, eager = generate(model, prompts, 8, compile=True), generate(model, prompts, 8)
-    print("taylor batch:", [row[-8:] for row in compiled], [row[-8:] for row in eager])
+
+    def states(cache) -> list[torch.Tensor]:
+        return [t.clone() for t in cache.held_tensors()]
+
+    def difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+        return max(tier.relative_error(x, y) for x, y in zip(a, b, strict=True))
+
+    for name in ("linear-taylor-mqa", "linear-taylor-mha", "linear-elu-mqa"):
+        model = tier.gpu_model(name).eval()
+        torch._dynamo.reset()
+        compiled_prefill = torch.compile(model, dynamic=False)
+        graph_step = torch.compile(model.decode_step, fullgraph=True, mode="reduce-overhead")
+        plain_step = torch.compile(model.decode_step, fullgraph=True)
+        for n, prompt in enumerate(prompts):
+            idx = torch.tensor([prompt], device=tier.DEVICE)
+            pad = torch.zeros(1, dtype=torch.long, device=tier.DEVICE)
+            with torch.no_grad():
+                eager_cache, compiled_cache = (GenerationCache(model, pad=pad, max_len=64) for _ in range(2))
+                eager = model(idx, cache=eager_cache)[:, -1]  # (1, V)
+                compiled = compiled_prefill(idx, cache=compiled_cache)[:, -1]
+                eager_cache.advance(idx.shape[1])
+                compiled_cache.advance(idx.shape[1])
+                top2 = eager[0].topk(2).values
+                print(f"{name} prompt{n}: prefill logits rel err {tier.relative_error(compiled, eager):.2e}, "
+                      f"state rel err {difference(states(compiled_cache), states(eager_cache)):.2e}, "
+                      f"argmax {int(compiled.argmax())} vs eager {int(eager.argmax())} "
+                      f"(eager's top-2 gap {float(top2[0] - top2[1]):.2e})")
+                start = states(eager_cache)
+                token = eager.argmax(-1, keepdim=True)  # (1, 1)
+                results = {}
+                for label, step in (("eager", model.decode_step), ("cuda graph", graph_step), ("no graph", plain_step)):
+                    for held, saved in zip(eager_cache.held_tensors(), start, strict=True):
+                        held.copy_(saved)  # every step from the same cache
+                    pos = eager_cache.lengths.clone()
+                    outs = [step(token, eager_cache, pos).clone() for _ in range(3)]  # each step writes the state
+                    results[label] = (outs, states(eager_cache))
+                base, base_state = results["eager"]
+                for label in ("cuda graph", "no graph"):
+                    outs, state = results[label]
+                    errors = [f"{tier.relative_error(o, b):.1e}" for o, b in zip(outs, base, strict=True)]
+                    print(f"    three steps, {label}: logits rel err {errors}, "
+                          f"state rel err after them {difference(state, base_state):.2e}")
+        torch._dynamo.reset()
+        print(f"{name} generate: compiled {[r[-8:] for r in generate(model, prompts, 8, compile=True)]}")
+        print(f"{name} generate: eager    {[r[-8:] for r in generate(model, prompts, 8)]}")
+
+
+def odd_chunk() -> None:
+    """The bf16 autocast test's gradient error for gated_delta-mha-odd-chunk (chunk size 5), beside
+    gated_delta: overall and the parameters that differ most, with cuDNN's TF32 convolutions on
+    (PyTorch's default) and off, and float32's own gradient against the CPU's."""
+    import test_gpu as tier
+
+    idx_cpu = torch.randint(0, tier.VOCAB, (2, 97), generator=torch.Generator().manual_seed(1))
+
+    def gradients(model, idx, autocast: bool):
+        model.zero_grad(set_to_none=True)
+        device = idx.device.type
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+            logits = model(idx[:, :-1])  # (2, 96, V)
+        F.cross_entropy(logits.float().flatten(0, 1), idx[:, 1:].flatten()).backward()
+        return {n: p.grad.detach().float().flatten().cpu() for n, p in model.named_parameters() if p.grad is not None}
+
+    def whole(grads: dict) -> torch.Tensor:
+        return torch.cat(list(grads.values()))
+
+    print(f"TF32: cuDNN {torch.backends.cudnn.allow_tf32}, matmul {torch.backends.cuda.matmul.allow_tf32}")
+    for name in ("gated_delta-mha-odd-chunk", "gated_delta"):
+        model = tier.gpu_model(name)
+        idx = idx_cpu.to(tier.DEVICE)
+        for tf32 in (True, False):
+            torch.backends.cudnn.allow_tf32 = tf32
+            g32, g16 = gradients(model, idx, False), gradients(model, idx, True)
+            worst = sorted(((tier.relative_error(g16[n], g32[n]), n) for n in g32), reverse=True)[:4]
+            print(f"{name} cuDNN TF32 {tf32}: gradient rel err {tier.relative_error(whole(g16), whole(g32)):.3f}; "
+                  f"worst {', '.join(f'{n} {e:.3f}' for e, n in worst)}")
+        torch.backends.cudnn.allow_tf32 = True
+        cpu32, cpu16 = gradients(model.cpu(), idx_cpu, False), gradients(model, idx_cpu, True)
+        print(f"{name} on the CPU: bf16 gradient rel err {tier.relative_error(whole(cpu16), whole(cpu32)):.3f}; "
+              f"the GPU's float32 gradient against the CPU's {tier.relative_error(whole(g32), whole(cpu32)):.2e}")
 
 
 def seconds_per_call(fn, calls: int = 10) -> float:
@@ -67,7 +142,7 @@ def profile() -> None:
 
     from lm import Transformer
     from lm.studies.bench_models import dense_bf16_peak
-    from lm.studies.train_bench import bench_shape, train_step_fn
+    from lm.studies.train_bench import bench_shape, chunked_loss_step_fn, train_step_fn
 
     cfg = bench_shape(SimpleNamespace(model="base", vocab=None, seq=1024))
     torch.manual_seed(0)
@@ -113,9 +188,30 @@ def profile() -> None:
     wide = torch.randint(0, cfg.vocab_size, (32, 1025), device="cuda")
     print(f"base step batch 32 (loss compiled): {mfu(seconds_per_call(lambda: step_with_loss(wide), 5), 32)}")
 
+    # the step as `compile=true bf16-mixed` training takes it: hidden states compiled, the head and
+    # the loss 512 positions at a time, eager (lm.model.linear_cross_entropy)
+    chunked = chunked_loss_step_fn(model, 512, compile=True, autocast=torch.bfloat16)
+    print(f"base step as compile=true trains (loss_chunk 512): {mfu(seconds_per_call(lambda: chunked(batch)), 16)}")
+    print(f"  the same at batch 32: {mfu(seconds_per_call(lambda: chunked(wide), 5), 32)}")
+
+    # inductor's GEMM templates and tuned pointwise kernels: does autotuning close the gap?
+    torch._inductor.config.coordinate_descent_tuning = True
+    tuned_loss = torch.compile(loss_of, mode="max-autotune-no-cudagraphs")
+    started = time.perf_counter()
+    tuned_loss(wide[:, :-1], wide[:, 1:]).backward()
+    optimizer.zero_grad(set_to_none=True)
+    print(f"max-autotune compile: {time.perf_counter() - started:.0f} s")
+
+    def tuned_step(rows: torch.Tensor) -> None:
+        tuned_loss(rows[:, :-1], rows[:, 1:]).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    print(f"base step batch 32 (loss compiled, max-autotune): {mfu(seconds_per_call(lambda: tuned_step(wide), 5), 32)}")
+
 
 if __name__ == "__main__":
-    parts = {"taylor": taylor, "profile": profile}
+    parts = {"taylor": taylor, "odd_chunk": odd_chunk, "profile": profile}
     for name in sys.argv[1:] or list(parts):
         try:
             parts[name]()

@@ -107,17 +107,23 @@ class SameChoices:
 def test_every_kind_in_bf16_autocast_computes_what_float32_does(name, monkeypatch):
     """One forward and backward as `bf16-mixed` training runs it (float32 weights, bf16 autocast)
     against float32: the logits within 2% and the whole gradient within 4% (relative Frobenius
-    error), 3% and 8% for models with a gated delta layer, and nothing non-finite. A sparse DSA
+    error), 5% and 35% for models with a gated delta layer, and nothing non-finite. A sparse DSA
     layer reads the positions the float32 pass chose (SameChoices), and bf16 itself chooses at
     least 90% of them: left to choose alone, the untrained indexer's near-equal scores swap
-    positions under bf16 rounding and the logits land 13% from float32's (CPU, torch 2.13).
+    positions under bf16 rounding and the logits land 13% from float32's (CPU, torch 2.13). The
+    batch is drawn on the CPU, so every device measures the same one.
 
     Measured with the CPU's bf16 autocast (AMD EPYC, torch 2.13): 0.9-1.3% and 1.2-1.9% for every
-    kind but gated delta, 2.0-2.4% and 3.9-6.3% for gated delta: the delta rule carries the bf16
-    rounding of its inputs (the projections, the convolution, q and k's normalisation) through its
-    chain of state updates, and with its whole layer in float32 it lands at 0.9% like the others."""
+    kind but gated delta. The delta rule carries the bf16 rounding of its inputs (the projections,
+    the convolution, q and k's normalisation) through its chain of state updates (with its whole
+    layer in float32 it lands at 0.9% like the others), and how far depends on the batch: over 12
+    batches (seeds 0-11) its rows' logits lay 1.5-2.8% from float32's (one batch 4.0%) and their
+    gradients 3-26% (gated_delta 3.5-6.3%, KDA 3-8%, the odd chunk 4.6-11%, MQA without the
+    convolution 6-26%); an H100 measured 13.9% for the odd chunk on another batch. The bounds cover
+    that spread; that the kernels keep their float32 under autocast is held bit for bit in
+    tests/test_attention.py."""
     model = gpu_model(name)
-    idx = torch.randint(0, VOCAB, (2, 97), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(1))
+    idx = torch.randint(0, VOCAB, (2, 97), generator=torch.Generator().manual_seed(1)).to(DEVICE)
 
     def forward_backward(autocast: bool):
         model.zero_grad(set_to_none=True)
@@ -141,7 +147,7 @@ def test_every_kind_in_bf16_autocast_computes_what_float32_does(name, monkeypatc
     if same_choices:
         assert same_choices.agreement and min(same_choices.agreement) >= 0.9, same_choices.agreement
     assert torch.isfinite(logits16).all() and torch.isfinite(gradient16).all()
-    logits_bound, gradient_bound = (0.03, 0.08) if has_gated_delta(name) else (0.02, 0.04)
+    logits_bound, gradient_bound = (0.05, 0.35) if has_gated_delta(name) else (0.02, 0.04)
     assert relative_error(logits16, logits32) < logits_bound
     assert relative_error(gradient16, gradient32) < gradient_bound
 
@@ -160,7 +166,7 @@ def test_every_cache_in_bf16_is_as_close_to_float32_as_the_full_forward(name):
     the H100 before MLA's values were made contiguous)."""
     model32 = gpu_model(name).eval()
     model16 = gpu_model(name).to(torch.bfloat16).eval()
-    idx = torch.randint(0, VOCAB, (2, 160), device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(2))
+    idx = torch.randint(0, VOCAB, (2, 160), generator=torch.Generator().manual_seed(2)).to(DEVICE)
     with torch.no_grad():
         reference = model32(idx)  # (2, 160, V)
         full16 = model16(idx)

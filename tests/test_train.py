@@ -287,3 +287,17 @@ def test_an_fsdp_runs_closing_sample_comes_from_its_last_checkpoint_read_back(tr
     assert read_back is not model and not read_back.training
     pairs = zip(read_back.state_dict().values(), model.state_dict().values(), strict=True)
     assert all(torch.equal(a, b) for a, b in pairs)
+
+
+def test_a_checkpoint_whose_weights_the_strategy_already_loaded_still_restores_the_progress():
+    """Lightning's FSDP strategy takes "state_dict" out of the checkpoint and loads it into its shards
+    before the module's on_load_checkpoint runs (an H100 run of the gpu tier failed there with a
+    KeyError): the history, time and tokens must still come back."""
+    from lm.training.module import LitLM, OptimConfig
+
+    lit = LitLM(lm.Transformer(lm.ModelConfig(vocab_size=64, n_layer=1, d_model=32, n_head=2, d_ff=64,
+                                              max_seq_len=16)), OptimConfig(), total_steps=1)
+    progress = {"val_history": [[10, 3.5]], "train_seconds": 12.5, "train_tokens": 4096, "last_val_step": 10}
+    lit.on_load_checkpoint({"global_step": 20, "lm": {"progress": progress}})
+    assert lit.val_history == [(10, 3.5)]
+    assert (lit.train_seconds, lit.train_tokens, lit.last_val_step) == (12.5, 4096, 10)

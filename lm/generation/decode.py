@@ -323,14 +323,19 @@ class Generation:
 
 def compiled_functions(model: Transformer):
     """(prefill, step) compiled: the one-token step as one graph with no breaks (fullgraph), and on
-    CUDA captured as a CUDA graph ("reduce-overhead"); the prefill separately, with static shapes:
-    each prompt width compiles once (symbolic chunk counts break inductor's views in the chunkwise
-    kinds), and past torch's recompile limit a width simply runs eagerly. A prompt longer than one
-    prefill chunk runs its later chunks eagerly (Generation._prefill). torch.compile keeps its
-    graphs with the code, so later generations of the same shapes reuse them."""
+    CUDA captured as a CUDA graph ("reduce-overhead"); on the CPU the prefill separately, with static
+    shapes: each prompt width compiles once (symbolic chunk counts break inductor's views in the
+    chunkwise kinds), and past torch's recompile limit a width simply runs eagerly. A prompt longer
+    than one prefill chunk runs its later chunks eagerly (Generation._prefill). torch.compile keeps
+    its graphs with the code, so later generations of the same shapes reuse them.
+
+    On CUDA the prefill runs eagerly, as the server's does: one pass per prompt, where a GPU's eager
+    kernels are already fast, and inductor (torch 2.11.0+cu130, H100) computed the second layer's
+    state of Taylor linear attention's compiled prefill wrongly (relative error about 1; the step,
+    the plain forward and the layer alone compiled agree with eager: docs/gpu.md)."""
     on_cuda = next(model.parameters()).is_cuda
     step = torch.compile(model.decode_step, fullgraph=True, mode="reduce-overhead" if on_cuda else None)
-    prefill = torch.compile(model, dynamic=False)
+    prefill = model if on_cuda else torch.compile(model, dynamic=False)
     return prefill, EagerPastRecompileLimit(step, model.decode_step)
 
 

@@ -245,7 +245,8 @@ class LitLM(L.LightningModule):
         self.watch.saved = True  # the checkpoint this run continues stays the last good one
         # Checkpoints written before the callable left the module tree hold every weight a second
         # time under "_forward." (or "_forward._orig_mod." when compiled); the "model." copy is the one.
-        state = checkpoint["state_dict"]
+        # Under FSDP, Lightning's strategy has already taken "state_dict" out and loaded it.
+        state = checkpoint.get("state_dict", {})
         for key in [k for k in state if k.startswith("_forward.")]:
             del state[key]
         # A resumed run goes on counting its history, time and tokens where it stopped
