@@ -1,8 +1,10 @@
-"""What the gpu tier and bench-train left open, measured in one short call on a GPU machine:
+"""What the gpu tier and bench-train left open, measured in one short run on a GPU machine:
 
   taylor     linear-taylor-mqa's compiled decoding against eager, part by part: the compiled prefill's
              logits and cache state, three steps captured as a CUDA graph and compiled without one,
              each from the eager prefill's cache; the same for Taylor with 4 K/V heads and elu's MQA
+  inductor   where inductor goes wrong in that prefill: each backend, inductor with one option off,
+             the chunkwise kernel with Taylor features compiled alone
   odd_chunk  gated_delta-mha-odd-chunk's bf16 gradient error beside gated_delta's, with cuDNN's TF32
              on and off, and the GPU's float32 gradient against the CPU's
   profile    the compiled `model=base` training step of bench-train (sequence 1024, batch 16,
@@ -10,7 +12,8 @@
              kernels; then the step with the loss inside the compiled graph, at batch 16 and 32; the
              step as compile=true trains (loss_chunk 512); the loss compiled with max-autotune
 
-    PYTHONPATH=/tmp/lm-site:$PWD python3 gpu/diagnose.py [taylor] [odd_chunk] [profile]   # after a gpu/run stage
+    # after a gpu/run stage, which installs the wheels under /tmp/lm-site:
+    PYTHONPATH=/tmp/lm-site:$PWD python3 gpu/diagnose.py [taylor] [inductor] [odd_chunk] [profile]
 """
 
 from __future__ import annotations
@@ -88,6 +91,66 @@ def taylor() -> None:
         torch._dynamo.reset()
         print(f"{name} generate: compiled {[r[-8:] for r in generate(model, prompts, 8, compile=True)]}")
         print(f"{name} generate: eager    {[r[-8:] for r in generate(model, prompts, 8)]}")
+
+
+def inductor() -> None:
+    """Where inductor goes wrong in linear-taylor-mqa's prefill through the cache (docs/gpu-logs/
+    taylor-probes.log): the prefill compiled by each backend, with its four state tensors; by
+    inductor with one of its options off at a time; and the layer's chunkwise kernel with Taylor
+    features compiled alone, its state written back in place to plain or static-marked buffers."""
+    import test_gpu as tier
+    import torch._inductor.config as inductor_config
+
+    from lm.attention.cache import keep_in_place
+    from lm.attention.feature_maps import taylor
+    from lm.attention.linear import chunked_linear_attention
+    from lm.model.generation_cache import GenerationCache
+
+    model = tier.gpu_model("linear-taylor-mqa").eval()
+    idx = torch.randint(0, tier.VOCAB, (1, 17), generator=torch.Generator().manual_seed(1)).to(tier.DEVICE)
+    pad = torch.zeros(1, dtype=torch.long, device=tier.DEVICE)
+
+    def prefill(run) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        cache = GenerationCache(model, pad=pad, max_len=64)
+        return run(idx, cache=cache), cache.held_tensors()
+
+    with torch.no_grad():
+        eager, eager_state = prefill(model)
+
+        def report(label: str, run) -> None:
+            torch._dynamo.reset()
+            logits, state = prefill(run)
+            errors = [f"{tier.relative_error(a, b):.2e}" for a, b in zip(state, eager_state, strict=True)]
+            print(f"{label}: logits rel err {tier.relative_error(logits, eager):.2e}, states {errors}")
+
+        for backend in ("aot_eager", "aot_eager_decomp_partition", "inductor"):
+            report(f"prefill by {backend}", torch.compile(model, dynamic=False, backend=backend))
+        for option in ("shape_padding", "allow_buffer_reuse", "inplace_buffers", "pattern_matcher"):
+            with inductor_config.patch({option: False}):
+                report(f"prefill by inductor, {option} off", torch.compile(model, dynamic=False))
+
+        def kernel(q, k, v, S, z):
+            out, state = chunked_linear_attention(taylor(q), taylor(k), v, 1e-6, (S, z), 64)
+            keep_in_place((S, z), state)
+            return out
+
+        g = torch.Generator().manual_seed(2)
+        for static in (False, True):
+            for T in (17, 64, 100):
+                q, k, v = (torch.randn(1, n, T, 32, generator=g).to(tier.DEVICE) for n in (4, 1, 1))
+                features = 1 + 32 + 32 * 32  # Taylor's at head size 32
+                eager_S = torch.zeros(1, 1, features, 32, device=tier.DEVICE)
+                eager_z = torch.zeros(1, 1, features, device=tier.DEVICE)
+                S, z = eager_S.clone(), eager_z.clone()
+                if static:
+                    torch._dynamo.mark_static_address(S)
+                    torch._dynamo.mark_static_address(z)
+                out = kernel(q, k, v, eager_S, eager_z)
+                torch._dynamo.reset()
+                compiled = torch.compile(kernel, dynamic=False)(q, k, v, S, z)
+                print(f"kernel alone, {'static' if static else 'plain'} state, T {T}: out rel err "
+                      f"{tier.relative_error(compiled, out):.2e}, S {tier.relative_error(S, eager_S):.2e}, "
+                      f"z {tier.relative_error(z, eager_z):.2e}")
 
 
 def odd_chunk() -> None:
@@ -211,7 +274,7 @@ def profile() -> None:
 
 
 if __name__ == "__main__":
-    parts = {"taylor": taylor, "odd_chunk": odd_chunk, "profile": profile}
+    parts = {"taylor": taylor, "inductor": inductor, "odd_chunk": odd_chunk, "profile": profile}
     for name in sys.argv[1:] or list(parts):
         try:
             parts[name]()

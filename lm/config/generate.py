@@ -30,7 +30,8 @@ class GenerateSettings:
     use_cache: bool = setting(True, "false recomputes the whole prefix every step (slow; for checking)")
     truncate: str | None = setting(None, "left: drop the oldest prompt tokens when a full-attention context is full")
     stats: bool = setting(False, "true: prompt/new tokens, tokens/s and cache bytes on stderr at the end")
-    compile: bool = setting(False, "true: torch.compile the prefill and the one-token step (the first run compiles)")
+    compile: bool = setting(False, "true: torch.compile the one-token step, and on the CPU the prefill "
+                                   "(the first run compiles)")
     quantize: str | None = setting(None, "int8: int8 matmul weights (per-channel scales), a quarter of the bytes")
     int8_kernel: str = setting("auto", "with quantize=int8: auto (chosen by the device's int8 instructions, and "
                                        "said), dynamic (activations int8 too, per token; torch._int_mm), native "

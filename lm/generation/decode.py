@@ -322,17 +322,18 @@ class Generation:
 
 
 def compiled_functions(model: Transformer):
-    """(prefill, step) compiled: the one-token step as one graph with no breaks (fullgraph), and on
-    CUDA captured as a CUDA graph ("reduce-overhead"); on the CPU the prefill separately, with static
-    shapes: each prompt width compiles once (symbolic chunk counts break inductor's views in the
-    chunkwise kinds), and past torch's recompile limit a width simply runs eagerly. A prompt longer
-    than one prefill chunk runs its later chunks eagerly (Generation._prefill). torch.compile keeps
-    its graphs with the code, so later generations of the same shapes reuse them.
+    """(prefill, step) for compile=true: the one-token step as one graph with no breaks (fullgraph),
+    and on CUDA captured as a CUDA graph ("reduce-overhead"); on the CPU the prefill compiled
+    separately, with static shapes: each prompt width compiles once (symbolic chunk counts break
+    inductor's views in the chunkwise kinds), and past torch's recompile limit a width simply runs
+    eagerly. A prompt longer than one prefill chunk runs its later chunks eagerly
+    (Generation._prefill). torch.compile keeps its graphs with the code, so later generations of
+    the same shapes reuse them.
 
     On CUDA the prefill runs eagerly, as the server's does: one pass per prompt, where a GPU's eager
     kernels are already fast, and inductor (torch 2.11.0+cu130, H100) computed the second layer's
-    state of Taylor linear attention's compiled prefill wrongly (relative error about 1; the step,
-    the plain forward and the layer alone compiled agree with eager: docs/gpu.md)."""
+    state of Taylor linear attention's compiled prefill wrongly (relative error about 1, where the
+    compiled step and the compiled plain forward agree with eager: docs/gpu.md)."""
     on_cuda = next(model.parameters()).is_cuda
     step = torch.compile(model.decode_step, fullgraph=True, mode="reduce-overhead" if on_cuda else None)
     prefill = model if on_cuda else torch.compile(model, dynamic=False)
@@ -385,8 +386,8 @@ def generate(model: Transformer, idx, max_new_tokens: int, temperature: float = 
     idx is a (B, T) tensor or a list of token-id lists of different lengths. A row ends early
     at `eos_id` (not included) or once its text contains a `stop` string (needs `tokenizer`).
     `use_cache=False` recomputes each row's whole sequence every step (the reference path).
-    `compile=True` runs the prefill and the one-token step through torch.compile (the first call
-    compiles: seconds to minutes; `stream(...).stats["first_step_s"]` says how long).
+    `compile=True` runs the one-token step, and on the CPU the prefill, through torch.compile (the
+    first call compiles: seconds to minutes; `stream(...).stats["first_step_s"]` says how long).
     """
     run = stream(model, idx, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, stop,
                  use_cache, seed, tokenizer, eos_id, truncate, compile)

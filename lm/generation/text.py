@@ -171,7 +171,9 @@ def _print_stats(run: Generation, err: TextIO) -> None:
               f"decode {decode_rate:.1f} tokens/s, cache {s['cache_bytes']:,} bytes ({per_token:,.0f} per token), "
               f"weights {weight_bytes(run.model):,} bytes{_int8_note(run.model)}\n")
     if run.compiled and "first_step_s" in s:
-        err.write(f"compiling: prefill {s['prefill_s']:.1f} s, first step {s['first_step_s']:.1f} s "
+        # on CUDA the prefill runs eagerly (lm.generation.decode.compiled_functions): nothing compiled there
+        prefill = "" if run.prefill_fn is run.model else f"prefill {s['prefill_s']:.1f} s, "
+        err.write(f"compiling: {prefill}first step {s['first_step_s']:.1f} s "
                   "(later runs of the same shapes in this process reuse the graphs)\n")
 
 

@@ -28,7 +28,7 @@ def decode_speed(model: Transformer, prompt: list[int], new_tokens: int, batch: 
     after a short warm-up run, which takes the first call's one-off costs (lazy set-up) out of the
     figure; short, as a second prefill of a long context would cost as much as the measurement.
     The first step of the timed run is left out too: its cache has a new shape, which a compiled
-    step compiles for (`compile=True`: the prefill and the step through torch.compile)."""
+    step compiles for (`compile=True`: the step, and on the CPU the prefill, through torch.compile)."""
     if new_tokens < 3:
         raise ValueError(f"new_tokens={new_tokens}: timing the steps after the first needs at least 3")
     list(stream(model, [prompt[-WARM_UP_PROMPT:]] * batch, min(WARM_UP_TOKENS, new_tokens), compile=compile))

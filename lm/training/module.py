@@ -32,7 +32,8 @@ from lm.util.files import write_atomically
 
 def check_same_optimizer(checkpoint: dict, name: str) -> None:
     """One ConfigError line where a checkpoint to continue was trained by another optimizer: its
-    state (AdamW's moments, Muon's momentum) cannot carry over. Before any state is restored."""
+    state (AdamW's moments, Muon's momentum) cannot carry over. Before any state is restored, except
+    under FSDP, whose Lightning strategy loads the weights and the optimizer's state first."""
     saved = ((checkpoint.get("lm") or {}).get("run_config") or {}).get("optim") or {}
     trained_with = saved.get("name", "adamw")  # runs from before optim=muon existed trained with AdamW
     if "optimizer_states" in checkpoint and trained_with != name:
@@ -245,7 +246,8 @@ class LitLM(L.LightningModule):
         self.watch.saved = True  # the checkpoint this run continues stays the last good one
         # Checkpoints written before the callable left the module tree hold every weight a second
         # time under "_forward." (or "_forward._orig_mod." when compiled); the "model." copy is the one.
-        # Under FSDP, Lightning's strategy has already taken "state_dict" out and loaded it.
+        # Under FSDP, Lightning's strategy has already taken "state_dict" out and loaded it (strictly:
+        # a checkpoint with the old copy does not resume there).
         state = checkpoint.get("state_dict", {})
         for key in [k for k in state if k.startswith("_forward.")]:
             del state[key]
