@@ -167,7 +167,7 @@ def frontier_plot(records: list[dict], threshold: float, plateau: float):
             ax.plot(x, y, label=kind, linewidth=1, **style)
             stopped = [(xi, yi) for p, xi, yi in zip(own, x, y, strict=True) if p.budget_stopped or p.on_plateau]
             if stopped:  # hollow: the same marker, filled white
-                ax.plot(*zip(*stopped, strict=True), linestyle="none", markerfacecolor="white", **style)
+                ax.plot(*zip(*stopped, strict=True), markerfacecolor="white", **{**style, "linestyle": "none"})
         edge = [shown[i] for i in sorted(front, key=lambda i: shown[i].state_bytes[cell])]
         ax.plot([p.state_bytes[cell] for p in edge], [p.accuracy[cell][0] for p in edge], color="black",
                 linestyle="--", drawstyle="steps-post", linewidth=1.2, label="Pareto frontier")

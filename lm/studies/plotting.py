@@ -7,7 +7,7 @@ from pathlib import Path
 from lm.util.files import write_atomically
 
 STYLE = {"axes.grid": True, "grid.alpha": 0.3, "legend.fontsize": 8, "savefig.dpi": 110}
-MARKERS = "os^Dv<>PX*h"  # with the ten default colours: eleven or more lines stay distinguishable
+MARKERS = "os^Dv<>PX*h"
 
 
 def pyplot():
@@ -23,7 +23,10 @@ def pyplot():
 
 
 def line_style(i: int) -> dict:
-    return {"marker": MARKERS[i % len(MARKERS)], "color": f"C{i % 10}"}
+    """The i-th line's look: the ten default colours with a marker each; from the eleventh line on
+    the colours come round again, dashed and with another marker, so no two of 20 lines look alike."""
+    style = {"marker": MARKERS[i % len(MARKERS)], "color": f"C{i % 10}"}
+    return style if i < 10 else {**style, "linestyle": "--"}
 
 
 def render(figure, path: Path) -> None:
