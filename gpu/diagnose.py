@@ -10,14 +10,19 @@
   profile    the compiled `model=base` training step of bench-train (sequence 1024, batch 16,
              bf16-mixed): step time, MFU, the CUDA time of matmuls, attention and the rest, the top
              kernels; then the step with the loss inside the compiled graph, at batch 16 and 32; the
-             step as compile=true trains (loss_chunk 512); the loss compiled with max-autotune
+             step as compile=true trains (loss_chunk 512)
+  autotune   the step with the loss compiled under max-autotune at batch 32 (its compile takes minutes)
+  ragged     bench-decode's batch of 16 ragged prompts: lm compiled and transformers eager against lm
+             eager, in float32 (TF32 off) and bf16: rows equal, and where a row first differs, how far
+             eager's top two logits lie apart there (a near-tie that rounding can flip, or a fault)
 
     # after a gpu/run stage, which installs the wheels under /tmp/lm-site:
-    PYTHONPATH=/tmp/lm-site:$PWD python3 gpu/diagnose.py [taylor] [inductor] [odd_chunk] [profile]
+    PYTHONPATH=/tmp/lm-site:$PWD python3 gpu/diagnose.py [taylor] [inductor] [odd_chunk] [profile] [autotune]
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import time
@@ -199,29 +204,55 @@ def seconds_per_call(fn, calls: int = 10) -> float:
     return (time.perf_counter() - start) / calls
 
 
+class BaseTraining:
+    """bench-train's `model=base` model on the GPU (sequence 1024), batches of 16 and 32 rows, the
+    MFU of a step as bench-train counts it, and the step with the loss inside a compiled graph."""
+
+    def __init__(self) -> None:
+        from lm import Transformer
+        from lm.studies.bench_models import dense_bf16_peak
+        from lm.studies.train_bench import bench_shape
+
+        self.cfg = bench_shape(SimpleNamespace(model="base", vocab=None, seq=1024))
+        torch.manual_seed(0)
+        self.model = Transformer(self.cfg).cuda()
+        self.batch = torch.randint(0, self.cfg.vocab_size, (16, 1025), device="cuda")
+        self.wide = torch.randint(0, self.cfg.vocab_size, (32, 1025), device="cuda")
+        self.flops, self.peak = self.model.flops_per_token(1024), dense_bf16_peak(torch.device("cuda"))
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=True)
+
+    def mfu(self, seconds: float, rows: int) -> str:
+        return f"{seconds * 1e3:.1f} ms, MFU {self.flops * rows * 1024 / seconds / self.peak:.1%}"
+
+    def loss_of(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = self.model(x)  # (B, T, V)
+        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+    def step_with(self, compiled_loss):
+        """A training step whose forward, loss and backward are `compiled_loss`'s graph."""
+
+        def step(rows: torch.Tensor) -> None:
+            compiled_loss(rows[:, :-1], rows[:, 1:]).backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+        return step
+
+
 def profile() -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as cuda_profile
 
-    from lm import Transformer
-    from lm.studies.bench_models import dense_bf16_peak
-    from lm.studies.train_bench import bench_shape, chunked_loss_step_fn, train_step_fn
+    from lm.studies.train_bench import chunked_loss_step_fn, train_step_fn
 
-    cfg = bench_shape(SimpleNamespace(model="base", vocab=None, seq=1024))
-    torch.manual_seed(0)
-    model = Transformer(cfg).cuda()
-    compiled = torch.compile(model)
-    step = train_step_fn(model, lambda m, x: compiled(x), torch.bfloat16)  # bench-train's "lm compiled"
-    batch = torch.randint(0, cfg.vocab_size, (16, 1025), device="cuda")
-    flops, peak = model.flops_per_token(1024), dense_bf16_peak(torch.device("cuda"))  # as bench-train counts
-
-    def mfu(seconds: float, rows: int) -> str:
-        return f"{seconds * 1e3:.1f} ms, MFU {flops * rows * 1024 / seconds / peak:.1%}"
-
-    print(f"base step (loss outside compile): {mfu(seconds_per_call(lambda: step(batch)), 16)}")
+    base = BaseTraining()
+    compiled = torch.compile(base.model)
+    step = train_step_fn(base.model, lambda m, x: compiled(x), torch.bfloat16)  # bench-train's "lm compiled"
+    print(f"base step (loss outside compile): {base.mfu(seconds_per_call(lambda: step(base.batch)), 16)}")
     with cuda_profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
-            step(batch)
+            step(base.batch)
         torch.cuda.synchronize()
     events = prof.key_averages()
     total = sum(e.device_time_total for e in events)
@@ -233,48 +264,67 @@ def profile() -> None:
     print(f"CUDA time: matmuls {matmuls:.0%}, attention {attention:.0%}, other {1 - matmuls - attention:.0%}")
     print(events.table(sort_by="device_time_total", row_limit=18, max_name_column_width=70))
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-
-    def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = model(x)  # (B, T, V)
-        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-
-    compiled_loss = torch.compile(loss_of)
-
-    def step_with_loss(rows: torch.Tensor) -> None:
-        compiled_loss(rows[:, :-1], rows[:, 1:]).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    print(f"base step (loss compiled): {mfu(seconds_per_call(lambda: step_with_loss(batch)), 16)}")
-    wide = torch.randint(0, cfg.vocab_size, (32, 1025), device="cuda")
-    print(f"base step batch 32 (loss compiled): {mfu(seconds_per_call(lambda: step_with_loss(wide), 5), 32)}")
+    step_with_loss = base.step_with(torch.compile(base.loss_of))
+    print(f"base step (loss compiled): {base.mfu(seconds_per_call(lambda: step_with_loss(base.batch)), 16)}")
+    print(f"base step batch 32 (loss compiled): {base.mfu(seconds_per_call(lambda: step_with_loss(base.wide), 5), 32)}")
 
     # the step as `compile=true bf16-mixed` training takes it: hidden states compiled, the head and
     # the loss 512 positions at a time, eager (lm.model.linear_cross_entropy)
-    chunked = chunked_loss_step_fn(model, 512, compile=True, autocast=torch.bfloat16)
-    print(f"base step as compile=true trains (loss_chunk 512): {mfu(seconds_per_call(lambda: chunked(batch)), 16)}")
-    print(f"  the same at batch 32: {mfu(seconds_per_call(lambda: chunked(wide), 5), 32)}")
+    chunked = chunked_loss_step_fn(base.model, 512, compile=True, autocast=torch.bfloat16)
+    seconds = seconds_per_call(lambda: chunked(base.batch))
+    print(f"base step as compile=true trains (loss_chunk 512): {base.mfu(seconds, 16)}")
+    print(f"  the same at batch 32: {base.mfu(seconds_per_call(lambda: chunked(base.wide), 5), 32)}")
 
-    # inductor's GEMM templates and tuned pointwise kernels: does autotuning close the gap?
+
+def autotune() -> None:
+    """Inductor's GEMM templates and tuned pointwise kernels: does autotuning close the MFU gap?"""
+    base = BaseTraining()
     torch._inductor.config.coordinate_descent_tuning = True
-    tuned_loss = torch.compile(loss_of, mode="max-autotune-no-cudagraphs")
+    tuned_step = base.step_with(torch.compile(base.loss_of, mode="max-autotune-no-cudagraphs"))
     started = time.perf_counter()
-    tuned_loss(wide[:, :-1], wide[:, 1:]).backward()
-    optimizer.zero_grad(set_to_none=True)
+    tuned_step(base.wide)
     print(f"max-autotune compile: {time.perf_counter() - started:.0f} s")
+    seconds = seconds_per_call(lambda: tuned_step(base.wide), 5)
+    print(f"base step batch 32 (loss compiled, max-autotune): {base.mfu(seconds, 32)}")
 
-    def tuned_step(rows: torch.Tensor) -> None:
-        tuned_loss(rows[:, :-1], rows[:, 1:]).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
 
-    print(f"base step batch 32 (loss compiled, max-autotune): {mfu(seconds_per_call(lambda: tuned_step(wide), 5), 32)}")
+def ragged() -> None:
+    from lm import ModelConfig, Transformer, generate
+    from lm.studies.bench_models import REFERENCE, hf_llama
+    from lm.studies.decode_bench import as_hf_state, ragged_prompts, theirs
+
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # the CPU: to try the part out
+        torch.manual_seed(0)
+        cfg = ModelConfig(**{**REFERENCE, "max_seq_len": 192 + 64})
+        reference = Transformer(cfg).eval()
+        prompts = ragged_prompts(16, 128, cfg.vocab_size)
+        for dtype in (torch.float32, torch.bfloat16):
+            model = copy.deepcopy(reference).to(dtype)
+            hf = hf_llama(cfg).eval()
+            hf.load_state_dict(as_hf_state(reference), strict=False)
+            hf = hf.to(dtype)
+            hf.generation_config.eos_token_id, hf.generation_config.pad_token_id = None, 0
+            eager = generate(model, prompts, 64)
+            others = {"lm compiled": generate(model, prompts, 64, compile=True),
+                      "transformers eager": theirs(hf, prompts, 64)()}
+            for name, rows in others.items():
+                gaps = []
+                for prompt, mine, theirs_row in zip(prompts, eager, rows, strict=True):
+                    if mine == theirs_row:
+                        continue
+                    at = next(i for i, (a, b) in enumerate(zip(mine, theirs_row, strict=True)) if a != b)
+                    with torch.no_grad():
+                        logits = model(torch.tensor([mine[:at]]))[0, -1].float()  # (V,)
+                    top2 = logits.topk(2).values
+                    gaps.append(f"token {at - len(prompt)} gap {float(top2[0] - top2[1]):.1e}")
+                print(f"{dtype} {name}: {16 - len(gaps)} of 16 rows equal to lm eager; {'; '.join(gaps) or '-'}")
+            torch._dynamo.reset()
 
 
 if __name__ == "__main__":
-    parts = {"taylor": taylor, "inductor": inductor, "odd_chunk": odd_chunk, "profile": profile}
+    parts = {"taylor": taylor, "inductor": inductor, "odd_chunk": odd_chunk, "profile": profile, "autotune": autotune,
+             "ragged": ragged}
     for name in sys.argv[1:] or list(parts):
         try:
             parts[name]()

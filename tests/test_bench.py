@@ -153,8 +153,9 @@ def test_bench_decode_gives_every_contender_with_the_same_tokens(tmp_path):
     assert set(rows) == {"transformers eager", "transformers static+compile", "lm eager", "lm compiled",
                          "lm int8 dequant compiled", *int8_rows_here(("native", "dynamic"), (" compiled",))}
     # rows of different lengths, left-padded for transformers, ragged for lm: the same tokens
-    assert all(rows[name]["same_tokens"] for name in ("transformers eager", "transformers static+compile",
-                                                      "lm compiled"))
+    assert all(rows[name]["same_tokens"] and rows[name]["rows_equal"] == 3
+               for name in ("transformers eager", "transformers static+compile", "lm compiled"))
+    assert "      3 of 3\n" in printed  # the column shows what the JSON holds
     # every kind asked for at every context x batch, and its ratio to MHA's
     long_context = results["long_context"]
     assert long_context["cells"] == [{"context": c, "batch": b} for c in (64, 256) for b in (1, 2)]
