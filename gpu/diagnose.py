@@ -12,12 +12,13 @@
              kernels; then the step with the loss inside the compiled graph, at batch 16 and 32; the
              step as compile=true trains (loss_chunk 512)
   autotune   the step with the loss compiled under max-autotune at batch 32 (its compile takes minutes)
-  ragged     bench-decode's batch of 16 ragged prompts: lm compiled and transformers eager against lm
-             eager, in float32 (TF32 off) and bf16: rows equal, and where a row first differs, how far
-             eager's top two logits lie apart there (a near-tie that rounding can flip, or a fault)
+  ragged     16 ragged prompts of bench-decode's lengths on its weights: lm compiled and transformers
+             eager against lm eager, in float32 (TF32 off) and bf16: rows equal, and where a row first
+             differs, how far eager's top two logits lie apart there (a near-tie rounding can flip, or
+             a fault)
 
     # after a gpu/run stage, which installs the wheels under /tmp/lm-site:
-    PYTHONPATH=/tmp/lm-site:$PWD python3 gpu/diagnose.py [taylor] [inductor] [odd_chunk] [profile] [autotune]
+    PYTHONPATH=/tmp/lm-site:$PWD python3 gpu/diagnose.py [taylor] [inductor] [odd_chunk] [profile] [autotune] [ragged]
 """
 
 from __future__ import annotations
@@ -278,13 +279,15 @@ def profile() -> None:
 
 def autotune() -> None:
     """Inductor's GEMM templates and tuned pointwise kernels: does autotuning close the MFU gap?"""
+    import torch._inductor.config as inductor_config
+
     base = BaseTraining()
-    torch._inductor.config.coordinate_descent_tuning = True
-    tuned_step = base.step_with(torch.compile(base.loss_of, mode="max-autotune-no-cudagraphs"))
-    started = time.perf_counter()
-    tuned_step(base.wide)
-    print(f"max-autotune compile: {time.perf_counter() - started:.0f} s")
-    seconds = seconds_per_call(lambda: tuned_step(base.wide), 5)
+    with inductor_config.patch(coordinate_descent_tuning=True):  # this part's compiles only
+        tuned_step = base.step_with(torch.compile(base.loss_of, mode="max-autotune-no-cudagraphs"))
+        started = time.perf_counter()
+        tuned_step(base.wide)
+        print(f"max-autotune compile: {time.perf_counter() - started:.0f} s")
+        seconds = seconds_per_call(lambda: tuned_step(base.wide), 5)
     print(f"base step batch 32 (loss compiled, max-autotune): {base.mfu(seconds, 32)}")
 
 
@@ -316,8 +319,10 @@ def ragged() -> None:
                     at = next(i for i, (a, b) in enumerate(zip(mine, theirs_row, strict=True)) if a != b)
                     with torch.no_grad():
                         logits = model(torch.tensor([mine[:at]]))[0, -1].float()  # (V,)
-                    top2 = logits.topk(2).values
-                    gaps.append(f"token {at - len(prompt)} gap {float(top2[0] - top2[1]):.1e}")
+                    top2 = logits.topk(2)
+                    gaps.append(f"token {at - len(prompt)}: top logit {float(top2.values[0]):.3f}, gap "
+                                f"{float(top2.values[0] - top2.values[1]):.1e}, eager's token its arg-max "
+                                f"{int(top2.indices[0]) == mine[at]}")  # the uncached forward's view of it
                 print(f"{dtype} {name}: {16 - len(gaps)} of 16 rows equal to lm eager; {'; '.join(gaps) or '-'}")
             torch._dynamo.reset()
 

@@ -199,8 +199,8 @@ def bench_batched(model: Transformer, hf: torch.nn.Module, int8: dict, batch: in
           f"median of {args.batch_rounds} alternating rounds")
     print(f"{'':34}{'tokens/s':>10}{'vs transformers':>17}{'first call s':>14}{'rows equal':>12}")
     # a count, not one yes or no: in bf16 one near-tie rounded the other way changes a whole row
-    # (on an H100, the rows that differed first differed where lm eager's top two logits were one
-    # or two bf16 steps apart; in float32 every row was equal: `gpu/diagnose.py ragged`)
+    # (on an H100 the rows that differed first differed where lm eager's top two logits were 2^-7
+    # and 2^-6 apart; in float32 every row was equal: `gpu/diagnose.py ragged`, docs/gpu.md)
     rows = [{"name": name, "tokens_per_s": batch * n / s, "vs_transformers": seconds["transformers eager"] / s,
              "first_call_s": first[name], "same_tokens": tokens[name] == tokens["lm eager"],
              "rows_equal": sum(a == b for a, b in zip(tokens[name], tokens["lm eager"], strict=True))}
