@@ -293,8 +293,8 @@ def autotune() -> None:
 
 def ragged() -> None:
     from lm import ModelConfig, Transformer, generate
-    from lm.studies.bench_models import REFERENCE, hf_llama
-    from lm.studies.decode_bench import as_hf_state, ragged_prompts, theirs
+    from lm.studies.bench_models import REFERENCE
+    from lm.studies.decode_bench import hf_twin, ragged_prompts, theirs
 
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # the CPU: to try the part out
@@ -303,11 +303,7 @@ def ragged() -> None:
         reference = Transformer(cfg).eval()
         prompts = ragged_prompts(16, 128, cfg.vocab_size)
         for dtype in (torch.float32, torch.bfloat16):
-            model = copy.deepcopy(reference).to(dtype)
-            hf = hf_llama(cfg).eval()
-            hf.load_state_dict(as_hf_state(reference), strict=False)
-            hf = hf.to(dtype)
-            hf.generation_config.eos_token_id, hf.generation_config.pad_token_id = None, 0
+            model, hf = copy.deepcopy(reference).to(dtype), hf_twin(reference, dtype)
             eager = generate(model, prompts, 64)
             others = {"lm compiled": generate(model, prompts, 64, compile=True),
                       "transformers eager": theirs(hf, prompts, 64)()}

@@ -56,6 +56,17 @@ def as_hf_state(model: Transformer) -> dict:
     return to_hf_state_dict(model.state_dict(), model.config)
 
 
+def hf_twin(model: Transformer, dtype: torch.dtype) -> torch.nn.Module:
+    """transformers' Llama holding `model`'s weights in `dtype`, set for greedy batches: no end
+    token, so every row decodes its n new tokens, and padding id 0."""
+    hf = hf_llama(model.config).eval()
+    hf.load_state_dict(as_hf_state(model), strict=False)  # rotary inv_freq buffers are not weights
+    hf = hf.to(dtype)
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    return hf
+
+
 Run = Callable[[], list[list[int]]]  # one decoding run: every row's prompt and new tokens
 
 
@@ -131,11 +142,8 @@ def decode_on(device: torch.device, args) -> dict:
     dtype = bench_dtype(device)
     cfg = ModelConfig(**{**REFERENCE, "max_seq_len": widest + n})
     model = Transformer(cfg).eval()
-    hf = hf_llama(cfg).eval()
-    hf.load_state_dict(as_hf_state(model), strict=False)  # rotary inv_freq buffers are not weights
-    model, hf = model.to(dtype), hf.to(dtype)
-    hf.generation_config.eos_token_id = None
-    hf.generation_config.pad_token_id = 0
+    hf = hf_twin(model, dtype)
+    model = model.to(dtype)
     if device.type == "cuda" and args.int8_kernels:
         print("int8 rows: left out on CUDA (the int8 kernels are the CPU's)")
     int8 = {}
@@ -201,14 +209,16 @@ def bench_batched(model: Transformer, hf: torch.nn.Module, int8: dict, batch: in
     # a count, not one yes or no: in bf16 one near-tie rounded the other way changes a whole row
     # (on an H100 the rows that differed first differed where lm eager's top two logits were 2^-7
     # and 2^-6 apart; in float32 every row was equal: `gpu/diagnose.py ragged`, docs/gpu.md)
+    rows_equal = {name: sum(a == b for a, b in zip(decoded, tokens["lm eager"], strict=True))
+                  for name, decoded in tokens.items()}
     rows = [{"name": name, "tokens_per_s": batch * n / s, "vs_transformers": seconds["transformers eager"] / s,
-             "first_call_s": first[name], "same_tokens": tokens[name] == tokens["lm eager"],
-             "rows_equal": sum(a == b for a, b in zip(tokens[name], tokens["lm eager"], strict=True))}
+             "first_call_s": first[name], "rows_equal": rows_equal[name],
+             "same_tokens": rows_equal[name] == batch}
             for name, s in seconds.items()]
     for row in rows:
-        equal = f"{row['rows_equal']} of {batch}"
+        shown = f"{row['rows_equal']} of {batch}"
         print(f"{row['name']:34}{row['tokens_per_s']:10.1f}{row['vs_transformers']:16.2f}x"
-              f"{row['first_call_s']:14.1f}{equal:>12}")
+              f"{row['first_call_s']:14.1f}{shown:>12}")
     return {"batch": batch, "prompt_lengths": lengths, "rows": rows}
 
 
