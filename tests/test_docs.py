@@ -275,3 +275,59 @@ def test_the_citation_check_finds_missing_tests_and_wrong_tiers():
     assert citation_problems(page.replace(FAST_UNLESS_MARKED, ""), tiers) == [
         "`test_fast` is said to be in the slow tier, but test_fast is not",
         "`test_c.py`: no tests/test_c.py", "`test_a.py::test_gone`: no such test"]
+
+
+def layout_entries() -> dict[str, dict[str, str]]:
+    """docs/layout.md's tree: each top-level entry (lm/attention/, conf/, scripts/, ...) -> its entries
+    (the names at two spaces' indent -> their text, continuation lines joined); the top line's own text
+    under ''."""
+    block = (ROOT / "docs" / "layout.md").read_text().split("```")[1]
+    tree: dict[str, dict[str, str]] = {}
+    top = entry = ""
+    for line in block.splitlines():
+        if not line.strip():
+            continue
+        if not line[0].isspace():
+            top, entry = line.split()[0], ""
+            tree[top] = {"": line}
+        elif line.startswith("  ") and not line[2].isspace():
+            entry = line.split()[0]
+            tree[top][entry] = line
+        else:
+            tree[top][entry] += " " + line.strip()
+    return tree
+
+
+def layout_omissions(tree: dict[str, dict[str, str]]) -> list[str]:
+    """What the tree on disk has and docs/layout.md does not name where it belongs."""
+    missing = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "lm").glob("*/*.py"))
+               if p.name != "__init__.py" and p.name not in tree.get(f"lm/{p.parent.name}/", {})]
+    conf = tree.get("conf/", {})
+    for group in sorted(p for p in (ROOT / "conf").iterdir() if p.is_dir()):
+        # a group's entry, or the entry that says where the group's folder is (preset/ under compare.yaml)
+        text = conf.get(f"{group.name}/") or next((t for t in conf.values() if f"{group.name}/" in t), "")
+        missing += [str(p.relative_to(ROOT)) for p in sorted(group.glob("*.yaml"))
+                    if not re.search(rf"(?<![\w.]){re.escape(p.stem)}(?![\w])", text)]
+    everything = {top: " ".join(entries.values()) for top, entries in tree.items()}
+    missing += [str(p.relative_to(ROOT)) for p in sorted((ROOT / "conf").glob("*.yaml"))
+                if p.name not in everything.get("conf/", "")]
+    missing += [str(p.relative_to(ROOT)) for p in sorted((ROOT / "scripts").glob("*.py"))
+                if p.name not in everything.get("scripts/", "")]
+    missing += [str(p.relative_to(ROOT)) + "/" for p in sorted((ROOT / "docs").iterdir())
+                if p.is_dir() and f"{p.name}/" not in everything.get("docs/", "")]
+    return missing
+
+
+def test_the_layout_page_names_every_module_config_script_and_output_folder():
+    assert layout_omissions(layout_entries()) == []
+
+
+def test_the_layout_check_finds_what_the_page_leaves_out():
+    tree = layout_entries()
+    del tree["lm/attention/"]["mla.py"]
+    tree["conf/"]["attn/"] = tree["conf/"]["attn/"].replace("mamba2,", "")
+    tree["conf/"]["compare.yaml"] = tree["conf/"]["compare.yaml"].replace("frontier", "")
+    tree["scripts/"][""] = tree["scripts/"][""].replace("serve.py", "")
+    tree["docs/"][""] = tree["docs/"][""].replace("compare-mla/", "")
+    assert layout_omissions(tree) == ["lm/attention/mla.py", "conf/attn/mamba2.yaml", "conf/preset/frontier.yaml",
+                                      "scripts/serve.py", "docs/compare-mla/"]

@@ -164,17 +164,21 @@ def test_the_preset_plans_every_kind_at_several_state_sizes_with_two_learning_ra
     assert {"mha", "mqa", "gqa", "based", "linear-taylor", "hybrid-gated_delta", "hybrid-linear",
             "hybrid-sliding"} <= kinds
     assert (set(available_kinds()) - {"softmax"}) <= kinds  # every registered kind, a later one by its width
-    for kind in kinds - {"additive"}:
+    for kind in kinds:
         own = [a for a in arms if a.labels["kind"] == kind]
         assert 3 <= len({a.labels["point"] for a in own}) <= 5, kind
         assert {a.labels["seed"] for a in own} == {0}, kind
-        assert {a.labels["lr"] for a in own} == ({0.01} if kind == "kda" else {0.003, 0.01}), kind  # per_kind: KDA's
+        one_rate = kind in ("kda", "additive")  # per_kind: the two kinds whose CPU step costs 10-20x MHA's
+        assert {a.labels["lr"] for a in own} == ({0.01} if one_rate else {0.003, 0.01}), kind
         assert {a.settings["trainer"]["max_steps"] for a in own} == {1500}, kind
     data = arms[0].settings["data"]
     assert data["mix"] == [[64, 4], [128, 8], [256, 16], [256, 32], [256, 64]]
     assert arms[0].settings["tests"][-1] == [512, 128] and arms[0].settings["model"]["max_seq_len"] == 512
     hybrid = next(a for a in arms if a.labels["kind"] == "hybrid-gated_delta")
     assert hybrid.settings["model"]["n_layer"] == 4
+    additive = [a for a in arms if a.labels["kind"] == "additive"]
+    assert [(a.settings["model"]["d_model"], a.settings["attn"]["n_kv_head"]) for a in additive] == [
+        (32, 1), (32, 2), (32, 4)]  # its K/V heads at width 32, the one width its step cost allows
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
