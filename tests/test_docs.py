@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import re
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -298,23 +299,33 @@ def layout_entries() -> dict[str, dict[str, str]]:
     return tree
 
 
+def names(word: str, text: str) -> bool:
+    """text names word whole: train.py is not found inside uptrain.py, nor mha inside mha-nano."""
+    return re.search(rf"(?<![\w.-]){re.escape(word)}(?![\w-])", text) is not None
+
+
 def layout_omissions(tree: dict[str, dict[str, str]]) -> list[str]:
-    """What the tree on disk has and docs/layout.md does not name where it belongs."""
-    missing = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "lm").glob("*/*.py"))
-               if p.name != "__init__.py" and p.name not in tree.get(f"lm/{p.parent.name}/", {})]
-    conf = tree.get("conf/", {})
-    for group in sorted(p for p in (ROOT / "conf").iterdir() if p.is_dir()):
-        # a group's entry, or the entry that says where the group's folder is (preset/ under compare.yaml)
-        text = conf.get(f"{group.name}/") or next((t for t in conf.values() if f"{group.name}/" in t), "")
-        missing += [str(p.relative_to(ROOT)) for p in sorted(group.glob("*.yaml"))
-                    if not re.search(rf"(?<![\w.]){re.escape(p.stem)}(?![\w])", text)]
+    """What the repository tracks and docs/layout.md does not name where it belongs."""
+    tracked = [Path(p) for p in subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                                               check=True).stdout.splitlines()]
     everything = {top: " ".join(entries.values()) for top, entries in tree.items()}
-    missing += [str(p.relative_to(ROOT)) for p in sorted((ROOT / "conf").glob("*.yaml"))
-                if p.name not in everything.get("conf/", "")]
-    missing += [str(p.relative_to(ROOT)) for p in sorted((ROOT / "scripts").glob("*.py"))
-                if p.name not in everything.get("scripts/", "")]
-    missing += [str(p.relative_to(ROOT)) + "/" for p in sorted((ROOT / "docs").iterdir())
-                if p.is_dir() and f"{p.name}/" not in everything.get("docs/", "")]
+    missing = [str(p) for p in tracked if p.suffix == ".py" and len(p.parts) == 3 and p.parts[0] == "lm"
+               and p.name != "__init__.py" and p.name not in tree.get(f"lm/{p.parts[1]}/", {})]
+    missing += [str(p) for p in tracked if p.suffix == ".py" and len(p.parts) == 2 and p.parts[0] == "tests"
+                and not p.name.startswith("test_") and not names(p.name, everything.get("tests/", ""))]
+    conf = tree.get("conf/", {})
+    for p in (p for p in tracked if p.suffix == ".yaml" and p.parts[0] == "conf"):
+        if len(p.parts) == 2 and not names(p.name, everything.get("conf/", "")):
+            missing.append(str(p))
+        elif len(p.parts) == 3:
+            group = p.parts[1]  # its entry, or the entry that says where its folder is (preset/ under compare.yaml)
+            text = conf.get(f"{group}/") or next((t for t in conf.values() if f"{group}/" in t), "")
+            if not names(p.stem, text):
+                missing.append(str(p))
+    missing += [str(p) for p in tracked if p.suffix == ".py" and len(p.parts) == 2 and p.parts[0] == "scripts"
+                and not names(p.name, everything.get("scripts/", ""))]
+    folders = sorted({p.parts[1] for p in tracked if len(p.parts) > 2 and p.parts[0] == "docs"})
+    missing += [f"docs/{f}/" for f in folders if not names(f"{f}/", everything.get("docs/", ""))]
     return missing
 
 
@@ -327,7 +338,10 @@ def test_the_layout_check_finds_what_the_page_leaves_out():
     del tree["lm/attention/"]["mla.py"]
     tree["conf/"]["attn/"] = tree["conf/"]["attn/"].replace("mamba2,", "")
     tree["conf/"]["compare.yaml"] = tree["conf/"]["compare.yaml"].replace("frontier", "")
-    tree["scripts/"][""] = tree["scripts/"][""].replace("serve.py", "")
+    tree["conf/"]["train.yaml"] = tree["conf/"]["train.yaml"].replace("train.yaml", "")  # uptrain.yaml stays
+    tree["scripts/"][""] = tree["scripts/"][""].replace("serve.py", "").replace(" train.py", "")
     tree["docs/"][""] = tree["docs/"][""].replace("compare-mla/", "")
-    assert layout_omissions(tree) == ["lm/attention/mla.py", "conf/attn/mamba2.yaml", "conf/preset/frontier.yaml",
-                                      "scripts/serve.py", "docs/compare-mla/"]
+    del tree["tests/"]["serving.py"]
+    assert sorted(layout_omissions(tree)) == sorted([
+        "lm/attention/mla.py", "tests/serving.py", "conf/train.yaml", "conf/attn/mamba2.yaml",
+        "conf/preset/frontier.yaml", "scripts/serve.py", "scripts/train.py", "docs/compare-mla/"])

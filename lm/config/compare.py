@@ -3,12 +3,12 @@
 The defaults are the study's default preset: every cell with a learning-rate sweep and 2 seeds,
 about 40-45 hours on a 2-core CPU for its 16 kinds, about 32 of them the cell of 32 pairs in 256
 tokens (docs/studies.md, "What the default preset costs"); `frontier` is the recall-memory
-frontier's (preset=frontier, about 10.5 hours). conf/compare.yaml composes them (`compare_settings`)
-with the `data` group (the language-modelling corpus) and a preset (conf/preset/: quick, zoology,
-frontier) on top; its --help lists them. lm.studies.compare_settings checks them before any arm
-is planned, with what no single setting's bound can say: the settings of the `data` group,
-`mqar.seq_len` against `mqar.pairs`, `speed.contexts` against `speed.new_tokens`, and the MQAR
-fillers lm.data.mqar writes.
+frontier's (preset=frontier: its 114 arms took 18.4 CPU-hours, about 9.2 hours at two jobs).
+conf/compare.yaml composes them (`compare_settings`) with the `data` group (the language-modelling
+corpus) and a preset (conf/preset/: default, quick, zoology, frontier) on top; its --help lists
+them. lm.studies.compare_settings checks them before any arm is planned, with what no single
+setting's bound can say: the settings of the `data` group, `mqar.seq_len` against `mqar.pairs`,
+`speed.contexts` against `speed.new_tokens`, and the MQAR fillers lm.data.mqar writes.
 """
 
 from __future__ import annotations
