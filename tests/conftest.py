@@ -19,7 +19,11 @@ def pytest_configure(config):
     """Under pytest-xdist (`make test` runs `-n 2`), each worker gets its share of the cores for
     torch's intra-op threads, so two workers do not run four threads on two cores; the scripts the
     tests start inherit it through OMP_NUM_THREADS. Without xdist, or where the caller set
-    OMP_NUM_THREADS, torch keeps its own choice."""
+    OMP_NUM_THREADS, torch keeps its own choice. A run held to a CPU capability (ATEN_CPU_CAPABILITY, as
+    docs/reliability.md times `make test` held to AVX2) compiles into inductor's cache for that capability."""
+    from lm.util.hardware import inductor_cache_per_capability
+
+    inductor_cache_per_capability()
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers < 2 or "OMP_NUM_THREADS" in os.environ:
         return

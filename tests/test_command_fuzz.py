@@ -109,6 +109,8 @@ GENERATE = [
     ("stop=['']", "stop"), ("seed=-1", "seed"), ("seed=abc", "seed"), ("device=tpu", "device"),
     ("device=mps", "device"), ("truncate=right", "truncate"), ("quantize=int3", "quantize"),
     ("use_cache=maybe", "use_cache"), ("prompt_file={empty}/none.txt", "prompt_file"),
+    ("compile_mode=fast", "compile_mode"), ("compile_mode=max-autotune", "compile_mode"),  # the latter: no compile
+    (("compile=true", "compile_mode=max-autotune", "quantize=int8"), "compile_mode=max-autotune tunes float"),
 ]
 UPTRAIN = [
     # the model's own name for the setting, as train.py's model check says it
@@ -137,6 +139,8 @@ SERVE = [  # scripts/serve.py: every setting is checked before the port is bound
     (f"max_prompt_tokens={HUGE}.5", "max_prompt_tokens"), ("compile=maybe", "compile"),
     ("quantize=int3", "quantize='int3' is not one of ['int8']"), ("int8_kernel=bogus", "int8_kernel"),
     ("device=tpu", "device"), ("drain_s=-1", "drain_s"),
+    ("compile_mode=fast", "compile_mode"), ("compile_mode=max-autotune", "compile_mode"),  # the latter: no compile
+    (("compile=true", "compile_mode=max-autotune", "quantize=int8"), "compile_mode=max-autotune tunes float"),
     ("chat_template={empty}/none.jinja", "none.jinja' is not a file"), ("model_name=' '", "model_name"),
     ("ckpt={empty}/none.ckpt", "none.ckpt' does not exist"),
 ]

@@ -86,6 +86,72 @@ def test_compiled_decoding_past_the_recompile_limit_runs_eagerly(monkeypatch):
     torch._dynamo.reset()
 
 
+def test_the_frozen_step_compiles_again_when_the_weights_change_in_place(monkeypatch):
+    """compile_mode=max-autotune freezes the weights into the graph, whose guards never read their values:
+    a step compiled before an in-place write must not decode with the old weights. A backend that counts
+    its graphs (and sees freezing on while dynamo traces) stands in for inductor, the test's cost."""
+    import torch._inductor.config as inductor_config
+
+    from lm.generation import compiled
+
+    torch._dynamo.reset()
+    traced = []
+
+    def counting(graph, example_inputs):
+        traced.append(inductor_config.freezing)
+        return graph.forward
+
+    monkeypatch.setattr(compiled, "_frozen_autotuned",
+                        lambda: torch.compile(compiled._step_with, fullgraph=True, backend=counting))
+    model = make_model("softmax-gqa")
+    prompts = ragged_prompts()
+
+    def both() -> tuple[list, list]:
+        return generate(model, prompts, 6, compile=True, compile_mode="max-autotune"), generate(model, prompts, 6)
+
+    frozen, eager = both()
+    assert frozen == eager and traced == [True] and inductor_config.freezing is False
+    assert both()[0] == eager and len(traced) == 1  # the same weights: the same graph
+    with torch.no_grad():
+        model.head.weight.mul_(-1.0)  # an optimizer's step writes in place, as this does
+    frozen, changed = both()
+    assert changed != eager and frozen == changed and traced == [True, True]
+    model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})  # copies in place too
+    assert both()[0] == changed and len(traced) == 3
+    torch._dynamo.reset()
+
+
+def test_compile_mode_is_checked_before_anything_runs():
+    from lm.generation.compiled import check_device
+
+    model = make_model("softmax-gqa")
+    with pytest.raises(GenerationError, match="compile_mode='fast' must be one of default, max-autotune"):
+        generate(model, [[1, 2]], 2, compile=True, compile_mode="fast")
+    with pytest.raises(GenerationError, match="compile_mode=max-autotune chooses how compile=true compiles"):
+        generate(model, [[1, 2]], 2, compile_mode="max-autotune")
+    with pytest.raises(GenerationError, match="compile_mode=max-autotune is for the CPU"):
+        check_device("max-autotune", torch.device("cuda"))
+    check_device("default", torch.device("cuda"))  # default compiles on every device
+    with pytest.raises(GenerationError, match="compile_mode=max-autotune tunes float matmuls"):
+        generate(quantize_int8(model, "dequant"), [[1, 2]], 2, compile=True, compile_mode="max-autotune")
+
+
+@pytest.mark.slow
+def test_max_autotune_decoding_gives_the_eager_tokens_and_follows_the_weights():
+    """inductor's frozen, autotuned step: eager's tokens, for two models of one shape and after an in-place write."""
+    torch._dynamo.reset()
+    model, other = make_model("softmax-gqa"), make_model("softmax-gqa")
+    with torch.no_grad():
+        other.head.weight.mul_(-1.0)
+    prompts = ragged_prompts()
+    for m in (model, other, model):
+        assert generate(m, prompts, 12, compile=True, compile_mode="max-autotune") == generate(m, prompts, 12)
+    with torch.no_grad():
+        model.head.weight.mul_(-1.0)
+    assert generate(model, prompts, 12, compile=True, compile_mode="max-autotune") == generate(model, prompts, 12)
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("name", list(KINDS))
 def test_the_training_forward_of_every_kind_is_one_graph(name):
     """No graph breaks: compile=true training compiles the whole forward of every kind."""
@@ -402,3 +468,22 @@ def test_compiled_training_on_cpu_saves_the_plain_names_and_resumes(tmp_path, sm
     resumed = train_small_run(tmp_path / "compiled", small_corpus, "compile=true", "resume=true",
                               "trainer.max_steps=5")
     assert read_checkpoint(resumed)["global_step"] == 5
+
+
+def test_a_run_held_to_a_cpu_capability_compiles_into_a_cache_of_its_own(monkeypatch):
+    """inductor's on-disk cache does not key CPU code on ATEN_CPU_CAPABILITY: code compiled held to AVX2 and
+    loaded by an AVX-512 process aborted it. A held run gets its own folder, unless the user chose one."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from lm.util.hardware import inductor_cache_per_capability
+
+    default = default_cache_dir()
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default)  # what importing torch._inductor.config sets
+    assert inductor_cache_per_capability() is None
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "AVX2")
+    assert inductor_cache_per_capability() == f"{default}-avx2"
+    assert torch._inductor.runtime.cache_dir_utils.cache_dir() == f"{default}-avx2"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/of/the/users")
+    assert inductor_cache_per_capability() is None
+    assert torch._inductor.runtime.cache_dir_utils.cache_dir() == "/somewhere/of/the/users"

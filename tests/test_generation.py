@@ -415,7 +415,7 @@ def test_a_compiled_prefill_runs_once_and_the_later_chunks_of_a_long_prompt_run_
     model = make_model("softmax-gqa")
     calls = []
 
-    def counting(m):
+    def counting(m, compile_mode):
         def prefill(idx, cache):
             calls.append(idx.shape[1])
             return m(idx, cache=cache)

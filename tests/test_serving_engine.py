@@ -143,13 +143,15 @@ def test_a_failing_prompt_fails_alone_and_the_loop_keeps_serving(capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["softmax-gqa", "gated_delta", "hybrid-gated-delta-softmax"])
-def test_the_compiled_step_serves_the_same_tokens(name):
-    """compile=true: one graph for the step over all rows, whatever rows join and leave."""
+@pytest.mark.parametrize(("name", "mode"), [("softmax-gqa", "default"), ("gated_delta", "default"),
+                                           ("hybrid-gated-delta-softmax", "default"), ("softmax-gqa", "max-autotune")])
+def test_the_compiled_step_serves_the_same_tokens(name, mode):
+    """compile=true: one graph for the step over all rows, whatever rows join and leave; max-autotune's
+    frozen-weight step too."""
     model, tokenizer = make_model(name), word_tokenizer()
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (6, 13, 2, 9)]
-    engine = Engine(model, tokenizer, max_batch=2, max_queue=4, eos_id=None, compile=True).start()
+    engine = Engine(model, tokenizer, max_batch=2, max_queue=4, eos_id=None, compile=True, compile_mode=mode).start()
     try:
         results = run_all(engine, [Completion(p, 8 + 3 * i) for i, p in enumerate(prompts)])
     finally:

@@ -32,6 +32,9 @@ class GenerateSettings:
     stats: bool = setting(False, "true: prompt/new tokens, tokens/s and cache bytes on stderr at the end")
     compile: bool = setting(False, "true: torch.compile the one-token step, and on the CPU the prefill "
                                    "(the first run compiles)")
+    compile_mode: str = setting("default", "with compile=true: default, or max-autotune (the CPU: the step compiled "
+                                           "with frozen weights and inductor's autotuned matmuls; faster steps, a "
+                                           "first call of up to a minute)")
     quantize: str | None = setting(None, "int8: int8 matmul weights (per-channel scales), a quarter of the bytes")
     int8_kernel: str = setting("auto", "with quantize=int8: auto (chosen by the device's int8 instructions, and "
                                        "said), dynamic (activations int8 too, per token; torch._int_mm), native "

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from numbers import Integral
 
 import torch
 
+from lm.generation.compiled import check_compile_mode, compiled_functions
 from lm.model.generation_cache import GenerationCache
 from lm.model.transformer import Transformer
 from lm.util.checks import as_list, require_bool, require_in_interval, require_int, require_seed
@@ -114,13 +114,14 @@ def check_model(model) -> None:
     raise GenerationError(f"model is {what}, not an lm Transformer: pass the model lm.load returns")
 
 
-def check_settings(max_new_tokens, stop, seed, truncate, use_cache, compile) -> list[str]:
+def check_settings(max_new_tokens, stop, seed, truncate, use_cache, compile, compile_mode="default") -> list[str]:
     """The settings that need no model, checked alike for lm.generate/stream and for
     scripts/generate.py (before it loads the checkpoint); the stop strings as a list."""
     require_int("max_new_tokens", max_new_tokens, 0, error=GenerationError)
     require_seed("seed", seed, GenerationError)
     require_bool("use_cache", use_cache, GenerationError)
     require_bool("compile", compile, GenerationError)
+    check_compile_mode(compile_mode, compile)
     if truncate not in (None, "left"):
         raise GenerationError(f"truncate={truncate!r} must be null or 'left'")
     if compile and not use_cache:
@@ -193,9 +194,9 @@ class Generation:
     def __init__(self, model: Transformer, idx, max_new_tokens: int, sampling: Sampling,
                  stop: Sequence[str] | None = None, tokenizer=None, eos_id: int | None = None,
                  use_cache: bool = True, seed: int | None = None, truncate: str | None = None,
-                 prefill_chunk: int = 1024, compile: bool = False):
+                 prefill_chunk: int = 1024, compile: bool = False, compile_mode: str = "default"):
         check_model(model)
-        stop = check_settings(max_new_tokens, stop, seed, truncate, use_cache, compile)
+        stop = check_settings(max_new_tokens, stop, seed, truncate, use_cache, compile, compile_mode)
         if stop and tokenizer is None:
             raise GenerationError("stop strings need the tokenizer to read the text: pass tokenizer=")
         if not isinstance(sampling, Sampling):
@@ -214,7 +215,8 @@ class Generation:
         self.stats: dict = {"prompt_tokens": sum(map(len, self.prompts)), "new_tokens": 0, "cache_bytes": 0}
         self.cache: GenerationCache | None = None
         self.compiled = compile
-        self.prefill_fn, self.step_fn = compiled_functions(model) if compile else (model, model.decode_step)
+        eager = (model, model.decode_step)
+        self.prefill_fn, self.step_fn = compiled_functions(model, compile_mode) if compile else eager
 
     def _fit_context(self, prompts: list[list[int]], truncate: str | None) -> list[list[int]]:
         """Full-attention models cannot look past max_seq_len: refuse, or drop the oldest tokens."""
@@ -321,76 +323,35 @@ class Generation:
         return any(s in tail for s in self.stop)
 
 
-def compiled_functions(model: Transformer):
-    """(prefill, step) for compile=true: the one-token step as one graph with no breaks (fullgraph),
-    and on CUDA captured as a CUDA graph ("reduce-overhead"); on the CPU the prefill compiled
-    separately, with static shapes: each prompt width compiles once (symbolic chunk counts break
-    inductor's views in the chunkwise kinds), and past torch's recompile limit a width simply runs
-    eagerly. A prompt longer than one prefill chunk runs its later chunks eagerly
-    (Generation._prefill). torch.compile keeps its graphs with the code, so later generations of
-    the same shapes reuse them.
-
-    On CUDA the prefill runs eagerly, as the server's does: one pass per prompt, where a GPU's eager
-    kernels are already fast, and inductor (torch 2.11.0+cu130, H100) computed the second layer's
-    state of Taylor linear attention's compiled prefill wrongly (relative error about 1, where the
-    compiled step and the compiled plain forward agree with eager: docs/gpu.md)."""
-    on_cuda = next(model.parameters()).is_cuda
-    step = torch.compile(model.decode_step, fullgraph=True, mode="reduce-overhead" if on_cuda else None)
-    prefill = model if on_cuda else torch.compile(model, dynamic=False)
-    return prefill, EagerPastRecompileLimit(step, model.decode_step)
-
-
-class EagerPastRecompileLimit:
-    """The compiled step until torch refuses to compile it once more, the eager step from then on.
-
-    torch compiles one function at most `torch._dynamo.config.recompile_limit` (8) times per process;
-    every model of another shape is one more. Past the limit a non-fullgraph function quietly runs
-    eagerly, but a fullgraph one raises, so a process that decodes with a ninth kind of model would
-    stop. The refusal comes before the step runs (nothing has been written to the cache yet), so
-    running the eager step instead is safe; it gives the same tokens, only slower, and says so once."""
-
-    def __init__(self, compiled, eager):
-        self.compiled, self.eager, self.fell_back = compiled, eager, False
-
-    def __call__(self, *args, **kwargs):
-        if not self.fell_back:
-            try:
-                return self.compiled(*args, **kwargs)
-            except torch._dynamo.exc.FailOnRecompileLimitHit:
-                self.fell_back = True
-                warnings.warn("torch's recompile limit (torch._dynamo.config.recompile_limit = "
-                              f"{torch._dynamo.config.recompile_limit}) is reached in this process: this "
-                              "generation decodes eagerly; torch._dynamo.reset() starts the count again",
-                              stacklevel=2)
-        return self.eager(*args, **kwargs)
-
-
 def stream(model: Transformer, idx, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
            top_p: float | None = None, min_p: float | None = None, repetition_penalty: float | None = None,
            stop: Sequence[str] | None = None, use_cache: bool = True, seed: int | None = None,
            tokenizer=None, eos_id: int | None = None, truncate: str | None = None,
-           compile: bool = False) -> Generation:
+           compile: bool = False, compile_mode: str = "default") -> Generation:
     """A Generation to iterate: each step yields every row's new token (None once it has finished)."""
     sampling = Sampling(temperature, top_k, top_p, min_p, repetition_penalty)
     return Generation(model, idx, max_new_tokens, sampling, stop=stop, tokenizer=tokenizer, eos_id=eos_id,
-                      use_cache=use_cache, seed=seed, truncate=truncate, compile=compile)
+                      use_cache=use_cache, seed=seed, truncate=truncate, compile=compile,
+                      compile_mode=compile_mode)
 
 
 def generate(model: Transformer, idx, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, min_p: float | None = None, repetition_penalty: float | None = None,
              stop: Sequence[str] | None = None, use_cache: bool = True, seed: int | None = None,
              tokenizer=None, eos_id: int | None = None, truncate: str | None = None,
-             compile: bool = False) -> list[list[int]]:
+             compile: bool = False, compile_mode: str = "default") -> list[list[int]]:
     """Token ids of each row, prompt followed by up to max_new_tokens new tokens.
 
     idx is a (B, T) tensor or a list of token-id lists of different lengths. A row ends early
     at `eos_id` (not included) or once its text contains a `stop` string (needs `tokenizer`).
     `use_cache=False` recomputes each row's whole sequence every step (the reference path).
     `compile=True` runs the one-token step, and on the CPU the prefill, through torch.compile (the
-    first call compiles: seconds to minutes; `stream(...).stats["first_step_s"]` says how long).
+    first call compiles: seconds to minutes; `stream(...).stats["first_step_s"]` says how long);
+    `compile_mode="max-autotune"` compiles the step with frozen weights and inductor's autotuned GEMMs on
+    the CPU (lm.generation.compiled: faster steps, a longer first call).
     """
     run = stream(model, idx, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, stop,
-                 use_cache, seed, tokenizer, eos_id, truncate, compile)
+                 use_cache, seed, tokenizer, eos_id, truncate, compile, compile_mode)
     for _ in run:
         pass
     return run.tokens

@@ -7,10 +7,13 @@ import re
 import sys
 from typing import TextIO
 
+import torch
 from omegaconf import DictConfig
 
 from lm.data.tokenizer import EOT
 from lm.formats.checkpoint import load
+from lm.generation.compiled import check_device as check_compile_device
+from lm.generation.compiled import check_float_weights
 from lm.generation.decode import Generation, Sampling, check_settings, stop_strings
 from lm.generation.quantize import CHOICES, Int8Linear, quantize_int8, resolve_kernel, weight_bytes
 from lm.util.checks import as_list, check_device, require_bool
@@ -58,8 +61,10 @@ def check_run_settings(cfg: DictConfig) -> tuple[Sampling, list[str]]:
     sampling and the stop strings."""
     sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p, cfg.repetition_penalty)
     stop = check_settings(cfg.max_new_tokens, read_stop_strings(cfg.stop), cfg.seed, cfg.truncate, cfg.use_cache,
-                          cfg.compile)
+                          cfg.compile, cfg.compile_mode)
     check_device(cfg.device)
+    check_compile_device(cfg.compile_mode, torch.device(cfg.device))
+    check_float_weights(cfg.compile_mode, cfg.quantize is not None)
     if cfg.quantize not in (None, "int8"):
         raise GenerationError(f"quantize={cfg.quantize!r} must be null or int8")
     if cfg.int8_kernel not in CHOICES:
@@ -92,7 +97,7 @@ def generate_text(cfg: DictConfig, out: TextIO | None = None, err: TextIO | None
     ids = [tokenizer.encode(p).ids for p in prompts]
     run = Generation(model, ids, cfg.max_new_tokens, sampling, stop=stop, tokenizer=tokenizer,
                      eos_id=tokenizer.token_to_id(EOT), use_cache=cfg.use_cache, seed=cfg.seed, truncate=cfg.truncate,
-                     compile=cfg.compile)
+                     compile=cfg.compile, compile_mode=cfg.compile_mode)
     if len(prompts) == 1:
         texts = [_stream_one(run, prompts[0], len(ids[0]), tokenizer, stop, out)]
     else:

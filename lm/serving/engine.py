@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lm.generation.decode import EagerPastRecompileLimit, Sampling
+from lm.generation.compiled import compiled_step
+from lm.generation.decode import Sampling
 from lm.generation.text import StreamedText
 from lm.model.generation_cache import GenerationCache
 from lm.model.transformer import Transformer
@@ -122,7 +123,7 @@ class Engine:
     `submit` hands it requests from any thread; `stop()` ends it once the running requests have finished."""
 
     def __init__(self, model: Transformer, tokenizer, max_batch: int, max_queue: int, eos_id: int | None,
-                 compile: bool = False):
+                 compile: bool = False, compile_mode: str = "default"):
         self.model, self.tokenizer, self.eos_id = model, tokenizer, eos_id
         self.max_batch, self.max_queue = max_batch, max_queue
         self.device = next(model.parameters()).device
@@ -138,11 +139,8 @@ class Engine:
         self.lock = threading.Condition()
         self.stopping = False
         self.thread: threading.Thread | None = None
-        self.step_fn = model.decode_step
-        if compile:
-            step = torch.compile(model.decode_step, fullgraph=True,
-                                 mode="reduce-overhead" if self.device.type == "cuda" else None)
-            self.step_fn = EagerPastRecompileLimit(step, model.decode_step)
+        # The weights stay as they are while the engine serves, as compile_mode=max-autotune's frozen step needs.
+        self.step_fn = compiled_step(model, compile_mode) if compile else model.decode_step
         self.steps = 0
 
     def _empty_cache(self) -> GenerationCache:

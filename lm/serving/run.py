@@ -10,12 +10,15 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
+import torch
 from omegaconf import DictConfig
 
 from lm.config.serve import ServeSettings
 from lm.config.settings import check_settings
 from lm.data.tokenizer import EOT
 from lm.formats.checkpoint import checkpoint_file, load
+from lm.generation.compiled import check_compile_mode, check_float_weights
+from lm.generation.compiled import check_device as check_compile_device
 from lm.generation.quantize import CHOICES, quantize_int8, resolve_kernel
 from lm.serving.chat import ChatTemplate, read_chat_template
 from lm.serving.engine import Engine
@@ -29,6 +32,9 @@ API_KEY_VARIABLE = "LM_API_KEY"
 def check_run_settings(cfg: DictConfig) -> None:
     check_settings(cfg, ServeSettings)
     check_device(cfg.device)
+    check_compile_mode(cfg.compile_mode, cfg.compile)
+    check_compile_device(cfg.compile_mode, torch.device(cfg.device))
+    check_float_weights(cfg.compile_mode, cfg.quantize is not None)
     if cfg.int8_kernel not in CHOICES:
         raise ConfigError(f"int8_kernel={cfg.int8_kernel!r} must be one of {list(CHOICES)}")
     if cfg.model_name is not None and not str(cfg.model_name).strip():
@@ -80,7 +86,8 @@ def prepare(cfg: DictConfig, out: TextIO):
         kernel, kernel_choice = resolve_kernel(cfg.int8_kernel, next(model.parameters()).device)
         model = quantize_int8(model, kernel)
     chat_template = ChatTemplate(template_source, EOT) if template_source is not None else None
-    engine = Engine(model, tokenizer, cfg.max_batch, cfg.max_queue, tokenizer.token_to_id(EOT), cfg.compile)
+    engine = Engine(model, tokenizer, cfg.max_batch, cfg.max_queue, tokenizer.token_to_id(EOT), cfg.compile,
+                    cfg.compile_mode)
     name = model_name_of(cfg, checkpoint)
     server = Server(engine, tokenizer, name, Limits(cfg.max_new_tokens, cfg.max_prompt_tokens), chat_template)
     app = build_app(server, api_key, on_shutdown=lambda: engine.stop(timeout=0))

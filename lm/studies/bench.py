@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     dec.add_argument("--rounds", type=int, default=5, help="alternating measured rounds; the median is kept")
     dec.add_argument("--int8-kernels", nargs="*", choices=KERNELS, default=["native", "dynamic", "dequant"],
                      help="int8 rows, eager and compiled, one pair per kernel")
+    dec.add_argument("--max-autotune", action="store_true",
+                     help="on the CPU, our fp32 compiled row again with compile_mode=max-autotune (frozen "
+                          "weights, inductor's autotuned matmuls; a longer first call)")
     dec.add_argument("--batches", type=int, nargs="*", default=[16, 64], help="batch sizes of ragged prompts")
     dec.add_argument("--batch-rounds", type=int, default=3, help="alternating rounds of each batched table")
     dec.add_argument("--contexts", type=int, nargs="*", default=[8192, 32768],
@@ -180,7 +183,9 @@ def write_results(path: str, args: argparse.Namespace, results: dict) -> None:
 def main(argv: list[str] | None = None) -> None:
     from lm.util.cli import exit_on_user_error
     from lm.util.files import make_folder
+    from lm.util.hardware import inductor_cache_per_capability
 
+    inductor_cache_per_capability()  # before anything compiles
     args = build_parser().parse_args(argv)
     with exit_on_user_error():
         if args.json:  # a folder that cannot be made is one line before any measuring

@@ -70,8 +70,16 @@ def hf_twin(model: Transformer, dtype: torch.dtype) -> torch.nn.Module:
 Run = Callable[[], list[list[int]]]  # one decoding run: every row's prompt and new tokens
 
 
-def ours(model: Transformer, prompts: list[list[int]], n: int, compile: bool = False) -> Run:
-    return lambda: generate(model, prompts, n, compile=compile)
+def ours(model: Transformer, prompts: list[list[int]], n: int, compile: bool = False,
+         compile_mode: str = "default") -> Run:
+    return lambda: generate(model, prompts, n, compile=compile, compile_mode=compile_mode)
+
+
+def autotuned(contenders: dict[str, Run], model: Transformer, prompts: list[list[int]], n: int) -> None:
+    """`lm compiled max-autotune` on the CPU (--max-autotune): compile_mode=max-autotune (frozen weights,
+    inductor's autotuned matmuls; lm.generation.compiled), for the float model only, as it refuses int8."""
+    if next(model.parameters()).device.type == "cpu":
+        contenders["lm compiled max-autotune"] = ours(model, prompts, n, compile=True, compile_mode="max-autotune")
 
 
 def theirs(hf: torch.nn.Module, prompts: list[list[int]], n: int) -> Run:
@@ -163,6 +171,10 @@ def decode_on(device: torch.device, args) -> dict:
         for suffix, compile in (("", False), (" compiled", True)):
             contenders[f"lm int8 {kernel}{suffix}"] = ours(quantized, prompt, n, compile=compile)
             weights_mb[f"lm int8 {kernel}{suffix}"] = weight_bytes(quantized) / 2**20
+    if args.max_autotune:
+        autotuned(contenders, model, prompt, n)
+        weights_mb.update({name: weights_mb[name.removesuffix(" max-autotune")] for name in contenders
+                           if name.endswith(" max-autotune")})
     with tempfile.TemporaryDirectory() as folder:
         llama_cpp = llama_cpp_runs(model, prompt[0], n, Path(folder)) if device.type == "cpu" else {}
         for name, (run, mb) in llama_cpp.items():
@@ -171,13 +183,13 @@ def decode_on(device: torch.device, args) -> dict:
     print(f"greedy decoding, batch 1, {args.prompt}-token prompt, {n} new tokens, {setting}; "
           f"reference shape (vocab 8192, 6 layers, d_model 384, 6 heads / 2 KV heads, SwiGLU 1024); "
           f"median of {args.rounds} alternating rounds")
-    print(f"{'':34}{'tokens/s':>10}{'vs transformers':>17}{'vs lm eager':>13}{'first call s':>14}{'weight MB':>11}"
+    print(f"{'':40}{'tokens/s':>10}{'vs transformers':>17}{'vs lm eager':>13}{'first call s':>14}{'weight MB':>11}"
           f"{'same tokens':>13}")
     rows = [{"name": name, "tokens_per_s": n / s, "vs_transformers": seconds["transformers eager"] / s,
              "vs_lm_eager": seconds["lm eager"] / s, "first_call_s": first[name], "weight_mb": weights_mb[name],
              "same_tokens": tokens[name] == tokens["lm eager"]} for name, s in seconds.items()]
     for row in rows:
-        print(f"{row['name']:34}{row['tokens_per_s']:10.1f}{row['vs_transformers']:16.2f}x"
+        print(f"{row['name']:40}{row['tokens_per_s']:10.1f}{row['vs_transformers']:16.2f}x"
               f"{row['vs_lm_eager']:12.2f}x{row['first_call_s']:14.1f}{row['weight_mb']:11.1f}"
               f"{str(row['same_tokens']):>13}")
     if device.type == "cuda":
@@ -201,11 +213,13 @@ def bench_batched(model: Transformer, hf: torch.nn.Module, int8: dict, batch: in
                   "lm eager": ours(model, prompts, n), "lm compiled": ours(model, prompts, n, compile=True)}
     for kernel, quantized in int8.items():
         contenders[f"lm int8 {kernel} compiled"] = ours(quantized, prompts, n, compile=True)
+    if args.max_autotune:
+        autotuned(contenders, model, prompts, n)
     tokens, first, seconds = alternate(contenders, args.batch_rounds)
     lengths = sorted(map(len, prompts))
     print(f"\nbatch {batch}, prompts of {lengths[0]} to {lengths[-1]} tokens, {n} new tokens each; "
           f"median of {args.batch_rounds} alternating rounds")
-    print(f"{'':34}{'tokens/s':>10}{'vs transformers':>17}{'first call s':>14}{'rows equal':>12}")
+    print(f"{'':40}{'tokens/s':>10}{'vs transformers':>17}{'first call s':>14}{'rows equal':>12}")
     # a count, not one yes or no: in bf16 one near-tie rounded the other way changes a whole row
     # (on an H100 the rows that differed first differed where lm eager's top two logits were 2^-7
     # and 2^-6 apart; in float32 every row was equal: `gpu/diagnose.py ragged`, docs/gpu.md)
@@ -217,7 +231,7 @@ def bench_batched(model: Transformer, hf: torch.nn.Module, int8: dict, batch: in
             for name, s in seconds.items()]
     for row in rows:
         shown = f"{row['rows_equal']} of {batch}"
-        print(f"{row['name']:34}{row['tokens_per_s']:10.1f}{row['vs_transformers']:16.2f}x"
+        print(f"{row['name']:40}{row['tokens_per_s']:10.1f}{row['vs_transformers']:16.2f}x"
               f"{row['first_call_s']:14.1f}{shown:>12}")
     return {"batch": batch, "prompt_lengths": lengths, "rows": rows}
 
@@ -233,7 +247,7 @@ def step_rate(model: Transformer, context: int, batch: int, compile: bool, steps
     already in each row's cache. The cache is advanced to `context` without a prefill: the step reads
     every slot it would after a real prompt (the same shapes and masks) and its time does not depend
     on what the slots hold, so the minutes a 32k prefill takes per row are not spent."""
-    from lm.generation.decode import compiled_functions
+    from lm.generation.compiled import compiled_functions
     from lm.model.generation_cache import GenerationCache
 
     device = next(model.parameters()).device

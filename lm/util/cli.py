@@ -116,6 +116,9 @@ def run_script(main) -> int:
     # while formatting), and put back afterwards. Either way the user sees one line.
     from hydra.core.hydra_config import HydraConfig
 
+    from lm.util.hardware import inductor_cache_per_capability
+
+    inductor_cache_per_capability()  # before anything compiles
     previous = os.environ.get("HYDRA_FULL_ERROR")
     os.environ["HYDRA_FULL_ERROR"] = "1"
     FAILED_ARMS.clear()

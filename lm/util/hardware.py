@@ -52,3 +52,27 @@ def multiplies_bf16(device: torch.device) -> bool:
     """Whether bf16 matmuls on `device` run at least as fast as fp32 ones: CUDA, or a CPU with bf16
     instructions."""
     return device.type == "cuda" or (device.type == "cpu" and cpu_multiplies_bf16())
+
+
+def inductor_cache_per_capability() -> str | None:
+    """Where ATEN_CPU_CAPABILITY holds PyTorch back (as docs/performance.md does to run AVX2's code on an
+    AVX-512 CPU) and TORCHINDUCTOR_CACHE_DIR names no folder of the user's, a cache folder of inductor's for
+    that capability alone; the folder, or None where nothing was changed. Called before anything compiles.
+    (Importing torch._inductor.config sets the variable to torch's default folder, so that value counts as
+    unset.)
+
+    torch 2.13's on-disk cache of compiled graphs does not key its CPU code on the capability: a graph
+    compiled held to AVX2 and then loaded by a process running AVX-512 aborted it (`malloc(): unaligned
+    tcache chunk detected`, in transformers' compiled forward, every time; with separate folders both
+    ran)."""
+    import os
+
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    capability = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not capability or (chosen and chosen != default_cache_dir()):
+        return None
+    folder = f"{default_cache_dir()}-{capability}"
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+    return folder

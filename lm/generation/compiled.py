@@ -1,0 +1,158 @@
+"""The decoding step through torch.compile: `compile=true`, and `compile_mode=max-autotune` on the CPU.
+
+`compile_mode=default` compiles `model.decode_step` as one graph (fullgraph; on CUDA captured as a CUDA
+graph, "reduce-overhead"). Its matmuls stay calls into the CPU's BLAS, and at one row a step that is
+the matrix-vector product MKL runs far below the memory's speed on AMD EPYCs: 9.6 GB/s over a 48 MB
+weight, where a plain sum over the same bytes reads 21 GB/s (docs/performance.md, "Compiled and int8
+decoding"). `compile_mode=max-autotune` compiles the step with inductor's freezing (the weights
+become constants of the graph, so it can lay them out for its own GEMM templates) and max-autotune
+(each matmul shape timed against those templates and the BLAS call, the fastest kept): 3x the tokens
+a second of `default` at the reference shape, for a first call of seconds to a minute.
+
+Freezing bakes the weights into the graph, and torch's guards do not look at their values, so a
+model whose weights change in place after its step compiled (an optimizer step, load_state_dict)
+would decode with the old ones. `FrozenWeightsStep` passes a tag of the weights' identities and
+in-place versions (torch counts every in-place write of a tensor) as a constant of the graph, so a
+change compiles the step again; past torch's recompile limit the step runs eagerly
+(EagerPastRecompileLimit), never with stale weights.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import warnings
+
+import torch
+import torch._inductor.config as inductor_config
+
+from lm.model.transformer import Transformer
+from lm.util.errors import GenerationError
+
+COMPILE_MODES = ("default", "max-autotune")
+
+# inductor's autotuning (torch 2.13) calls a deprecated storage method once per matmul it times: a warning
+# about torch's own code that no user of lm can act on.
+warnings.filterwarnings("ignore", message="TypedStorage is deprecated", module="torch._inductor.select_algorithm")
+
+
+def check_compile_mode(compile_mode: str, compile: bool) -> None:
+    """One of COMPILE_MODES, and max-autotune only where the step is compiled at all."""
+    if compile_mode not in COMPILE_MODES:
+        raise GenerationError(f"compile_mode={compile_mode!r} must be one of {', '.join(COMPILE_MODES)}")
+    if compile_mode != "default" and not compile:
+        raise GenerationError(f"compile_mode={compile_mode} chooses how compile=true compiles: set compile=true")
+
+
+def check_device(compile_mode: str, device: torch.device) -> None:
+    """max-autotune's frozen-weight templates are inductor's CPU GEMMs; on CUDA the step is already one
+    CUDA graph (`default`), and this mode has not been measured there."""
+    if compile_mode == "max-autotune" and device.type != "cpu":
+        raise GenerationError(f"compile_mode=max-autotune is for the CPU (inductor's frozen-weight GEMM "
+                              f"templates); on {device.type} use compile_mode=default")
+
+
+def check_float_weights(compile_mode: str, quantized: bool) -> None:
+    """max-autotune tunes float matmuls. An int8 model's run its own kernels, which it left as they were or
+    made slower: held to AVX2, native compiled 678.6 -> 687.9 tokens/s; with VNNI, dynamic compiled
+    959.3 -> 216.1 (docs/performance.md)."""
+    if compile_mode == "max-autotune" and quantized:
+        raise GenerationError("compile_mode=max-autotune tunes float matmuls, and this model's are int8 "
+                              "(quantize=int8), whose kernels it does not speed up: use compile_mode=default")
+
+
+def compiled_step(model: Transformer, compile_mode: str = "default"):
+    """model.decode_step compiled as `compile_mode` says, the eager step past torch's recompile limit."""
+    device = next(model.parameters()).device
+    check_device(compile_mode, device)
+    check_float_weights(compile_mode, any(b.dtype == torch.int8 for b in model.buffers()))
+    if compile_mode == "max-autotune":
+        return EagerPastRecompileLimit(FrozenWeightsStep(model), model.decode_step)
+    step = torch.compile(model.decode_step, fullgraph=True,
+                         mode="reduce-overhead" if device.type == "cuda" else None)
+    return EagerPastRecompileLimit(step, model.decode_step)
+
+
+def compiled_functions(model: Transformer, compile_mode: str = "default"):
+    """(prefill, step) for compile=true: the step as compiled_step makes it; on the CPU the prefill
+    compiled separately, with static shapes: each prompt width compiles once (symbolic chunk counts break
+    inductor's views in the chunkwise kinds), and past torch's recompile limit a width simply runs
+    eagerly. A prompt longer than one prefill chunk runs its later chunks eagerly
+    (Generation._prefill). torch.compile keeps its graphs with the code, so later generations of
+    the same shapes reuse them. The prefill never freezes: it runs once per prompt, and each prompt
+    width would pay max-autotune's timing again.
+
+    On CUDA the prefill runs eagerly, as the server's does: one pass per prompt, where a GPU's eager
+    kernels are already fast, and inductor (torch 2.11.0+cu130, H100) computed the second layer's
+    state of Taylor linear attention's compiled prefill wrongly (relative error about 1, where the
+    compiled step and the compiled plain forward agree with eager: docs/gpu.md)."""
+    step = compiled_step(model, compile_mode)
+    on_cuda = next(model.parameters()).is_cuda
+    prefill = model if on_cuda else torch.compile(model, dynamic=False)
+    return prefill, step
+
+
+def weights_tag(model: Transformer) -> str:
+    """Which tensors the model holds and how often each was written in place: equal tags, equal weights."""
+    held = itertools.chain(model.parameters(), model.buffers())
+    return f"{id(model)}:{hash(tuple((id(t), t._version) for t in held))}"
+
+
+def _step_with(model: Transformer, weights: str, ids: torch.Tensor, cache, pos: torch.Tensor) -> torch.Tensor:
+    """The step, with the weights' tag as an argument. dynamo guards only what the traced code reads, and
+    guards a string it reads by its value: so the tag is read, and another tag compiles anew."""
+    if not weights:
+        raise GenerationError("the frozen decoding step needs its weights' tag")
+    return model.decode_step(ids, cache, pos)
+
+
+@functools.cache
+def _frozen_autotuned():
+    # Made once per process: every model and tag is one more entry of the same compiled function. Without
+    # the two reporting options inductor writes every matmul's timings to stderr, a screen per model.
+    return torch.compile(_step_with, fullgraph=True, options={
+        "max_autotune": True, "max_autotune_report_choices_stats": False, "autotune_num_choices_displayed": 0})
+
+
+class FrozenWeightsStep:
+    """The step compiled with frozen weights and max-autotune, for the weights the model holds now.
+
+    inductor reads `freezing` while dynamo traces, which happens on a call (the first, and any whose
+    guards fail), not when torch.compile wraps the function, and `options=` reaches only inductor; so
+    the flag is set around each call. It is set directly, not through config.patch (17 us a call)."""
+
+    def __init__(self, model: Transformer):
+        self.model, self.tag = model, weights_tag(model)
+
+    def __call__(self, ids: torch.Tensor, cache, pos: torch.Tensor) -> torch.Tensor:
+        before = inductor_config.freezing
+        inductor_config.freezing = True
+        try:
+            return _frozen_autotuned()(self.model, self.tag, ids, cache, pos)
+        finally:
+            inductor_config.freezing = before
+
+
+class EagerPastRecompileLimit:
+    """The compiled step until torch refuses to compile it once more, the eager step from then on.
+
+    torch compiles one function at most `torch._dynamo.config.recompile_limit` (8) times per process;
+    every model of another shape is one more. Past the limit a non-fullgraph function quietly runs
+    eagerly, but a fullgraph one raises, so a process that decodes with a ninth kind of model would
+    stop. The refusal comes before the step runs (nothing has been written to the cache yet), so
+    running the eager step instead is safe; it gives the same tokens, only slower, and says so once."""
+
+    def __init__(self, compiled, eager):
+        self.compiled, self.eager, self.fell_back = compiled, eager, False
+
+    def __call__(self, *args, **kwargs):
+        if not self.fell_back:
+            try:
+                return self.compiled(*args, **kwargs)
+            except torch._dynamo.exc.FailOnRecompileLimitHit:
+                self.fell_back = True
+                warnings.warn("torch's recompile limit (torch._dynamo.config.recompile_limit = "
+                              f"{torch._dynamo.config.recompile_limit}) is reached in this process: this "
+                              "generation decodes eagerly; torch._dynamo.reset() starts the count again",
+                              stacklevel=2)
+        return self.eager(*args, **kwargs)
