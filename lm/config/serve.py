@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lm.config.settings import Bound, boolean, choice, integer, setting, store
+from lm.generation.compiled import COMPILE_MODES
 from lm.util.checks import require_choice, require_int
 
 PORT = Bound("an integer in [0, 65535] (0: any free port)", lambda n, v: require_int(n, v, 0, 65535))
@@ -35,7 +36,7 @@ class ServeSettings:
                             boolean())
     compile_mode: str = setting("default", "with compile=true: default, or max-autotune (the CPU: the step compiled "
                                            "with frozen weights and inductor's autotuned matmuls; faster steps, a "
-                                           "first step of up to a minute)", choice(("default", "max-autotune")))
+                                           "first step of up to a minute)", choice(COMPILE_MODES))
     quantize: str | None = setting(None, "int8: int8 matmul weights", INT8)
     int8_kernel: str = setting("auto", "with quantize=int8: auto (chosen by the device's int8 instructions, and "
                                        "said), dynamic, native, dequant or int8pack")

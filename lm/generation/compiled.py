@@ -3,25 +3,29 @@
 `compile_mode=default` compiles `model.decode_step` as one graph (fullgraph; on CUDA captured as a CUDA
 graph, "reduce-overhead"). Its matmuls stay calls into the CPU's BLAS, and at one row a step that is
 the matrix-vector product MKL runs far below the memory's speed on AMD EPYCs: 9.6 GB/s over a 48 MB
-weight, where a plain sum over the same bytes reads 21 GB/s (docs/performance.md, "Compiled and int8
-decoding"). `compile_mode=max-autotune` compiles the step with inductor's freezing (the weights
-become constants of the graph, so it can lay them out for its own GEMM templates) and max-autotune
-(each matmul shape timed against those templates and the BLAS call, the fastest kept): 3x the tokens
-a second of `default` at the reference shape, for a first call of seconds to a minute.
+weight, where a plain sum reads 21-27 GB/s (docs/performance.md, "fp32 decoding at the memory's
+speed"). `compile_mode=max-autotune` compiles the step with inductor's freezing (the weights become
+constants of the graph, so it can lay them out for its own GEMM templates) and max-autotune (each
+matmul shape timed against those templates and the BLAS call, the fastest kept): 2.4-2.8x the tokens a
+second of `default` at the reference shape, for a first call of seconds to a minute.
 
 Freezing bakes the weights into the graph, and torch's guards do not look at their values, so a
-model whose weights change in place after its step compiled (an optimizer step, load_state_dict)
-would decode with the old ones. `FrozenWeightsStep` passes a tag of the weights' identities and
-in-place versions (torch counts every in-place write of a tensor) as a constant of the graph, so a
-change compiles the step again; past torch's recompile limit the step runs eagerly
-(EagerPastRecompileLimit), never with stale weights.
+model whose weights changed after its step compiled (an optimizer step, load_state_dict) would decode
+with the old ones. `FrozenWeightsStep` passes a tag of the model's tensors (which ones, where their
+storage is, and torch's count of in-place writes to each) as a constant of the graph, taken when a
+generation starts, so a change compiles the step again, and the entries of the model's older weights
+are dropped first (they hold a copy of them, and would count towards torch's recompile limit). Not
+seen: writes through `.data` (torch counts none of them) and changes in the middle of one generation;
+after such a write, `torch._dynamo.reset()`.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import threading
 import warnings
+import weakref
 
 import torch
 import torch._inductor.config as inductor_config
@@ -63,9 +67,11 @@ def check_float_weights(compile_mode: str, quantized: bool) -> None:
 
 def compiled_step(model: Transformer, compile_mode: str = "default"):
     """model.decode_step compiled as `compile_mode` says, the eager step past torch's recompile limit."""
+    from lm.generation.quantize import Int8Linear  # quantize imports decode, which imports this module
+
     device = next(model.parameters()).device
     check_device(compile_mode, device)
-    check_float_weights(compile_mode, any(b.dtype == torch.int8 for b in model.buffers()))
+    check_float_weights(compile_mode, any(isinstance(m, Int8Linear) for m in model.modules()))
     if compile_mode == "max-autotune":
         return EagerPastRecompileLimit(FrozenWeightsStep(model), model.decode_step)
     step = torch.compile(model.decode_step, fullgraph=True,
@@ -93,9 +99,10 @@ def compiled_functions(model: Transformer, compile_mode: str = "default"):
 
 
 def weights_tag(model: Transformer) -> str:
-    """Which tensors the model holds and how often each was written in place: equal tags, equal weights."""
+    """Which tensors the model holds, where their storage is, and how often each was written in place
+    (torch's count; writes through `.data` are not counted): equal tags, equal weights."""
     held = itertools.chain(model.parameters(), model.buffers())
-    return f"{id(model)}:{hash(tuple((id(t), t._version) for t in held))}"
+    return f"{id(model)}:{hash(tuple((id(t), t.data_ptr(), t._version) for t in held))}"
 
 
 def _step_with(model: Transformer, weights: str, ids: torch.Tensor, cache, pos: torch.Tensor) -> torch.Tensor:
@@ -114,8 +121,17 @@ def _frozen_autotuned():
         "max_autotune": True, "max_autotune_report_choices_stats": False, "autotune_num_choices_displayed": 0})
 
 
+# Frozen steps run one at a time: the freezing flag is the process's, and two threads setting and putting
+# it back in turn could leave it set. (A compile of another kind in another thread while a frozen step
+# compiles would still see it.)
+_FROZEN_LOCK = threading.Lock()
+# Each model's weights tag when its frozen step was last made: a new tag drops the old weights' entries.
+_LAST_TAGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 class FrozenWeightsStep:
-    """The step compiled with frozen weights and max-autotune, for the weights the model holds now.
+    """The step compiled with frozen weights and max-autotune, for the weights the model holds when it
+    is made (once per generation; the server's engine once).
 
     inductor reads `freezing` while dynamo traces, which happens on a call (the first, and any whose
     guards fail), not when torch.compile wraps the function, and `options=` reaches only inductor; so
@@ -123,14 +139,21 @@ class FrozenWeightsStep:
 
     def __init__(self, model: Transformer):
         self.model, self.tag = model, weights_tag(model)
+        with _FROZEN_LOCK:
+            if _LAST_TAGS.get(model, self.tag) != self.tag:
+                # torch frees compiled entries only by their code: this drops every model's frozen steps
+                # (the others compile again on their next use), not only this model's older weights.
+                torch._dynamo.reset_code(_step_with.__code__)
+            _LAST_TAGS[model] = self.tag
 
     def __call__(self, ids: torch.Tensor, cache, pos: torch.Tensor) -> torch.Tensor:
-        before = inductor_config.freezing
-        inductor_config.freezing = True
-        try:
-            return _frozen_autotuned()(self.model, self.tag, ids, cache, pos)
-        finally:
-            inductor_config.freezing = before
+        with _FROZEN_LOCK:
+            before = inductor_config.freezing
+            inductor_config.freezing = True
+            try:
+                return _frozen_autotuned()(self.model, self.tag, ids, cache, pos)
+            finally:
+                inductor_config.freezing = before
 
 
 class EagerPastRecompileLimit:

@@ -64,9 +64,9 @@ def check_run_settings(cfg: DictConfig) -> tuple[Sampling, list[str]]:
                           cfg.compile, cfg.compile_mode)
     check_device(cfg.device)
     check_compile_device(cfg.compile_mode, torch.device(cfg.device))
-    check_float_weights(cfg.compile_mode, cfg.quantize is not None)
     if cfg.quantize not in (None, "int8"):
         raise GenerationError(f"quantize={cfg.quantize!r} must be null or int8")
+    check_float_weights(cfg.compile_mode, cfg.quantize is not None)
     if cfg.int8_kernel not in CHOICES:
         raise GenerationError(f"int8_kernel={cfg.int8_kernel!r} must be one of {list(CHOICES)}")
     if cfg.quantize and cfg.int8_kernel == "dynamic" and str(cfg.device).startswith("cuda"):
