@@ -6,7 +6,7 @@ the matrix-vector product MKL runs far below the memory's speed on AMD EPYCs: 9.
 weight, where a plain sum reads 21-27 GB/s (docs/performance.md, "fp32 decoding at the memory's
 speed"). `compile_mode=max-autotune` compiles the step with inductor's freezing (the weights become
 constants of the graph, so it can lay them out for its own GEMM templates) and max-autotune (each
-matmul shape timed against those templates and the BLAS call, the fastest kept): 2.4-2.8x the tokens a
+matmul shape timed against those templates and the BLAS call, the fastest kept): 2.1-2.7x the tokens a
 second of `default` at the reference shape, for a first call of seconds to a minute.
 
 Freezing bakes the weights into the graph, and torch's guards do not look at their values, so a
@@ -58,8 +58,8 @@ def check_device(compile_mode: str, device: torch.device) -> None:
 
 def check_float_weights(compile_mode: str, quantized: bool) -> None:
     """max-autotune tunes float matmuls. An int8 model's run its own kernels, which it left as they were or
-    made slower: held to AVX2, native compiled 678.6 -> 687.9 tokens/s; with VNNI, dynamic compiled
-    959.3 -> 216.1 (docs/performance.md)."""
+    made slower: with VNNI, native compiled 742.1 -> 755.9 tokens/s at batch 1 and 2,762.5 -> 261.0 at
+    batch 16, dynamic compiled 959.3 -> 216.1 at batch 1 (docs/performance.md)."""
     if compile_mode == "max-autotune" and quantized:
         raise GenerationError("compile_mode=max-autotune tunes float matmuls, and this model's are int8 "
                               "(quantize=int8), whose kernels it does not speed up: use compile_mode=default")
