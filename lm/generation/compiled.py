@@ -65,13 +65,18 @@ def check_float_weights(compile_mode: str, quantized: bool) -> None:
                               "(quantize=int8), whose kernels it does not speed up: use compile_mode=default")
 
 
+def holds_int8_weights(model: Transformer) -> bool:
+    """Whether any layer keeps its matmul weight as int8, as lm.quantize_int8's layers do (asked by the
+    weight's dtype: the quantize module imports decoding, which imports this one)."""
+    return any(isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dtype == torch.int8
+               for m in model.modules())
+
+
 def compiled_step(model: Transformer, compile_mode: str = "default"):
     """model.decode_step compiled as `compile_mode` says, the eager step past torch's recompile limit."""
-    from lm.generation.quantize import Int8Linear  # quantize imports decode, which imports this module
-
     device = next(model.parameters()).device
     check_device(compile_mode, device)
-    check_float_weights(compile_mode, any(isinstance(m, Int8Linear) for m in model.modules()))
+    check_float_weights(compile_mode, holds_int8_weights(model))
     if compile_mode == "max-autotune":
         return EagerPastRecompileLimit(FrozenWeightsStep(model), model.decode_step)
     step = torch.compile(model.decode_step, fullgraph=True,
