@@ -65,6 +65,13 @@ def check_float_weights(compile_mode: str, quantized: bool) -> None:
                               "(quantize=int8), whose kernels it does not speed up: use compile_mode=default")
 
 
+def check_fits(compile_mode: str, device: torch.device | str, quantized: bool) -> None:
+    """What compile_mode asks of the run, checked alike by the scripts (before the checkpoint loads) and
+    by compiled_step: max-autotune on the CPU and with float weights."""
+    check_device(compile_mode, torch.device(device))
+    check_float_weights(compile_mode, quantized)
+
+
 def holds_int8_weights(model: Transformer) -> bool:
     """Whether any layer keeps its matmul weight as int8, as lm.quantize_int8's layers do (asked by the
     weight's dtype: the quantize module imports decoding, which imports this one)."""
@@ -75,8 +82,7 @@ def holds_int8_weights(model: Transformer) -> bool:
 def compiled_step(model: Transformer, compile_mode: str = "default"):
     """model.decode_step compiled as `compile_mode` says, the eager step past torch's recompile limit."""
     device = next(model.parameters()).device
-    check_device(compile_mode, device)
-    check_float_weights(compile_mode, holds_int8_weights(model))
+    check_fits(compile_mode, device, holds_int8_weights(model))
     if compile_mode == "max-autotune":
         return EagerPastRecompileLimit(FrozenWeightsStep(model), model.decode_step)
     step = torch.compile(model.decode_step, fullgraph=True,

@@ -7,13 +7,11 @@ import re
 import sys
 from typing import TextIO
 
-import torch
 from omegaconf import DictConfig
 
 from lm.data.tokenizer import EOT
 from lm.formats.checkpoint import load
-from lm.generation.compiled import check_device as check_compile_device
-from lm.generation.compiled import check_float_weights
+from lm.generation.compiled import check_fits
 from lm.generation.decode import Generation, Sampling, check_settings, stop_strings
 from lm.generation.quantize import CHOICES, Int8Linear, quantize_int8, resolve_kernel, weight_bytes
 from lm.util.checks import as_list, check_device, require_bool
@@ -63,10 +61,9 @@ def check_run_settings(cfg: DictConfig) -> tuple[Sampling, list[str]]:
     stop = check_settings(cfg.max_new_tokens, read_stop_strings(cfg.stop), cfg.seed, cfg.truncate, cfg.use_cache,
                           cfg.compile, cfg.compile_mode)
     check_device(cfg.device)
-    check_compile_device(cfg.compile_mode, torch.device(cfg.device))
     if cfg.quantize not in (None, "int8"):
         raise GenerationError(f"quantize={cfg.quantize!r} must be null or int8")
-    check_float_weights(cfg.compile_mode, cfg.quantize is not None)
+    check_fits(cfg.compile_mode, cfg.device, cfg.quantize is not None)
     if cfg.int8_kernel not in CHOICES:
         raise GenerationError(f"int8_kernel={cfg.int8_kernel!r} must be one of {list(CHOICES)}")
     if cfg.quantize and cfg.int8_kernel == "dynamic" and str(cfg.device).startswith("cuda"):

@@ -10,15 +10,13 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-import torch
 from omegaconf import DictConfig
 
 from lm.config.serve import ServeSettings
 from lm.config.settings import check_settings
 from lm.data.tokenizer import EOT
 from lm.formats.checkpoint import checkpoint_file, load
-from lm.generation.compiled import check_compile_mode, check_float_weights
-from lm.generation.compiled import check_device as check_compile_device
+from lm.generation.compiled import check_compile_mode, check_fits
 from lm.generation.quantize import CHOICES, quantize_int8, resolve_kernel
 from lm.serving.chat import ChatTemplate, read_chat_template
 from lm.serving.engine import Engine
@@ -33,8 +31,7 @@ def check_run_settings(cfg: DictConfig) -> None:
     check_settings(cfg, ServeSettings)
     check_device(cfg.device)
     check_compile_mode(cfg.compile_mode, cfg.compile)
-    check_compile_device(cfg.compile_mode, torch.device(cfg.device))
-    check_float_weights(cfg.compile_mode, cfg.quantize is not None)
+    check_fits(cfg.compile_mode, cfg.device, cfg.quantize is not None)
     if cfg.int8_kernel not in CHOICES:
         raise ConfigError(f"int8_kernel={cfg.int8_kernel!r} must be one of {list(CHOICES)}")
     if cfg.model_name is not None and not str(cfg.model_name).strip():

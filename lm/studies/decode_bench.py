@@ -173,8 +173,8 @@ def decode_on(device: torch.device, args) -> dict:
             weights_mb[f"lm int8 {kernel}{suffix}"] = weight_bytes(quantized) / 2**20
     if args.max_autotune:
         autotuned(contenders, model, prompt, n)
-        weights_mb.update({name: weights_mb[name.removesuffix(" max-autotune")] for name in contenders
-                           if name.endswith(" max-autotune")})
+        if "lm compiled max-autotune" in contenders:
+            weights_mb["lm compiled max-autotune"] = weights_mb["lm compiled"]
     with tempfile.TemporaryDirectory() as folder:
         llama_cpp = llama_cpp_runs(model, prompt[0], n, Path(folder)) if device.type == "cpu" else {}
         for name, (run, mb) in llama_cpp.items():
