@@ -3,8 +3,9 @@
 Each `python scripts/<name>.py ...` line in a code block or inline code span is composed with the
 script's own Hydra config and overrides (an unknown option, group choice or key fails here) and then
 put through the checks the script runs before any work: the run settings and the model config for
-training, the generation settings, the comparison's plan. `scripts/bench.py` lines go through its
-argument parser, `make` lines must name a Makefile target. Placeholders the docs use on purpose
+training, the generation settings, the comparison's settings (its plan, every arm composed and
+checked, in the slow tier). `scripts/bench.py` lines go through its argument parser, `make` lines
+must name a Makefile target. Placeholders the docs use on purpose
 (`ckpt=...`, `<tasks>`, `[a|b]`) are filled in first. The commands themselves run end to end in the
 slow tier's script tests (train, generate, eval, export, import, compare, uptrain, bench, harness).
 """
@@ -112,8 +113,9 @@ PLANNED: set[str] = set()  # the comparison configs planned in this process: a p
 RUN_ONLY = ("report_only", "records_from", "arm")
 
 
-def check_composed(script: str, cfg) -> None:
-    """The checks each script makes before it does any work."""
+def check_composed(script: str, cfg, plan: bool = False) -> None:
+    """The checks each script makes before it does any work; a comparison's plan (every arm composed
+    and checked, seconds to tens of seconds for the default study) only with `plan`."""
     if script == "train":
         from lm.training.run import check_run_settings, model_config_from
 
@@ -134,6 +136,8 @@ def check_composed(script: str, cfg) -> None:
         # not the plan's: their values are checked here, and planned without them, a plan that read one
         # fails here rather than passing.
         compare.check_study_settings(cfg)
+        if not plan:
+            return
         planned = cfg.copy()
         with open_dict(planned):
             for key in RUN_ONLY:
@@ -149,7 +153,22 @@ def check_composed(script: str, cfg) -> None:
 
 @pytest.mark.parametrize("where,argv,error", COMMANDS, ids=[w for w, _, _ in COMMANDS])
 def test_a_documented_command_is_accepted_as_written(where, argv, error, tmp_path, monkeypatch):
-    """Accepted, or refused with exactly the line the page says it prints."""
+    """Accepted, or refused with exactly the line the page says it prints (a comparison: its settings;
+    its whole plan in the slow tier, below)."""
+    check_documented_command(where, argv, error, tmp_path, monkeypatch)
+
+
+COMPARISONS = [(where, argv, error) for where, argv, error in COMMANDS if argv[0] == "scripts/compare.py"]
+
+
+@pytest.mark.slow  # the default study's plan alone composes and checks over 600 arms: 10-25 s a command
+@pytest.mark.parametrize("where,argv,error", COMPARISONS, ids=[w for w, _, _ in COMPARISONS])
+def test_a_documented_comparison_plans_every_arm_as_written(where, argv, error, tmp_path, monkeypatch):
+    """Each documented comparison's every arm composed and checked, as compare.py does before training."""
+    check_documented_command(where, argv, error, tmp_path, monkeypatch, plan=True)
+
+
+def check_documented_command(where, argv, error, tmp_path, monkeypatch, plan: bool = False) -> None:
     monkeypatch.chdir(tmp_path)  # nothing may land in the checkout
     if argv[0] == "make":
         makefile = (ROOT / "Makefile").read_text()
@@ -182,10 +201,10 @@ def test_a_documented_command_is_accepted_as_written(where, argv, error, tmp_pat
         for overrides in runs:
             cfg = compose(config_name=config_name or config.group(1), overrides=overrides)
             if error is None:
-                check_composed(name, cfg)
+                check_composed(name, cfg, plan)
                 continue
             with pytest.raises(Exception) as refused:
-                check_composed(name, cfg)
+                check_composed(name, cfg, plan)
             assert str(refused.value) == error, f"{where}: the page says it prints 'error: {error}'"
 
 

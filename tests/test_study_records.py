@@ -55,6 +55,7 @@ def default_recall_plan(tmp_path_factory):
         return compare.plan(compose("compare", overrides=[f"out={tmp_path_factory.mktemp('plan')}", "tasks=[mqar]"]))
 
 
+@pytest.mark.slow  # plans a whole committed study: hundreds of arms composed and checked
 def test_the_committed_comparisons_recall_arms_are_taken_by_todays_plan(default_recall_plan, tmp_path):
     """The recall arms of docs/compare/results.json (no corpus, no timing in their settings) continue
     under today's configs: their settings, with what was added since, are today's plan's."""
@@ -67,6 +68,7 @@ def test_the_committed_comparisons_recall_arms_are_taken_by_todays_plan(default_
     assert len(recall) > 200
 
 
+@pytest.mark.slow  # plans a whole committed study: hundreds of arms composed and checked
 def test_the_new_kinds_recall_arms_are_taken_by_the_default_plan(default_recall_plan, tmp_path):
     """docs/compare-new-kinds/ holds the default comparison's arms of the kinds added since it was run
     (mamba2, dsa, kda), committed as they finish: the default study takes every finished recall arm."""
@@ -78,6 +80,7 @@ def test_the_new_kinds_recall_arms_are_taken_by_the_default_plan(default_recall_
     assert recall and said.startswith(f"records_from={source}: {len(recall)} finished arms taken"), said
 
 
+@pytest.mark.slow  # plans a whole committed study: hundreds of arms composed and checked
 def test_the_committed_frontier_arms_are_taken_by_todays_plan(tmp_path):
     """The finished arms of docs/compare-frontier/results.json (the preset runs for about 10 hours, so
     its records are committed as they finish) continue under today's preset: the same command with

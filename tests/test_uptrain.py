@@ -117,6 +117,7 @@ def test_an_invalid_target_is_one_line_before_anything_is_written(teacher, tmp_p
     assert not list(tmp_path.glob("**/*.ckpt"))
 
 
+@pytest.mark.slow  # the script as its own process (Lightning's import alone: seconds); in process: test_command_fuzz
 def test_the_script_says_a_bad_target_in_one_line_and_exits_2(teacher, tmp_path):
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "uptrain.py"), f"ckpt={teacher}",
                              "attn.n_kv_head=3", "logger=none", f"checkpoint_dir={tmp_path}",

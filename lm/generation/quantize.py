@@ -10,8 +10,8 @@ what the device multiplies fast (choose_kernel) and says which, and the others n
 - "dynamic": the activations are quantized too, each row (token) with its own
   absmax / 127 scale computed at run time, and `torch._int_mm` multiplies int8 by int8 into
   int32 (oneDNN's VNNI kernels on x86): 9.2x our fp32 step compiled on an AVX-512 VNNI EPYC
-  (docs/performance.md); refused where torch._int_mm's sums are not exact (oneDNN's AVX2 kernels
-  without VNNI saturate them);
+  (docs/performance.md); refused where torch._int_mm's sums are not exact (oneDNN held to AVX2 on
+  an AVX-512 CPU saturates them), and 0.58x our fp32 eager step on a CPU with AVX2 alone, where they are;
 - "native": the same arithmetic in lm's own C kernel (lm.generation.int8_native), whose int32 sums
   are exact on AVX2 without VNNI: the kernel that pays on such CPUs;
 - "dequant": weights only; w_int8 -> float, one matmul, times the scales: plain PyTorch, any
@@ -49,7 +49,7 @@ KERNELS = ("dynamic", "native", "dequant", "int8pack")
 # the reference shape (lm.studies.kernel_bench's shapes, each timed alone, its weight hot in cache) on an
 # AMD EPYC with AVX512-VNNI, one thread beside another job, against fp32: native 2.4x at 1 row, 3.3x at 2,
 # 2.7x at 4, 1.7x at 8, 1.1x at 16; torch._int_mm 1.1x, 1.6x, 2.0x, 2.0x, 1.8x. Without exact sums from
-# torch._int_mm (AVX2 without VNNI) native serves every row count.
+# torch._int_mm, or without int8 dot-product instructions (AVX2 without VNNI), native serves every row count.
 NATIVE_MAX_ROWS = 4
 AUTO = "auto"
 CHOICES = (AUTO, *KERNELS)
@@ -60,7 +60,7 @@ def choose_kernel(device: torch.device) -> tuple[str, str]:
     Measured with `scripts/bench.py decode` at batch 1 (docs/performance.md): on a CPU with int8
     dot-product instructions, dynamic (9.2x our fp32 eager step compiled on an AVX512-VNNI EPYC of family
     26; on one of family 25, native ran 0.9x dynamic compiled); without them native, the one int8 kernel
-    faster than fp32 there (5.5x compiled held to AVX2, where torch._int_mm is not exact); where native
+    faster than fp32 there (2.6x compiled on an AVX2 EPYC of family 25 model 1, 5.5x held to AVX2); where native
     cannot be built, dynamic if torch._int_mm is exact, else int8pack, which decoded at 0.54-0.68x our fp32 step."""
     if device.type != "cpu":  # torch._int_mm on CUDA needs more than 16 rows, which a decoding step lacks
         return "dequant", (f"int8_kernel=auto: dequant (weights only), the kernel that runs a decoding step on "
@@ -148,11 +148,13 @@ class Int8Linear(nn.Module):
         if kernel not in KERNELS:
             raise GenerationError(f"int8 kernel={kernel!r} must be one of {list(KERNELS)}")
         self.kernel = kernel
-        # native hands float32 inputs of many rows to torch._int_mm where its sums are exact: the same
-        # floats to the last bit (both round each row alike, sum exactly and scale in float32), and oneDNN's
-        # blocked GEMM is the faster there (NATIVE_MAX_ROWS); a plain bool, which torch.compile reads as
-        # a constant
-        self.int_mm_exact = hardware.int8_matmul_is_exact()
+        # native hands float32 inputs of many rows to torch._int_mm where its sums are exact and the CPU
+        # has int8 dot-product instructions: the same floats to the last bit (both round each row alike,
+        # sum exactly and scale in float32), and oneDNN's blocked VNNI GEMM is the faster there
+        # (NATIVE_MAX_ROWS). Exact alone is not enough: on an AVX2 EPYC without VNNI (family 25 model 1)
+        # torch._int_mm is exact but took 117.7 ms for one step's matmuls at 16 rows against native's 6.4
+        # (`bench.py kernels --rows 16`). A plain bool, which torch.compile reads as a constant.
+        self.int_mm_pays = hardware.int8_matmul_is_exact() and hardware.cpu_multiplies_int8()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight, scales = quantize_per_channel(linear.weight)
         self.register_buffer("weight", weight)  # (N, K) int8
@@ -163,7 +165,7 @@ class Int8Linear(nn.Module):
             flat = x.reshape(-1, self.in_features)  # (M, K): the kernel takes 2-D inputs
             out = torch.ops.aten._weight_int8pack_mm(flat, self.weight, self.scales)  # (M, N)
             return out.view(*x.shape[:-1], self.out_features)
-        if self.kernel == "dynamic" or (self.kernel == "native" and self.int_mm_exact and x.dtype == torch.float32
+        if self.kernel == "dynamic" or (self.kernel == "native" and self.int_mm_pays and x.dtype == torch.float32
                                         and x.numel() > NATIVE_MAX_ROWS * self.in_features):
             return dynamic_int8_linear(x, self.weight, self.scales)
         if self.kernel == "native":

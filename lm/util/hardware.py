@@ -18,7 +18,8 @@ def cpu_multiplies_bf16() -> bool:
 def cpu_multiplies_int8() -> bool:
     """Whether this CPU has int8 dot-product instructions (AVX512-VNNI or AMX), on which oneDNN's int8
     matmuls (torch._int_mm) run: with them int8 decoding ran 9.2x the fp32 step compiled (an AVX-512
-    VNNI EPYC); without them oneDNN's sums are not exact (int8_matmul_is_exact)."""
+    VNNI EPYC); without them oneDNN's int8 matmuls are slow (an AVX2 EPYC of family 25 model 1: 0.11x
+    fp32 at 16 rows) or their sums not exact (int8_matmul_is_exact)."""
     return torch.cpu._is_vnni_supported() or torch.cpu._is_amx_tile_supported()
 
 
@@ -37,8 +38,9 @@ def int8_matmul_is_exact() -> bool:
     """Whether torch._int_mm on this CPU returns the exact int32 sums it promises, tried once per
     process on full-range random int8 matrices. Without int8 dot-product instructions oneDNN's
     int8 GEMM adds pairs of byte products in int16 (vpmaddubsw), which saturates on full-range
-    values (oneDNN's guide, "Nuances of int8 Computations"): with oneDNN held to AVX2
-    (DNNL_MAX_CPU_ISA=AVX2, what an AVX2 CPU gets) 83-100% of the sums came back wrong."""
+    values (oneDNN's guide, "Nuances of int8 Computations"): with oneDNN held to AVX2 on an AVX-512 CPU
+    (DNNL_MAX_CPU_ISA=AVX2) 83-100% of the sums came back wrong. On a CPU with AVX2 alone (an EPYC of
+    family 25 model 1) they were exact, and slow (cpu_multiplies_int8): so both are asked."""
     g = torch.Generator().manual_seed(0)
     a = torch.randint(-127, 128, (32, 256), dtype=torch.int8, generator=g)
     b = torch.randint(-127, 128, (256, 32), dtype=torch.int8, generator=g)
