@@ -66,15 +66,14 @@ def choose_kernel(device: torch.device) -> tuple[str, str]:
         return "dequant", (f"int8_kernel=auto: dequant (weights only), the kernel that runs a decoding step on "
                            f"{device.type}")
     features = f"this CPU: {hardware.cpu_features()}"
-    exact = dynamic_refusal(device) is None
-    if exact and hardware.cpu_multiplies_int8():
+    if hardware.int8_matmul_pays():
         return "dynamic", (f"int8_kernel=auto: dynamic, torch._int_mm's int8 x int8 matmuls on the CPU's int8 "
                            f"dot-product instructions ({features})")
     if (why_not := int8_native.unavailable()) is None:
         return "native", (f"int8_kernel=auto: native, lm's C kernel of exact int8 x int8 sums, for a CPU without "
                           f"int8 dot-product instructions (AVX512-VNNI, AMX) or whose torch._int_mm is not exact "
                           f"({features})")
-    if exact:
+    if dynamic_refusal(device) is None:
         return "dynamic", f"int8_kernel=auto: dynamic, torch._int_mm's int8 x int8 matmuls ({why_not}; {features})"
     return "int8pack", (f"int8_kernel=auto: int8pack (weights only): {why_not}, and this CPU's int8 x int8 matmul "
                         f"does not return exact sums ({features}); int8pack decoded at 0.54-0.68x fp32 on such a "
@@ -154,7 +153,7 @@ class Int8Linear(nn.Module):
         # (NATIVE_MAX_ROWS). Exact alone is not enough: on an AVX2 EPYC without VNNI (family 25 model 1)
         # torch._int_mm is exact but took 117.7 ms for one step's matmuls at 16 rows against native's 6.4
         # (`bench.py kernels --rows 16`). A plain bool, which torch.compile reads as a constant.
-        self.int_mm_pays = hardware.int8_matmul_is_exact() and hardware.cpu_multiplies_int8()
+        self.int_mm_pays = hardware.int8_matmul_pays()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight, scales = quantize_per_channel(linear.weight)
         self.register_buffer("weight", weight)  # (N, K) int8

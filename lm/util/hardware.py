@@ -23,6 +23,13 @@ def cpu_multiplies_int8() -> bool:
     return torch.cpu._is_vnni_supported() or torch.cpu._is_amx_tile_supported()
 
 
+def int8_matmul_pays() -> bool:
+    """Whether torch._int_mm is the int8 matmul to take on this CPU: int8 dot-product instructions
+    (cpu_multiplies_int8) and exact sums (int8_matmul_is_exact), the one without the other being slow or
+    wrong."""
+    return cpu_multiplies_int8() and int8_matmul_is_exact()
+
+
 def cpu_features() -> str:
     """The CPU's instruction sets that choose kernels here, in a few words for the lines that say so:
     what ATen's kernels run (DEFAULT, AVX2, AVX512, ...; ATEN_CPU_CAPABILITY holds it back) and the
