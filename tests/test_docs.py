@@ -13,6 +13,7 @@ slow tier's script tests (train, generate, eval, export, import, compare, uptrai
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import shlex
 import subprocess
@@ -168,7 +169,13 @@ def test_a_documented_comparison_plans_every_arm_as_written(where, argv, error, 
     check_documented_command(where, argv, error, tmp_path, monkeypatch, plan=True)
 
 
+# the (argv, error, plan) already checked in this process: a command shown on several pages is composed once
+CHECKED: set[tuple] = set()
+
+
 def check_documented_command(where, argv, error, tmp_path, monkeypatch, plan: bool = False) -> None:
+    if (tuple(argv), error, plan) in CHECKED:
+        return
     monkeypatch.chdir(tmp_path)  # nothing may land in the checkout
     if argv[0] == "make":
         makefile = (ROOT / "Makefile").read_text()
@@ -206,6 +213,7 @@ def check_documented_command(where, argv, error, tmp_path, monkeypatch, plan: bo
             with pytest.raises(Exception) as refused:
                 check_composed(name, cfg, plan)
             assert str(refused.value) == error, f"{where}: the page says it prints 'error: {error}'"
+    CHECKED.add((tuple(argv), error, plan))
 
 
 # ---------------------------------------------------------------------------- cited tests and their tiers
@@ -217,6 +225,7 @@ FILE_CITATION = re.compile(r"(?:tests/)?(test_\w+\.py)(?:::(test_\w*?)(\.\.\.)?)
 TEST_CITATION = re.compile(r"(test_\w*?)(\.\.\.)?")  # a test function alone; `...` ends a name cut short
 
 
+@functools.cache  # read once per process: every page's check reads every test file's tree
 def tiers_of_tests() -> dict[str, dict[str, bool]]:
     """{file name: {test function: whether it is in the slow tier}} of tests/test_*.py: marked
     `slow` by a decorator of the function or by the module's `pytestmark`."""

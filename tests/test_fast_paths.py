@@ -94,13 +94,24 @@ def one_layer_model(n_kv_head: int) -> Transformer:
     return Transformer(ModelConfig(**shape, n_kv_head=n_kv_head)).eval()
 
 
+def prefill_traced_not_compiled(monkeypatch) -> None:
+    """The prefill through dynamo's `eager` backend: traced as compile=true traces it, inductor's cost (seconds
+    per prompt width and weights, on a cold cache) left out of tests that are about the decoding step."""
+    from lm.generation import compiled
+
+    monkeypatch.setattr(compiled, "compiled_prefill", lambda model: torch.compile(model, dynamic=False,
+                                                                                  backend="eager"))
+
+
 def counting_frozen_backend(monkeypatch) -> list[bool]:
     """compile_mode=max-autotune's compiled function on a backend that records each graph it is given (and
-    whether freezing was on while dynamo traced) and runs it as traced: inductor's cost left out."""
+    whether freezing was on while dynamo traced) and runs it as traced: inductor's cost left out, the
+    prefill's included (prefill_traced_not_compiled)."""
     import torch._inductor.config as inductor_config
 
     from lm.generation import compiled
 
+    prefill_traced_not_compiled(monkeypatch)
     traced = []
 
     def counting(graph, example_inputs):
@@ -157,6 +168,7 @@ def test_a_frozen_step_that_fails_leaves_freezing_off(monkeypatch):
     def failing(graph, example_inputs):
         raise RuntimeError("no compiler here")
 
+    prefill_traced_not_compiled(monkeypatch)
     monkeypatch.setattr(compiled, "_frozen_autotuned",
                         lambda: torch.compile(compiled._step_with, fullgraph=True, backend=failing))
     with pytest.raises(Exception, match="no compiler here"):

@@ -142,6 +142,27 @@ def test_a_composition_elsewhere_finds_the_schemas_through_hydra_searchpath(tmp_
     assert done.stdout.split() == ["8", "True"], done.stderr[-2000:]
 
 
+def test_a_compositions_copy_of_the_repository_shares_the_config_store_and_sees_a_schema_stored_later():
+    """lm.config.store_copy: the repository Hydra copies for each composition holds the live ConfigStore
+    (not a copy of every schema), so a schema stored after the copy was made is found, as on Hydra's main."""
+    import copy
+
+    from hydra._internal.config_repository import CachingConfigRepository, ConfigRepository
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    assert copy.deepcopy(store) is store
+    repository = CachingConfigRepository(ConfigRepository(create_config_search_path(None)))
+    store.store(group="lm_test_later", name="late", node={"x": 1})
+    try:
+        found = repository.load_config("lm_test_later/late")
+        assert found is not None and OmegaConf.to_container(found.config) == {"x": 1}
+        assert found.config is not store.repo["lm_test_later"]["late.yaml"].node  # each load still a copy
+    finally:
+        store.repo.pop("lm_test_later")
+
+
 # ------------------------------------------------------------------ kinds from outside lm/
 
 KIND_MODULE = """

@@ -23,7 +23,9 @@ from lm.config import (  # noqa: F401  store them
     uptrain,
 )
 from lm.config.attn import register_attn_schemas
+from lm.config.store_copy import share_config_store_in_copies
 
+share_config_store_in_copies()
 register_attn_schemas()
 
 __all__ = ["register_attn_schemas"]

@@ -105,8 +105,13 @@ def compiled_functions(model: Transformer, compile_mode: str = "default"):
     compiled step and the compiled plain forward agree with eager: docs/gpu.md)."""
     step = compiled_step(model, compile_mode)
     on_cuda = next(model.parameters()).is_cuda
-    prefill = model if on_cuda else torch.compile(model, dynamic=False)
+    prefill = model if on_cuda else compiled_prefill(model)
     return prefill, step
+
+
+def compiled_prefill(model: Transformer):
+    """The CPU's prefill: the whole model compiled with static shapes, by inductor."""
+    return torch.compile(model, dynamic=False)
 
 
 def weights_tag(model: Transformer) -> str:
