@@ -69,8 +69,15 @@ def int8_kernels_here(kernels) -> list[str]:
     return [k for k in kernels if k not in refusals or refusals[k](torch.device("cpu")) is None]
 
 
+def shared_token_cache(corpus: Path) -> Path:
+    """Where this worker's runs over `corpus` keep its tokenizer and tokens: beside the corpus, so the first
+    run builds them and the others reuse them, as a user's runs do (a cache's own behaviour, built, reused,
+    damaged, is tested in test_data.py and test_reliability.py with caches of their own)."""
+    return corpus.parent / f"{corpus.name}-token-cache"
+
+
 def train_small_run(folder: Path, corpus: Path, *overrides: str) -> Path:
-    """Train a few steps on the small corpus under `folder`; the path of its last.ckpt."""
+    """Train a few steps on the small corpus, writing under `folder`; the path of its last.ckpt."""
     from lm.training.run import train
 
     cfg = compose_config("train", [
@@ -80,13 +87,14 @@ def train_small_run(folder: Path, corpus: Path, *overrides: str) -> Path:
     ])
     with open_dict(cfg):
         cfg.checkpoint_dir = str(folder / "checkpoints")
-        cfg.data.cache_dir = str(folder / "cache")
+        cfg.data.cache_dir = str(shared_token_cache(corpus))
     return Path(train(cfg)["last"])
 
 
 @pytest.fixture
 def train_config(tmp_path, small_corpus):
-    """A factory: the training config over the small corpus, writing only under tmp_path."""
+    """A factory: the training config over the small corpus, writing only under tmp_path (and the
+    corpus's shared token cache)."""
 
     def make(*overrides: str) -> DictConfig:
         cfg = compose_config("train", [
@@ -99,7 +107,7 @@ def train_config(tmp_path, small_corpus):
         ])
         with open_dict(cfg):
             cfg.checkpoint_dir = str(tmp_path / "checkpoints")
-            cfg.data.cache_dir = str(tmp_path / "cache")
+            cfg.data.cache_dir = str(shared_token_cache(small_corpus))
         return cfg
 
     return make

@@ -143,6 +143,7 @@ def test_distilling_without_a_teacher_is_refused_before_any_data_work(train_conf
     cfg = train_config()
     with open_dict(cfg):
         cfg.uptrain = {"distill": 0.5}
+        cfg.data.cache_dir = str(tmp_path / "cache")
     message = r"^uptrain.distill=0.5 needs a teacher \(the parent model\); none was given$"
     with pytest.raises(ConfigError, match=message):
         train(cfg)

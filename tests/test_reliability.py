@@ -203,8 +203,9 @@ def dead_pid() -> int:
     return child.pid
 
 
-def test_stale_temporaries_of_dead_runs_are_removed_and_live_ones_kept(train_config):
+def test_stale_temporaries_of_dead_runs_are_removed_and_live_ones_kept(train_config, tmp_path):
     cfg = train_config("trainer.max_steps=2")
+    cfg.data.cache_dir = str(tmp_path / "cache")  # a cache of its own, its temporaries this test's
     run_dir, cache = Path(cfg.checkpoint_dir) / cfg.run_name, Path(cfg.data.cache_dir)
     run_dir.mkdir(parents=True)
     cache.mkdir(parents=True)
@@ -407,8 +408,9 @@ def test_the_lock_is_taken_on_the_file_at_its_path_when_the_holder_removed_it_me
     assert (run_dir / ".lock").exists()  # a folder with a checkpoint keeps its lock file
 
 
-def test_a_damaged_token_cache_is_rebuilt_with_a_note(train_config, capsys):
+def test_a_damaged_token_cache_is_rebuilt_with_a_note(train_config, tmp_path, capsys):
     cfg = train_config("trainer.max_steps=2")
+    cfg.data.cache_dir = str(tmp_path / "cache")  # a cache of its own to damage
     train(cfg)
     (cached,) = [p for p in Path(cfg.data.cache_dir).iterdir() if p.is_dir()]
     size = (cached / "train.bin").stat().st_size
