@@ -249,6 +249,37 @@ def test_a_corpus_that_leaves_evaluation_no_text_is_refused_before_any_arm(tmp_p
         planned("preset=quick", "data=text", f"data.paths=[{tmp_path}]", "data.val_fraction=0.01")
 
 
+def test_plans_reuse_their_compositions_until_a_config_file_or_the_config_store_changes(tmp_path, monkeypatch):
+    """lm.studies.compare_arms.composition_inputs: a second plan composes nothing again; an edited YAML
+    (same size, so only its bytes tell) or a schema stored since composes again, and the plan has the edit."""
+    from hydra.core.config_store import ConfigStore
+
+    from lm.studies import compare_arms
+    from lm.studies.compare import plan
+
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF_DIR, conf)
+    composed = []
+    monkeypatch.setattr(compare_arms, "compose", lambda **kw: composed.append(kw) or compose(**kw))
+
+    def heads(*overrides) -> set:
+        composed.clear()
+        with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+            arms = plan(compose(config_name="compare", overrides=["preset=quick", "kinds=[mqa]", *overrides]))
+        return {arm.settings["attn"]["n_kv_head"] for arm in arms if arm.labels["task"] != "speed"}
+
+    assert heads() == {1} and composed
+    assert heads() == {1} and not composed
+    mqa = conf / "attn" / "mqa.yaml"
+    mqa.write_text(mqa.read_text().replace("n_kv_head: 1", "n_kv_head: 2"))
+    assert heads() == {2} and composed
+    ConfigStore.instance().store(group="lm_test_later", name="late", node={"x": 1})
+    try:
+        assert heads() == {2} and composed
+    finally:
+        ConfigStore.instance().repo.pop("lm_test_later")
+
+
 def test_registered_kinds_join_the_default_list_and_yaml_kinds_keep_their_config():
     arms = planned("preset=quick")
     assert {arm.labels["kind"] for arm in arms} == {"mha", "mqa", "gqa"} | (set(available_kinds()) - {"softmax"})

@@ -83,7 +83,40 @@ def _entry(base: str, options: dict, configs: list[str], name: str | None = None
                       f"nor a registered kind ({', '.join(available_kinds())})")
 
 
-COMPOSED: dict[tuple, DictConfig] = {}  # overrides, or (overrides, kind, data) -> conf/train.yaml composed; one plan's
+COMPOSED: dict[tuple, DictConfig] = {}  # overrides, or (overrides, kind, data) -> conf/train.yaml composed
+COMPOSED_FROM: list = []  # the composition_inputs() COMPOSED was composed from
+
+
+def composition_inputs() -> tuple:
+    """Everything a composition in this process reads: Hydra's search path, each file under its folders
+    (path and bytes: a few kB each, where a size and a modification time could miss an edit) and each
+    node of its ConfigStore (the node itself: a schema stored again is another object). Equal inputs
+    compose alike, so plans made while they hold (tests, a notebook) reuse one another's compositions;
+    anything edited or registered since composes again."""
+    from hydra.core.config_store import ConfigStore
+
+    search = tuple((e.provider, e.path) for e in GlobalHydra.instance().config_loader().get_search_path().get_path())
+    files = []
+    for _, path in search:
+        if path and not path.startswith(("pkg://", "structured://")):  # an installed package's files stay put
+            folder = Path(path.removeprefix("file://"))
+            files += [(str(f), f.read_bytes()) for f in sorted(folder.rglob("*")) if f.is_file()]
+
+    def nodes(tree: dict):
+        for value in tree.values():
+            yield from nodes(value) if isinstance(value, dict) else (value,)
+
+    return search, tuple(files), tuple(nodes(ConfigStore.instance().repo))
+
+
+def reuse_compositions_while_their_inputs_hold() -> None:
+    """Called as a plan starts: COMPOSED is kept if nothing it was composed from has changed."""
+    now = composition_inputs()
+    before = COMPOSED_FROM[0] if COMPOSED_FROM else None
+    if before is None or before[:2] != now[:2] or len(before[2]) != len(now[2]) or \
+            any(a is not b for a, b in zip(before[2], now[2], strict=True)):
+        COMPOSED.clear()
+        COMPOSED_FROM[:] = [now]
 
 
 def training_config(entry: Entry, task_overrides: list[str], values: dict, data: dict | None = None) -> DictConfig:
