@@ -250,17 +250,18 @@ def test_a_corpus_that_leaves_evaluation_no_text_is_refused_before_any_arm(tmp_p
 
 
 def test_plans_reuse_their_compositions_until_a_config_file_or_the_config_store_changes(tmp_path, monkeypatch):
-    """lm.studies.compare_arms.composition_inputs: a second plan composes nothing again; an edited YAML
-    (same size, so only its bytes tell) or a schema stored since composes again, and the plan has the edit."""
+    """lm.config.compose.composed: a second plan composes nothing again; an edited YAML (same size, so
+    only its bytes tell), a schema stored since, or a file in a folder the primary config's own
+    hydra.searchpath adds composes again, and the plan has the edit."""
+    import hydra
     from hydra.core.config_store import ConfigStore
 
-    from lm.studies import compare_arms
     from lm.studies.compare import plan
 
     conf = tmp_path / "conf"
     shutil.copytree(CONF_DIR, conf)
     composed = []
-    monkeypatch.setattr(compare_arms, "compose", lambda **kw: composed.append(kw) or compose(**kw))
+    monkeypatch.setattr(hydra, "compose", lambda **kw: composed.append(kw) or compose(**kw))
 
     def heads(*overrides) -> set:
         composed.clear()
@@ -278,6 +279,18 @@ def test_plans_reuse_their_compositions_until_a_config_file_or_the_config_store_
         assert heads() == {2} and composed
     finally:
         ConfigStore.instance().repo.pop("lm_test_later")
+    # a folder that conf/train.yaml's own hydra.searchpath adds: its files are read too
+    extra = tmp_path / "extra"
+    (extra / "model").mkdir(parents=True)
+    (conf / "model" / "tiny.yaml").rename(extra / "model" / "tiny.yaml")
+    train = conf / "train.yaml"
+    train.write_text(train.read_text().replace("searchpath: [pkg://lm.config]",
+                                               f"searchpath: [pkg://lm.config, 'file://{extra}']"))
+    assert heads() == {2} and composed
+    assert heads() == {2} and not composed
+    tiny = extra / "model" / "tiny.yaml"
+    tiny.write_text(tiny.read_text().replace("n_head: 6", "n_head: 3"))
+    assert heads() == {2} and composed
 
 
 def test_registered_kinds_join_the_default_list_and_yaml_kinds_keep_their_config():

@@ -89,9 +89,8 @@ def test_each_preset_builds_at_every_depth_with_local_and_global_layers(name):
     """From two layers up, stacks shorter than their pattern included (the comparison's 2-layer
     models): the first layer local, one layer global at least, and the last one global but in
     gpt-oss, which alternates from a sliding layer at any depth, as its config does."""
-    composed = compose_config("train", ["model=tiny", f"attn={name}"])
+    cfg = compose_config("train", ["model=tiny", f"attn={name}"])
     for n_layer in range(2, 10):
-        cfg = composed.copy()
         cfg.model.n_layer = n_layer  # as model.n_layer=<n> on the command line sets it, without composing again
         kinds = [spec.kind for spec in model_config_from(cfg, VOCAB).attention]
         assert len(kinds) == n_layer and kinds[0] not in GLOBAL_KINDS

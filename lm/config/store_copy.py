@@ -8,7 +8,9 @@ conf/train.yaml (Intel Xeon, family 6 model 207). Hydra's main branch no longer 
 source (facebookresearch/hydra#2928: the copy must see the live singleton, so that a schema registered
 later is found), which no 1.3 release has shipped. A singleton whose deep copy is itself gives the same
 behaviour on the releases that copy it. Nothing is shared that a composition writes: ConfigStore.load
-still deep-copies each node it hands out.
+still deep-copies each node it hands out. One thing does change in a process that imports lm.config:
+Hydra's pytest fixture `hydra_restore_singletons` snapshots the singletons by deep copy, so it no
+longer puts back a ConfigStore that a test stored into (lm's tests remove what they store).
 """
 
 from __future__ import annotations

@@ -28,12 +28,13 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from lm.attention import available_kinds
+from lm.config.compose import forget_changed_compositions
 from lm.data.corpora import build_corpus
 from lm.studies.compare_arms import (
+    BASES,
     attn_configs,
     language_arms,
     recall_arms,
-    reuse_compositions_while_their_inputs_hold,
     speed_arm,
     study_entries,
 )
@@ -72,7 +73,9 @@ def plan(cfg: DictConfig) -> list[Arm]:
     cells (width x pairs) at each swept learning rate and seed, the language-modelling runs at each
     learning rate and seed, and one speed arm."""
     check_study_settings(cfg)
-    reuse_compositions_while_their_inputs_hold()  # the config files may have changed since the last plan
+    # the config files may have changed since the last plan of this process: what they changed composes again
+    forget_changed_compositions()
+    BASES.clear()
     entries = study_entries(cfg)
     check_per_kind(cfg, sorted({*attn_configs(), *available_kinds(), *(e.name for e in entries)}))
     tasks = study_tasks(cfg)

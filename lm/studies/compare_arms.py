@@ -9,11 +9,11 @@ import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
-from hydra import compose
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
 from lm.attention import available_kinds
+from lm.config.compose import composed, search_path
 from lm.config.train import ADAMW_RECIPE
 from lm.data.recall_task import RecallTask, mix_tasks
 from lm.studies.compare_runs import language_run, recall_run, speed_figures, unless_diverged
@@ -83,40 +83,9 @@ def _entry(base: str, options: dict, configs: list[str], name: str | None = None
                       f"nor a registered kind ({', '.join(available_kinds())})")
 
 
-COMPOSED: dict[tuple, DictConfig] = {}  # overrides, or (overrides, kind, data) -> conf/train.yaml composed
-COMPOSED_FROM: list = []  # the composition_inputs() COMPOSED was composed from
-
-
-def composition_inputs() -> tuple:
-    """Everything a composition in this process reads: Hydra's search path, each file under its folders
-    (path and bytes: a few kB each, where a size and a modification time could miss an edit) and each
-    node of its ConfigStore (the node itself: a schema stored again is another object). Equal inputs
-    compose alike, so plans made while they hold (tests, a notebook) reuse one another's compositions;
-    anything edited or registered since composes again."""
-    from hydra.core.config_store import ConfigStore
-
-    search = tuple((e.provider, e.path) for e in GlobalHydra.instance().config_loader().get_search_path().get_path())
-    files = []
-    for _, path in search:
-        if path and not path.startswith(("pkg://", "structured://")):  # an installed package's files stay put
-            folder = Path(path.removeprefix("file://"))
-            files += [(str(f), f.read_bytes()) for f in sorted(folder.rglob("*")) if f.is_file()]
-
-    def nodes(tree: dict):
-        for value in tree.values():
-            yield from nodes(value) if isinstance(value, dict) else (value,)
-
-    return search, tuple(files), tuple(nodes(ConfigStore.instance().repo))
-
-
-def reuse_compositions_while_their_inputs_hold() -> None:
-    """Called as a plan starts: COMPOSED is kept if nothing it was composed from has changed."""
-    now = composition_inputs()
-    before = COMPOSED_FROM[0] if COMPOSED_FROM else None
-    if before is None or before[:2] != now[:2] or len(before[2]) != len(now[2]) or \
-            any(a is not b for a, b in zip(before[2], now[2], strict=True)):
-        COMPOSED.clear()
-        COMPOSED_FROM[:] = [now]
+# (search path, overrides, kind, data) -> conf/train.yaml composed with them (lm.config.compose.composed), the
+# entry's kind and data in place: one plan's, cleared as the next starts
+BASES: dict[tuple, DictConfig] = {}
 
 
 def training_config(entry: Entry, task_overrides: list[str], values: dict, data: dict | None = None) -> DictConfig:
@@ -126,17 +95,15 @@ def training_config(entry: Entry, task_overrides: list[str], values: dict, data:
     merge onto that, which copies it."""
     # the studies' recipe, not train.py's defaults: an arm's settings, and so its record, stay put
     overrides = (*ADAMW_RECIPE, f"attn={entry.attn}" if entry.attn else "attn=mha", "logger=none", *task_overrides)
-    if overrides not in COMPOSED:
-        COMPOSED[overrides] = compose(config_name="train", overrides=list(overrides))
-    key = (overrides, entry.kind, repr(data))
-    if key not in COMPOSED:
-        base = OmegaConf.merge(COMPOSED[overrides])  # a copy: the replacements below stay this key's
+    key = (search_path(), overrides, entry.kind, repr(data))
+    if key not in BASES:
+        base = OmegaConf.merge(composed("train", overrides))  # a copy: the replacements below stay this key's
         if entry.attn is None:  # a registered kind without a YAML: its spec's defaults, every head its own K/V
             base.attn = OmegaConf.create({"name": entry.kind, "kind": entry.kind, "n_kv_head": None})
         if data is not None:
             base.data = OmegaConf.create(data)
-        COMPOSED[key] = base
-    return OmegaConf.merge(COMPOSED[key], values, {"attn": entry.options})
+        BASES[key] = base
+    return OmegaConf.merge(BASES[key], values, {"attn": entry.options})
 
 
 def lr_tag(lr: float) -> str:
