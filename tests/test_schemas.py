@@ -163,6 +163,69 @@ def test_a_compositions_copy_of_the_repository_shares_the_config_store_and_sees_
         store.repo.pop("lm_test_later")
 
 
+def start_a_script(config_dir: Path, args: list[str], monkeypatch) -> tuple[int, str, list]:
+    """(exit code, stderr, calls) of a Hydra script over `config_dir`'s train.yaml whose main does
+    nothing; calls: per load_configuration, (run mode, its config, Hydra's own composition of the same
+    arguments made beside it), and the compositions made for the script counted in calls[0]."""
+    import hydra
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+    load, compose_impl = ConfigLoaderImpl.load_configuration, ConfigLoaderImpl._load_configuration_impl
+    compositions, calls = [0], []
+
+    def counted(self, *args, **kwargs):
+        compositions[0] += 1
+        return compose_impl(self, *args, **kwargs)
+
+    def recorded(self, config_name, overrides, run_mode, from_shell=True, validate_sweep_overrides=True):
+        cfg = load(self, config_name, overrides, run_mode, from_shell, validate_sweep_overrides)
+        fresh = compose_impl(self, config_name, overrides, run_mode, from_shell, validate_sweep_overrides)
+        calls.append((run_mode, OmegaConf.to_container(cfg), OmegaConf.to_container(fresh)))
+        return cfg
+
+    monkeypatch.setattr(ConfigLoaderImpl, "_load_configuration_impl", counted)
+    monkeypatch.setattr(ConfigLoaderImpl, "load_configuration", recorded)
+
+    @hydra.main(config_path=str(config_dir), config_name="train", version_base="1.3")
+    def main(cfg) -> None:
+        pass
+
+    monkeypatch.setattr(sys, "argv", ["script.py", *args])
+    GlobalHydra.instance().clear()
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = run_script(main)
+    return code, err.getvalue(), [compositions[0], *calls]
+
+
+def test_a_script_start_composes_once_and_its_main_gets_what_composing_for_a_single_run_gives(tmp_path, monkeypatch):
+    """lm.config.compose_once: Hydra's get_mode composes the whole config to read hydra.mode; its config
+    is the single run's, given the hydra.mode=RUN override Hydra adds, so run takes it instead of composing
+    again. A sweep among the overrides, or a group choice left ???, composes twice and fails as before."""
+    from hydra.types import RunMode
+
+    run_dir = f"hydra.run.dir={tmp_path / 'run'}"
+    code, err, (compositions, *calls) = start_a_script(ROOT / "conf", ["attn=gqa", "seed=3", run_dir], monkeypatch)
+    assert code == 0, err
+    assert compositions == 1
+    assert [mode for mode, _, _ in calls] == [RunMode.MULTIRUN, RunMode.RUN]
+    _, taken, composed = calls[1]
+    assert taken == composed and taken["hydra"]["mode"] == RunMode.RUN and taken["attn"]["n_kv_head"] == 2
+    assert taken["hydra"]["overrides"]["hydra"] == [run_dir, "hydra.mode=RUN"]
+
+    code, err, (compositions, *_) = start_a_script(ROOT / "conf", ["seed=1,2", run_dir], monkeypatch)
+    assert (code, compositions) == (2, 2) and err.startswith("error: Ambiguous value for argument 'seed=1,2'"), err
+
+    conf = tmp_path / "conf"
+    (conf / "db").mkdir(parents=True)
+    (conf / "train.yaml").write_text("defaults:\n  - db: ???\n  - _self_\nx: 1\n")
+    (conf / "db" / "one.yaml").write_text("a: 1\n")
+    code, err, (compositions, *_) = start_a_script(conf, [run_dir], monkeypatch)
+    assert (code, compositions) == (2, 2) and "You must specify 'db'" in err, err
+    code, err, (compositions, *calls) = start_a_script(conf, ["db=one", run_dir], monkeypatch)
+    assert (code, compositions) == (0, 1) and calls[1][1] == calls[1][2] and calls[1][1]["db"] == {"a": 1}, err
+
+
 # ------------------------------------------------------------------ kinds from outside lm/
 
 KIND_MODULE = """
