@@ -226,6 +226,46 @@ def test_a_script_start_composes_once_and_its_main_gets_what_composing_for_a_sin
     assert (code, compositions) == (0, 1) and calls[1][1] == calls[1][2] and calls[1][1]["db"] == {"a": 1}, err
 
 
+def test_a_config_file_is_parsed_once_while_its_bytes_are_unchanged_and_each_load_is_hydras_result(
+        tmp_path, monkeypatch):
+    """lm.config.parsed_once: a file's second load parses nothing and equals Hydra's own load; an edit
+    that keeps the file's size is parsed again; what a load hands out is a copy the next load does not see."""
+    from hydra._internal.config_repository import ConfigRepository
+    from hydra._internal.utils import create_config_search_path
+
+    conf = tmp_path / "conf"
+    (conf / "db").mkdir(parents=True)
+    (conf / "train.yaml").write_text("defaults:\n  - db: one\n  - _self_\nx: 1\n")
+    (conf / "db" / "one.yaml").write_text("# @package _global_\na: 1\n")
+    repository = ConfigRepository(create_config_search_path(str(conf)))
+    hydras_load = ConfigRepository.load_config.__closure__[0].cell_contents  # what parse_each_config_file_once wraps
+    parsed = []
+    monkeypatch.setattr(OmegaConf, "load", lambda f, load=OmegaConf.load: parsed.append(f) or load(f))
+
+    def loaded(path):
+        return repository.load_config(path)
+
+    def as_plain(result):
+        return (OmegaConf.to_container(result.config), result.header, result.defaults_list, result.provider,
+                result.path)
+
+    first = loaded("db/one")
+    assert len(parsed) == 1 and first.header["package"] == "_global_"
+    first.config.a = 99  # a composition writes into what it loaded
+    again = loaded("db/one")
+    assert len(parsed) == 1 and again.config.a == 1
+    again.config.a = 98
+    assert loaded("db/one").config.a == 1 and len(parsed) == 1
+    assert as_plain(loaded("db/one")) == as_plain(hydras_load(repository, "db/one")) and len(parsed) == 2
+    assert as_plain(loaded("train")) == as_plain(hydras_load(repository, "train"))
+    assert [d.get_name() for d in loaded("train").defaults_list] == ["one", "_self_"]
+
+    (conf / "db" / "one.yaml").write_text("# @package _global_\na: 2\n")  # the same size: 2 for 1
+    assert loaded("db/one").config.a == 2
+    (conf / "db" / "one.yaml").write_text("a: 2\n")  # the header gone: placed under db again
+    assert loaded("db/one").header["package"] is None
+
+
 # ------------------------------------------------------------------ kinds from outside lm/
 
 KIND_MODULE = """

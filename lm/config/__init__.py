@@ -24,10 +24,12 @@ from lm.config import (  # noqa: F401  store them
 )
 from lm.config.attn import register_attn_schemas
 from lm.config.compose_once import compose_once_per_start
+from lm.config.parsed_once import parse_each_config_file_once
 from lm.config.store_copy import share_config_store_in_copies
 
 share_config_store_in_copies()
 compose_once_per_start()
+parse_each_config_file_once()
 register_attn_schemas()
 
 __all__ = ["register_attn_schemas"]
