@@ -201,7 +201,7 @@ def test_an_unknown_kind_is_one_line_before_any_work(tmp_path, monkeypatch):
     (["mqar.pairs=[4,16]", "mqar.seq_len=32", "mqar.vocab_size=256"], "data.pairs=16 does not fit data.seq_len=32"),
     (["mqar.widths=[30]"], "d_model=30"),
     (["kinds=[mha,mha]"], "kinds names \\['mha'\\] more than once"),
-    (["extra_kinds=[{name: x, attn: linear, feature_map: cosine}]"], "cosine"),
+    (["kinds=[mqa]", "extra_kinds=[{name: x, attn: linear, feature_map: cosine}]"], "cosine"),
     (["extra_kinds=[5]"], "extra_kinds entry 5 must be a kind's name or {name: ..., attn: ..., option: ...}"),
     (["kinds={a: 1}"], "kinds={'a': 1} must be a list, e.g. kinds=\\[a,b\\]"),
     # the key the user typed, not the arm's internal one (trainer.max_steps, data.batch_size, optim.lr)
