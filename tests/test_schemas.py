@@ -143,7 +143,7 @@ def test_a_composition_elsewhere_finds_the_schemas_through_hydra_searchpath(tmp_
 
 
 def test_a_compositions_copy_of_the_repository_shares_the_config_store_and_sees_a_schema_stored_later():
-    """lm.config.store_copy: the repository Hydra copies for each composition holds the live ConfigStore
+    """lm.config.faster_composition (1): the repository Hydra copies for each composition holds the live ConfigStore
     (not a copy of every schema), so a schema stored after the copy was made is found, as on Hydra's main."""
     import copy
 
@@ -199,7 +199,7 @@ def start_a_script(config_dir: Path, args: list[str], monkeypatch) -> tuple[int,
 
 
 def test_a_script_start_composes_once_and_its_main_gets_what_composing_for_a_single_run_gives(tmp_path, monkeypatch):
-    """lm.config.compose_once: Hydra's get_mode composes the whole config to read hydra.mode; its config
+    """lm.config.faster_composition (2): Hydra's get_mode composes the whole config to read hydra.mode; its config
     is the single run's, given the hydra.mode=RUN override Hydra adds, so run takes it instead of composing
     again. A sweep among the overrides, or a group choice left ???, composes twice and fails as before."""
     from hydra.types import RunMode
@@ -228,7 +228,7 @@ def test_a_script_start_composes_once_and_its_main_gets_what_composing_for_a_sin
 
 def test_a_config_file_is_parsed_once_while_its_bytes_are_unchanged_and_each_load_is_hydras_result(
         tmp_path, monkeypatch):
-    """lm.config.parsed_once: a file's second load parses nothing and equals Hydra's own load; an edit
+    """lm.config.faster_composition (3): a file's second load parses nothing and equals Hydra's own load; an edit
     that keeps the file's size is parsed again; what a load hands out is a copy the next load does not see."""
     from hydra._internal.config_repository import ConfigRepository
     from hydra._internal.utils import create_config_search_path
@@ -238,7 +238,7 @@ def test_a_config_file_is_parsed_once_while_its_bytes_are_unchanged_and_each_loa
     (conf / "train.yaml").write_text("defaults:\n  - db: one\n  - _self_\nx: 1\n")
     (conf / "db" / "one.yaml").write_text("# @package _global_\na: 1\n")
     repository = ConfigRepository(create_config_search_path(str(conf)))
-    hydras_load = ConfigRepository.load_config.__closure__[0].cell_contents  # what parse_each_config_file_once wraps
+    hydras_load = ConfigRepository.load_config.hydras
     parsed = []
     monkeypatch.setattr(OmegaConf, "load", lambda f, load=OmegaConf.load: parsed.append(f) or load(f))
 
@@ -264,6 +264,32 @@ def test_a_config_file_is_parsed_once_while_its_bytes_are_unchanged_and_each_loa
     assert loaded("db/one").config.a == 2
     (conf / "db" / "one.yaml").write_text("a: 2\n")  # the header gone: placed under db again
     assert loaded("db/one").header["package"] is None
+
+
+def test_a_defaults_entry_written_as_an_interpolation_resolves_as_with_hydras_map_and_train_composes_the_same(
+        tmp_path, monkeypatch):
+    """lm.config.faster_composition (4): the map of known choices is built only for a defaults list with
+    an interpolation in it; such an entry resolves as Hydra resolves it, and lm's configs (none) compose
+    the same without the map."""
+    from hydra._internal import defaults_list
+
+    conf = tmp_path / "conf"
+    for group, option in [("dataset", "imagenet"), ("model", "alexnet"), ("model", "resnet"),
+                          ("dataset_model", "imagenet_alexnet"), ("dataset_model", "imagenet_resnet")]:
+        (conf / group).mkdir(parents=True, exist_ok=True)
+        (conf / group / f"{option}.yaml").write_text(f"name: {option}\n")
+    (conf / "main.yaml").write_text("defaults:\n  - dataset: imagenet\n  - model: alexnet\n"
+                                    "  - dataset_model: ${dataset}_${model}\n  - _self_\n")
+
+    def composed(config_dir, name, overrides):
+        with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+            return OmegaConf.to_container(compose(config_name=name, overrides=overrides, return_hydra_config=True))
+
+    ours = [composed(conf, "main", ["model=resnet"]), composed(ROOT / "conf", "train", ["attn=gqa"])]
+    assert ours[0]["dataset_model"] == {"name": "imagenet_resnet"}
+    monkeypatch.setattr(defaults_list, "_create_interpolation_map", defaults_list._create_interpolation_map.hydras)
+    hydras = [composed(conf, "main", ["model=resnet"]), composed(ROOT / "conf", "train", ["attn=gqa"])]
+    assert ours == hydras
 
 
 # ------------------------------------------------------------------ kinds from outside lm/

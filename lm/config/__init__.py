@@ -23,13 +23,9 @@ from lm.config import (  # noqa: F401  store them
     uptrain,
 )
 from lm.config.attn import register_attn_schemas
-from lm.config.compose_once import compose_once_per_start
-from lm.config.parsed_once import parse_each_config_file_once
-from lm.config.store_copy import share_config_store_in_copies
+from lm.config.faster_composition import faster_compositions
 
-share_config_store_in_copies()
-compose_once_per_start()
-parse_each_config_file_once()
+faster_compositions()
 register_attn_schemas()
 
 __all__ = ["register_attn_schemas"]

@@ -1,0 +1,211 @@
+"""Hydra 1.3's composition made faster, its results unchanged: four changes, installed by
+`faster_compositions()` when lm.config is imported (each only once, and only where Hydra lacks it).
+
+A composition of conf/train.yaml took about 107 ms (Intel Xeon, family 6 model 207), each script start
+made two, and a test run makes about 850, a comparison plan one per attention config:
+
+1. `share_config_store_in_copies`: each composition deep-copies its config repository, and in 1.3 each
+   structured source holds the ConfigStore singleton, so every stored schema was copied too (22 ms of
+   190). Hydra's main branch no longer holds the store in the source (facebookresearch/hydra#2928: a
+   copy must see the live singleton, so a schema registered later is found), which no 1.3 release has
+   shipped. A singleton whose deep copy is itself behaves the same on the releases that copy it.
+   Nothing a composition writes is shared: ConfigStore.load still deep-copies each node it hands out.
+   One thing changes in a process that imports lm.config: Hydra's pytest fixture
+   `hydra_restore_singletons` snapshots the singletons by deep copy, so it no longer puts back a
+   ConfigStore a test stored into (lm's tests remove what they store).
+2. `compose_once_per_start`: before a script runs, `Hydra.get_mode` composes the whole config (as for
+   a sweep: sweeps not checked, a group choice left ??? skipped) only to read `hydra.mode`, and
+   `Hydra.run` composes it again (hydra-ecosystem/hydra#3440, open). That first composition is the one
+   `run` makes whenever no override is a sweep (a single run refuses those) and no group choice is left
+   missing (a single run refuses it; a sweep skips it): only those two steps read the mode. So while
+   get_mode composes, the config loader keeps its result if both hold, and the loader's next call, if
+   it is run's (same config name and overrides, plus the hydra.mode=RUN that Hydra's `_run_app` appends
+   where the configs leave the mode unset), takes it instead of composing. The config is handed out
+   once: the next call takes it or drops it. Everything else composes as Hydra does: a sweep (-m, or
+   overrides that sweep, which a single run then refuses as before), a missing choice, a failed
+   composition, and every composition outside a script start (hydra.compose, a sweep's jobs, --cfg).
+3. `parse_each_config_file_once`: Hydra reads, parses (PyYAML's pure-Python loader, then OmegaConf)
+   and splits out the defaults list of every config file again for each composition (its repository
+   caches them within one): about 34 ms of the 107. A file read from a folder (file://) or a package
+   (pkg://) is kept as Hydra made it, under its source, the name asked for and the file's bytes; a load
+   that finds the same bytes gets a deep copy (a tenth of the parse), a changed file is parsed again.
+   Schemas are not kept: ConfigStore.load copies its node already.
+4. `interpolation_map_only_when_used`: for every node of the defaults tree Hydra builds an OmegaConf
+   config of the choices known so far, used only to resolve a defaults entry written as an
+   interpolation (`- db: ${mode}`); lm's configs have none. Built only where the node's defaults list
+   has one, the same map, from the same state: about a fifth of what remained.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections import OrderedDict
+from importlib import resources
+from typing import Any
+
+from hydra._internal import defaults_list
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
+from hydra._internal.config_repository import ConfigRepository
+from hydra._internal.hydra import Hydra
+from hydra.core.config_store import ConfigStore
+from hydra.core.object_type import ObjectType
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.plugins.config_source import ConfigResult, ConfigSource
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+
+def faster_compositions() -> None:
+    """Install the four; each replacement keeps the function it wraps as its `hydras` attribute."""
+    share_config_store_in_copies()
+    compose_once_per_start()
+    parse_each_config_file_once()
+    interpolation_map_only_when_used()
+
+
+# ------------------------------------------------------------------ 1. the ConfigStore shared by copies
+
+def share_config_store_in_copies() -> None:
+    if "__deepcopy__" not in vars(ConfigStore):
+        ConfigStore.__deepcopy__ = lambda self, memo: self
+
+
+# ------------------------------------------------------------------ 2. one composition per script start
+
+READING_MODE = "_lm_reading_mode"  # set on the config loader while get_mode composes
+KEPT_FOR_RUN = "_lm_kept_for_run"  # (config name, overrides, config) on the config loader, for run's call
+MODE_OVERRIDE = "hydra.mode=RUN"
+
+
+def compose_once_per_start() -> None:
+    if getattr(Hydra.get_mode, "keeps_its_composition", False):
+        return  # installed already
+    hydras_get_mode = Hydra.get_mode
+    hydras_load_configuration = ConfigLoaderImpl.load_configuration
+
+    def get_mode(self: Hydra, config_name: str | None, overrides: list[str]) -> Any:
+        setattr(self.config_loader, READING_MODE, True)
+        try:
+            return hydras_get_mode(self, config_name, overrides)
+        finally:
+            vars(self.config_loader).pop(READING_MODE, None)
+
+    def load_configuration(self: ConfigLoaderImpl, config_name: str | None, overrides: list[str],
+                           run_mode: RunMode, from_shell: bool = True,
+                           validate_sweep_overrides: bool = True) -> DictConfig:
+        kept = vars(self).pop(KEPT_FOR_RUN, None)
+        if kept is not None and validate_sweep_overrides and run_mode == RunMode.RUN:
+            cfg = taken_for_run(kept, config_name, overrides)
+            if cfg is not None:
+                return cfg
+        cfg = hydras_load_configuration(self, config_name, overrides, run_mode, from_shell=from_shell,
+                                        validate_sweep_overrides=validate_sweep_overrides)
+        if vars(self).get(READING_MODE) and a_single_run_composes_the_same(cfg, overrides):
+            setattr(self, KEPT_FOR_RUN, (config_name, list(overrides), cfg))
+        return cfg
+
+    get_mode.keeps_its_composition = True
+    get_mode.hydras, load_configuration.hydras = hydras_get_mode, hydras_load_configuration
+    Hydra.get_mode = get_mode
+    ConfigLoaderImpl.load_configuration = load_configuration
+
+
+def taken_for_run(kept: tuple, config_name: str | None, overrides: list[str]) -> DictConfig | None:
+    """The kept config, if it is the one `run` asks for. Where the configs leave `hydra.mode` unset,
+    Hydra's `_run_app` adds the override hydra.mode=RUN to the list get_mode was given; applying it
+    to the kept config sets that key and records the override, as composing with it does."""
+    kept_name, kept_overrides, cfg = kept
+    if kept_name != config_name:
+        return None
+    if overrides == kept_overrides:
+        return cfg
+    if overrides == [*kept_overrides, MODE_OVERRIDE] and cfg.hydra.mode is None:
+        cfg.hydra.mode = RunMode.RUN
+        cfg.hydra.overrides.hydra.append(MODE_OVERRIDE)
+        return cfg
+    return None
+
+
+def a_single_run_composes_the_same(cfg: DictConfig, overrides: list[str]) -> bool:
+    """True when composing for a single run would give `cfg`, composed as for a sweep: the two differ
+    only in refusing sweeps among the overrides and refusing a group choice left missing."""
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides=overrides)
+    except Exception:  # unreachable after a composition parsed them; composing again says what is wrong
+        return False
+    if any(override.is_sweep_override() for override in parsed):
+        return False
+    choices = cfg.hydra.runtime.choices
+    return not any(OmegaConf.is_missing(choices, group) for group in choices)
+
+
+# ------------------------------------------------------------------ 3. each config file parsed once
+
+MAX_PARSED_FILES = 1024  # the least recently loaded go first past this: a long test run writes many small configs
+PARSED_FILES: OrderedDict[tuple, ConfigResult] = OrderedDict()
+
+
+def parse_each_config_file_once() -> None:
+    if getattr(ConfigRepository.load_config, "keeps_parsed_files", False):
+        return  # installed already
+    hydras_load_config = ConfigRepository.load_config
+
+    def load_config(self: ConfigRepository, config_path: str) -> ConfigResult | None:
+        source = self._find_object_source(config_path=config_path, object_type=ObjectType.CONFIG)
+        key = file_key(source, config_path) if source is not None else None
+        if key is None:
+            return hydras_load_config(self, config_path)
+        if key in PARSED_FILES:
+            PARSED_FILES.move_to_end(key)
+            return copy.deepcopy(PARSED_FILES[key])
+        loaded = hydras_load_config(self, config_path)
+        if loaded is not None and file_key(source, config_path) == key:  # unchanged while Hydra read it
+            PARSED_FILES[key] = copy.deepcopy(loaded)
+            while len(PARSED_FILES) > MAX_PARSED_FILES:
+                PARSED_FILES.popitem(last=False)
+        return loaded
+
+    load_config.keeps_parsed_files, load_config.hydras = True, hydras_load_config
+    ConfigRepository.load_config = load_config
+
+
+def file_key(source: ConfigSource, config_path: str) -> tuple | None:
+    """(source kind, its path and provider, the name asked for, the file's bytes), or None for a
+    source that is not a file (the ConfigStore's) or a file that cannot be read (Hydra then says so).
+    By scheme, not class: Hydra's plugin scan imports its sources' modules a second time, so the
+    class a repository holds is not the one `import` gives."""
+    name = source._normalize_file_name(config_path)  # config_path with .yaml, as the source opens it
+    try:
+        if source.scheme() == "file":
+            with open(os.path.realpath(os.path.join(source.path, name)), "rb") as f:
+                content = f.read()
+        elif source.scheme() == "pkg":
+            content = resources.files(source.path).joinpath(name).read_bytes()
+        else:
+            return None
+    except (OSError, ValueError, ModuleNotFoundError, TypeError):
+        return None
+    return type(source).__name__, source.path, source.provider, config_path, content
+
+
+# ------------------------------------------------------------------ 4. the interpolation map when used
+
+def interpolation_map_only_when_used() -> None:
+    if getattr(defaults_list._create_interpolation_map, "only_when_used", False):
+        return  # installed already
+    hydras_map = defaults_list._create_interpolation_map
+
+    def interpolation_map(overrides: Any, defaults: list, self_added: bool) -> DictConfig | None:
+        # Hydra resolves with the map only the entries of `defaults` that are interpolations
+        if not any(d.is_interpolation() for d in defaults):
+            return None
+        return hydras_map(overrides, defaults, self_added)
+
+    interpolation_map.only_when_used, interpolation_map.hydras = True, hydras_map
+    defaults_list._create_interpolation_map = interpolation_map
+
+
+__all__ = ["a_single_run_composes_the_same", "compose_once_per_start", "faster_compositions",
+           "interpolation_map_only_when_used", "parse_each_config_file_once", "share_config_store_in_copies",
+           "taken_for_run"]
