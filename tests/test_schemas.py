@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -163,24 +164,35 @@ def test_a_compositions_copy_of_the_repository_shares_the_config_store_and_sees_
         store.repo.pop("lm_test_later")
 
 
-def start_a_script(config_dir: Path, args: list[str], monkeypatch) -> tuple[int, str, list]:
-    """(exit code, stderr, calls) of a Hydra script over `config_dir`'s train.yaml whose main does
-    nothing; calls: per load_configuration, (run mode, its config, Hydra's own composition of the same
-    arguments made beside it), and the compositions made for the script counted in calls[0]."""
+def start_a_script(config_dir: Path, args: list[str], monkeypatch, hydras_own: bool = False) -> dict:
+    """A Hydra script over `config_dir`'s train.yaml, started in this process: its exit code, first line
+    of stderr, the compositions made for it, the configs its main received, and per load_configuration
+    call (run mode, the config handed out, Hydra's own composition of the same arguments made beside it,
+    each with its struct and read-only flags). `hydras_own`: with lm's one-composition start undone."""
     import hydra
+    from hydra._internal import defaults_list
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra._internal.hydra import Hydra
 
+    if hydras_own:
+        monkeypatch.setattr(Hydra, "get_mode", Hydra.get_mode.hydras)
+        monkeypatch.setattr(ConfigLoaderImpl, "load_configuration", ConfigLoaderImpl.load_configuration.hydras)
+        monkeypatch.setattr(defaults_list, "_check_not_missing", defaults_list._check_not_missing.hydras)
     load, compose_impl = ConfigLoaderImpl.load_configuration, ConfigLoaderImpl._load_configuration_impl
-    compositions, calls = [0], []
+    start = {"compositions": 0, "received": [], "calls": []}
 
     def counted(self, *args, **kwargs):
-        compositions[0] += 1
+        start["compositions"] += 1
         return compose_impl(self, *args, **kwargs)
+
+    def described(cfg):
+        return (OmegaConf.to_container(cfg), OmegaConf.is_struct(cfg), OmegaConf.is_readonly(cfg),
+                OmegaConf.is_struct(cfg.hydra), OmegaConf.is_readonly(cfg.hydra))
 
     def recorded(self, config_name, overrides, run_mode, from_shell=True, validate_sweep_overrides=True):
         cfg = load(self, config_name, overrides, run_mode, from_shell, validate_sweep_overrides)
         fresh = compose_impl(self, config_name, overrides, run_mode, from_shell, validate_sweep_overrides)
-        calls.append((run_mode, OmegaConf.to_container(cfg), OmegaConf.to_container(fresh)))
+        start["calls"].append((run_mode, described(cfg), described(fresh)))
         return cfg
 
     monkeypatch.setattr(ConfigLoaderImpl, "_load_configuration_impl", counted)
@@ -188,42 +200,60 @@ def start_a_script(config_dir: Path, args: list[str], monkeypatch) -> tuple[int,
 
     @hydra.main(config_path=str(config_dir), config_name="train", version_base="1.3")
     def main(cfg) -> None:
-        pass
+        start["received"].append(OmegaConf.to_container(cfg))
 
     monkeypatch.setattr(sys, "argv", ["script.py", *args])
     GlobalHydra.instance().clear()
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
-        code = run_script(main)
-    return code, err.getvalue(), [compositions[0], *calls]
+        try:
+            start["code"] = run_script(main)
+        except Exception as e:  # what run_script lets through (Hydra's ValueError for a plain `- db/???`)
+            start["code"] = f"{type(e).__name__}: {e}"
+    start["error"] = (err.getvalue().splitlines() or [""])[0]
+    monkeypatch.undo()
+    return start
 
 
 def test_a_script_start_composes_once_and_its_main_gets_what_composing_for_a_single_run_gives(tmp_path, monkeypatch):
-    """lm.config.faster_composition (2): Hydra's get_mode composes the whole config to read hydra.mode; its config
-    is the single run's, given the hydra.mode=RUN override Hydra adds, so run takes it instead of composing
-    again. A sweep among the overrides, or a group choice left ???, composes twice and fails as before."""
+    """lm.config.faster_composition (2): Hydra's get_mode composes the whole config to read hydra.mode; its
+    config is the single run's, given the hydra.mode=RUN override Hydra adds, so run takes it instead of
+    composing again. Against Hydra's own start: the same exit, error line and configs, one composition where
+    it makes two; a sweep among the overrides, a defaults entry left ??? (a group's or a plain one), a mode
+    set in the config or one that fails to resolve, and -m each behave as Hydra does."""
     from hydra.types import RunMode
 
-    run_dir = f"hydra.run.dir={tmp_path / 'run'}"
-    code, err, (compositions, *calls) = start_a_script(ROOT / "conf", ["attn=gqa", "seed=3", run_dir], monkeypatch)
-    assert code == 0, err
-    assert compositions == 1
-    assert [mode for mode, _, _ in calls] == [RunMode.MULTIRUN, RunMode.RUN]
-    _, taken, composed = calls[1]
-    assert taken == composed and taken["hydra"]["mode"] == RunMode.RUN and taken["attn"]["n_kv_head"] == 2
-    assert taken["hydra"]["overrides"]["hydra"] == [run_dir, "hydra.mode=RUN"]
+    monkeypatch.delenv("LM_TEST_UNSET_MODE", raising=False)
+    dirs = [f"hydra.run.dir={tmp_path / 'run'}", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    confs = {}
+    for name, primary in [("group ???", "defaults:\n  - db: ???\n  - _self_\nx: 1\n"),
+                          ("plain ???", "defaults:\n  - db/???\n  - _self_\nx: 1\n"),
+                          ("mode set", "defaults:\n  - db: one\n  - _self_\nhydra:\n  mode: RUN\n"),
+                          ("mode unresolved", "hydra:\n  mode: ${oc.env:LM_TEST_UNSET_MODE}\nx: 1\n")]:
+        conf = confs[name] = tmp_path / name.replace(" ", "_").replace("?", "q")
+        (conf / "db").mkdir(parents=True)
+        (conf / "train.yaml").write_text(primary)
+        (conf / "db" / "one.yaml").write_text("a: 1\n")
+    cases = [(ROOT / "conf", ["attn=gqa", "seed=3"], 1), (ROOT / "conf", ["seed=1,2"], 2),
+             (confs["group ???"], [], 2), (confs["group ???"], ["db=one"], 1), (confs["plain ???"], [], 2),
+             (confs["mode set"], [], 1), (confs["mode unresolved"], [], 2), (ROOT / "conf", ["-m", "seed=3"], 4)]
+    for config_dir, args, compositions in cases:
+        ours = start_a_script(config_dir, [*args, *dirs], monkeypatch)
+        hydras = start_a_script(config_dir, [*args, *dirs], monkeypatch, hydras_own=True)
+        assert (ours["code"], ours["error"], ours["received"]) == (hydras["code"], hydras["error"],
+                                                                  hydras["received"]), (config_dir.name, args)
+        assert (ours["compositions"], hydras["compositions"]) == (compositions, 2 if compositions == 1 else
+                                                                  compositions), (config_dir.name, args)
+        for _, handed_out, composed in ours["calls"]:
+            assert handed_out == composed, (config_dir.name, args)
+    swept = start_a_script(ROOT / "conf", ["seed=1,2", *dirs], monkeypatch)
+    assert swept["error"] == "error: Ambiguous value for argument 'seed=1,2'"
 
-    code, err, (compositions, *_) = start_a_script(ROOT / "conf", ["seed=1,2", run_dir], monkeypatch)
-    assert (code, compositions) == (2, 2) and err.startswith("error: Ambiguous value for argument 'seed=1,2'"), err
-
-    conf = tmp_path / "conf"
-    (conf / "db").mkdir(parents=True)
-    (conf / "train.yaml").write_text("defaults:\n  - db: ???\n  - _self_\nx: 1\n")
-    (conf / "db" / "one.yaml").write_text("a: 1\n")
-    code, err, (compositions, *_) = start_a_script(conf, [run_dir], monkeypatch)
-    assert (code, compositions) == (2, 2) and "You must specify 'db'" in err, err
-    code, err, (compositions, *calls) = start_a_script(conf, ["db=one", run_dir], monkeypatch)
-    assert (code, compositions) == (0, 1) and calls[1][1] == calls[1][2] and calls[1][1]["db"] == {"a": 1}, err
+    plain = start_a_script(ROOT / "conf", ["attn=gqa", *dirs], monkeypatch)
+    assert plain["code"] == 0 and plain["received"][0]["attn"]["n_kv_head"] == 2
+    assert [mode for mode, _, _ in plain["calls"]] == [RunMode.MULTIRUN, RunMode.RUN]
+    handed_out = plain["calls"][1][1][0]["hydra"]
+    assert handed_out["mode"] == RunMode.RUN and handed_out["overrides"]["hydra"] == [*dirs, "hydra.mode=RUN"]
 
 
 def test_a_config_file_is_parsed_once_while_its_bytes_are_unchanged_and_each_load_is_hydras_result(
@@ -265,6 +295,22 @@ def test_a_config_file_is_parsed_once_while_its_bytes_are_unchanged_and_each_loa
     (conf / "db" / "one.yaml").write_text("a: 2\n")  # the header gone: placed under db again
     assert loaded("db/one").header["package"] is None
 
+    # how a defaults list is read depends on version_base: an entry 1.1 took is refused under 1.3, kept or not
+    from hydra import version
+
+    (conf / "old.yaml").write_text("defaults:\n  - {db: one, optional: true}\n")
+    base = version.getbase()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Hydra's notes on what 1.1 did differently
+            version.setbase("1.1")
+            assert loaded("old").defaults_list[0].optional
+        version.setbase("1.3")
+        with pytest.raises(ValueError, match="Too many keys in default item"):
+            loaded("old")
+    finally:
+        version.setbase(str(base))
+
 
 def test_a_defaults_entry_written_as_an_interpolation_resolves_as_with_hydras_map_and_train_composes_the_same(
         tmp_path, monkeypatch):
@@ -285,9 +331,15 @@ def test_a_defaults_entry_written_as_an_interpolation_resolves_as_with_hydras_ma
         with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
             return OmegaConf.to_container(compose(config_name=name, overrides=overrides, return_hydra_config=True))
 
-    ours = [composed(conf, "main", ["model=resnet"]), composed(ROOT / "conf", "train", ["attn=gqa"])]
-    assert ours[0]["dataset_model"] == {"name": "imagenet_resnet"}
-    monkeypatch.setattr(defaults_list, "_create_interpolation_map", defaults_list._create_interpolation_map.hydras)
+    hydras_map, maps = defaults_list._create_interpolation_map.hydras, []
+    monkeypatch.setattr(defaults_list._create_interpolation_map, "hydras",
+                        lambda *args: maps.append(args) or hydras_map(*args))
+    ours = [composed(ROOT / "conf", "train", ["attn=gqa"])]
+    assert maps == []  # no defaults list of lm's interpolates: no map built
+    ours.insert(0, composed(conf, "main", ["model=resnet"]))
+    assert ours[0]["dataset_model"] == {"name": "imagenet_resnet"} and len(maps) == 1
+    monkeypatch.undo()
+    monkeypatch.setattr(defaults_list, "_create_interpolation_map", hydras_map)
     hydras = [composed(conf, "main", ["model=resnet"]), composed(ROOT / "conf", "train", ["attn=gqa"])]
     assert ours == hydras
 

@@ -14,36 +14,41 @@ made two, and a test run makes about 850, a comparison plan one per attention co
    `hydra_restore_singletons` snapshots the singletons by deep copy, so it no longer puts back a
    ConfigStore a test stored into (lm's tests remove what they store).
 2. `compose_once_per_start`: before a script runs, `Hydra.get_mode` composes the whole config (as for
-   a sweep: sweeps not checked, a group choice left ??? skipped) only to read `hydra.mode`, and
-   `Hydra.run` composes it again (hydra-ecosystem/hydra#3440, open). That first composition is the one
-   `run` makes whenever no override is a sweep (a single run refuses those) and no group choice is left
-   missing (a single run refuses it; a sweep skips it): only those two steps read the mode. So while
-   get_mode composes, the config loader keeps its result if both hold, and the loader's next call, if
-   it is run's (same config name and overrides, plus the hydra.mode=RUN that Hydra's `_run_app` appends
-   where the configs leave the mode unset), takes it instead of composing. The config is handed out
-   once: the next call takes it or drops it. Everything else composes as Hydra does: a sweep (-m, or
-   overrides that sweep, which a single run then refuses as before), a missing choice, a failed
-   composition, and every composition outside a script start (hydra.compose, a sweep's jobs, --cfg).
+   a sweep: sweeps not checked, a defaults entry left ??? skipped) only to read `hydra.mode`, and
+   `Hydra.run` composes it again (hydra-ecosystem/hydra#3440, open). The two compositions differ in
+   two of Hydra's steps only: its check of the overrides for sweeps, which a single run refuses, and
+   a defaults entry left ???, which a single run refuses and a sweep skips. So while get_mode composes,
+   Hydra's own sweep check is asked of the overrides and its missing-entry check is watched; if
+   neither would refuse, and the mode can be read, the config loader keeps that composition, and its
+   next call, if it is run's (same config name and overrides, plus the hydra.mode=RUN that Hydra's
+   `_run_app` appends where the configs leave the mode unset), takes it instead of composing again.
+   The config is handed out once: the next call takes it or drops it. Everything else composes as
+   Hydra does: a sweep (-m, or overrides that sweep, which a single run then refuses as before), a
+   missing entry, a failed composition, a mode that fails to resolve, and every composition outside a
+   script start (hydra.compose, a sweep's jobs, --cfg).
 3. `parse_each_config_file_once`: Hydra reads, parses (PyYAML's pure-Python loader, then OmegaConf)
    and splits out the defaults list of every config file again for each composition (its repository
    caches them within one): about 34 ms of the 107. A file read from a folder (file://) or a package
-   (pkg://) is kept as Hydra made it, under its source, the name asked for and the file's bytes; a load
-   that finds the same bytes gets a deep copy (a tenth of the parse), a changed file is parsed again.
+   (pkg://) is kept as Hydra made it, under its source, the name asked for, the file's bytes and the
+   version_base in force; a load that finds the same bytes gets a deep copy (a tenth of the parse),
+   and a changed file is parsed again.
    Schemas are not kept: ConfigStore.load copies its node already.
 4. `interpolation_map_only_when_used`: for every node of the defaults tree Hydra builds an OmegaConf
    config of the choices known so far, used only to resolve a defaults entry written as an
-   interpolation (`- db: ${mode}`); lm's configs have none. Built only where the node's defaults list
-   has one, the same map, from the same state: about a fifth of what remained.
+   interpolation (`- dataset_model: ${dataset}_${model}`); lm's configs have none. Built only where
+   the node's defaults list has one, the same map, from the same state: about a fifth of what remained.
 """
 
 from __future__ import annotations
 
 import copy
 import os
+import threading
 from collections import OrderedDict
 from importlib import resources
 from typing import Any
 
+from hydra import version
 from hydra._internal import defaults_list
 from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra._internal.config_repository import ConfigRepository
@@ -53,7 +58,7 @@ from hydra.core.object_type import ObjectType
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.plugins.config_source import ConfigResult, ConfigSource
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 
 def faster_compositions() -> None:
@@ -74,8 +79,15 @@ def share_config_store_in_copies() -> None:
 # ------------------------------------------------------------------ 2. one composition per script start
 
 READING_MODE = "_lm_reading_mode"  # set on the config loader while get_mode composes
-KEPT_FOR_RUN = "_lm_kept_for_run"  # (config name, overrides, config) on the config loader, for run's call
+KEPT_FOR_RUN = "_lm_kept_for_run"  # (config name, overrides, config, its hydra.mode) on the loader, for run
 MODE_OVERRIDE = "hydra.mode=RUN"
+
+
+class Composing(threading.local):
+    skipped_missing = False  # whether a defaults entry left ??? was skipped since get_mode began
+
+
+COMPOSING = Composing()
 
 
 def compose_once_per_start() -> None:
@@ -83,9 +95,11 @@ def compose_once_per_start() -> None:
         return  # installed already
     hydras_get_mode = Hydra.get_mode
     hydras_load_configuration = ConfigLoaderImpl.load_configuration
+    hydras_check_not_missing = defaults_list._check_not_missing
 
     def get_mode(self: Hydra, config_name: str | None, overrides: list[str]) -> Any:
         setattr(self.config_loader, READING_MODE, True)
+        COMPOSING.skipped_missing = False
         try:
             return hydras_get_mode(self, config_name, overrides)
         finally:
@@ -101,49 +115,63 @@ def compose_once_per_start() -> None:
                 return cfg
         cfg = hydras_load_configuration(self, config_name, overrides, run_mode, from_shell=from_shell,
                                         validate_sweep_overrides=validate_sweep_overrides)
-        if vars(self).get(READING_MODE) and a_single_run_composes_the_same(cfg, overrides):
-            setattr(self, KEPT_FOR_RUN, (config_name, list(overrides), cfg))
+        if vars(self).get(READING_MODE):
+            kept = kept_for_run(cfg, config_name, overrides)
+            if kept is not None:
+                setattr(self, KEPT_FOR_RUN, kept)
         return cfg
+
+    def check_not_missing(repo: Any, default: Any, skip_missing: bool) -> bool:
+        skipped = hydras_check_not_missing(repo=repo, default=default, skip_missing=skip_missing)
+        COMPOSING.skipped_missing |= skipped
+        return skipped
 
     get_mode.keeps_its_composition = True
     get_mode.hydras, load_configuration.hydras = hydras_get_mode, hydras_load_configuration
+    check_not_missing.hydras = hydras_check_not_missing
     Hydra.get_mode = get_mode
     ConfigLoaderImpl.load_configuration = load_configuration
+    defaults_list._check_not_missing = check_not_missing
+
+
+def kept_for_run(cfg: DictConfig, config_name: str | None, overrides: list[str]) -> tuple | None:
+    """(config name, overrides, config, its hydra.mode) when composing for a single run would give
+    `cfg`, composed as for a sweep; else None. The two differ only in two of Hydra's own steps, asked
+    here: its check of the overrides for sweeps (a single run refuses them) and a defaults entry left
+    ??? (a single run refuses it; a sweep skips it, which check_not_missing saw or not). A mode that
+    cannot be read (an interpolation that fails) is left for Hydra to read in its own composition."""
+    if COMPOSING.skipped_missing:
+        return None
+    try:
+        mode = cfg.hydra.mode
+        parsed = OverridesParser.create().parse_overrides(overrides=overrides)
+        ConfigLoaderImpl.validate_sweep_overrides_legal(overrides=parsed, run_mode=RunMode.RUN, from_shell=True)
+    except Exception:
+        return None
+    return config_name, list(overrides), cfg, mode
 
 
 def taken_for_run(kept: tuple, config_name: str | None, overrides: list[str]) -> DictConfig | None:
     """The kept config, if it is the one `run` asks for. Where the configs leave `hydra.mode` unset,
     Hydra's `_run_app` adds the override hydra.mode=RUN to the list get_mode was given; applying it
     to the kept config sets that key and records the override, as composing with it does."""
-    kept_name, kept_overrides, cfg = kept
+    kept_name, kept_overrides, cfg, mode = kept
     if kept_name != config_name:
         return None
     if overrides == kept_overrides:
         return cfg
-    if overrides == [*kept_overrides, MODE_OVERRIDE] and cfg.hydra.mode is None:
+    if overrides == [*kept_overrides, MODE_OVERRIDE] and mode is None:
         cfg.hydra.mode = RunMode.RUN
         cfg.hydra.overrides.hydra.append(MODE_OVERRIDE)
         return cfg
     return None
 
 
-def a_single_run_composes_the_same(cfg: DictConfig, overrides: list[str]) -> bool:
-    """True when composing for a single run would give `cfg`, composed as for a sweep: the two differ
-    only in refusing sweeps among the overrides and refusing a group choice left missing."""
-    try:
-        parsed = OverridesParser.create().parse_overrides(overrides=overrides)
-    except Exception:  # unreachable after a composition parsed them; composing again says what is wrong
-        return False
-    if any(override.is_sweep_override() for override in parsed):
-        return False
-    choices = cfg.hydra.runtime.choices
-    return not any(OmegaConf.is_missing(choices, group) for group in choices)
-
-
 # ------------------------------------------------------------------ 3. each config file parsed once
 
 MAX_PARSED_FILES = 1024  # the least recently loaded go first past this: a long test run writes many small configs
 PARSED_FILES: OrderedDict[tuple, ConfigResult] = OrderedDict()
+PARSED_FILES_LOCK = threading.Lock()  # compositions on several threads (hydra.compose) share the files
 
 
 def parse_each_config_file_once() -> None:
@@ -156,14 +184,19 @@ def parse_each_config_file_once() -> None:
         key = file_key(source, config_path) if source is not None else None
         if key is None:
             return hydras_load_config(self, config_path)
-        if key in PARSED_FILES:
-            PARSED_FILES.move_to_end(key)
-            return copy.deepcopy(PARSED_FILES[key])
+        with PARSED_FILES_LOCK:
+            kept = PARSED_FILES.get(key)
+            if kept is not None:
+                PARSED_FILES.move_to_end(key)
+        if kept is not None:
+            return copy.deepcopy(kept)
         loaded = hydras_load_config(self, config_path)
         if loaded is not None and file_key(source, config_path) == key:  # unchanged while Hydra read it
-            PARSED_FILES[key] = copy.deepcopy(loaded)
-            while len(PARSED_FILES) > MAX_PARSED_FILES:
-                PARSED_FILES.popitem(last=False)
+            kept = copy.deepcopy(loaded)
+            with PARSED_FILES_LOCK:
+                PARSED_FILES[key] = kept
+                while len(PARSED_FILES) > MAX_PARSED_FILES:
+                    PARSED_FILES.popitem(last=False)
         return loaded
 
     load_config.keeps_parsed_files, load_config.hydras = True, hydras_load_config
@@ -171,7 +204,8 @@ def parse_each_config_file_once() -> None:
 
 
 def file_key(source: ConfigSource, config_path: str) -> tuple | None:
-    """(source kind, its path and provider, the name asked for, the file's bytes), or None for a
+    """(source kind, its path and provider, the name asked for, the file's bytes, the version_base it is
+    read under: how Hydra splits out a defaults list depends on it), or None for a
     source that is not a file (the ConfigStore's) or a file that cannot be read (Hydra then says so).
     By scheme, not class: Hydra's plugin scan imports its sources' modules a second time, so the
     class a repository holds is not the one `import` gives."""
@@ -186,7 +220,7 @@ def file_key(source: ConfigSource, config_path: str) -> tuple | None:
             return None
     except (OSError, ValueError, ModuleNotFoundError, TypeError):
         return None
-    return type(source).__name__, source.path, source.provider, config_path, content
+    return type(source).__name__, source.path, source.provider, config_path, content, str(version.getbase())
 
 
 # ------------------------------------------------------------------ 4. the interpolation map when used
@@ -200,12 +234,12 @@ def interpolation_map_only_when_used() -> None:
         # Hydra resolves with the map only the entries of `defaults` that are interpolations
         if not any(d.is_interpolation() for d in defaults):
             return None
-        return hydras_map(overrides, defaults, self_added)
+        return interpolation_map.hydras(overrides, defaults, self_added)
 
     interpolation_map.only_when_used, interpolation_map.hydras = True, hydras_map
     defaults_list._create_interpolation_map = interpolation_map
 
 
-__all__ = ["a_single_run_composes_the_same", "compose_once_per_start", "faster_compositions",
+__all__ = ["kept_for_run", "compose_once_per_start", "faster_compositions",
            "interpolation_map_only_when_used", "parse_each_config_file_once", "share_config_store_in_copies",
            "taken_for_run"]
