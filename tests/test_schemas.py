@@ -344,6 +344,27 @@ def test_a_defaults_entry_written_as_an_interpolation_resolves_as_with_hydras_ma
     assert ours == hydras
 
 
+def test_a_hydra_whose_functions_take_other_arguments_keeps_its_own(monkeypatch):
+    """lm.config.faster_composition installs a change only over the Hydra functions it was written
+    against: one of another shape (another Hydra release) is left as it is, and composes as it did."""
+    from hydra._internal import defaults_list
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra._internal.config_repository import ConfigRepository
+    from hydra._internal.hydra import Hydra
+
+    from lm.config.faster_composition import faster_compositions
+
+    def other_shape(*args, extra=None):
+        raise AssertionError("not called here")
+
+    places = [(Hydra, "get_mode"), (ConfigLoaderImpl, "load_configuration"), (defaults_list, "_check_not_missing"),
+              (ConfigRepository, "load_config"), (defaults_list, "_create_interpolation_map")]
+    for owner, name in places:
+        monkeypatch.setattr(owner, name, other_shape)
+    faster_compositions()
+    assert [getattr(owner, name) for owner, name in places] == [other_shape] * len(places)
+
+
 # ------------------------------------------------------------------ kinds from outside lm/
 
 KIND_MODULE = """

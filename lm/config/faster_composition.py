@@ -1,5 +1,7 @@
 """Hydra 1.3's composition made faster, its results unchanged: four changes, installed by
-`faster_compositions()` when lm.config is imported (each only once, and only where Hydra lacks it).
+`faster_compositions()` when lm.config is imported. Each is installed once, and only where the Hydra
+functions it wraps take the arguments they were written against (hydra-core 1.3.x): another Hydra
+composes as it always did, only slower.
 
 A composition of conf/train.yaml took about 107 ms (Intel Xeon, family 6 model 207), each script start
 made two, and a test run makes about 850, a comparison plan one per attention config:
@@ -42,6 +44,7 @@ made two, and a test run makes about 850, a comparison plan one per attention co
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import threading
 from collections import OrderedDict
@@ -64,9 +67,19 @@ from omegaconf import DictConfig
 def faster_compositions() -> None:
     """Install the four; each replacement keeps the function it wraps as its `hydras` attribute."""
     share_config_store_in_copies()
-    compose_once_per_start()
-    parse_each_config_file_once()
-    interpolation_map_only_when_used()
+    if takes(Hydra.get_mode, "self", "config_name", "overrides") and takes(
+            ConfigLoaderImpl.load_configuration, "self", "config_name", "overrides", "run_mode", "from_shell",
+            "validate_sweep_overrides") and takes(defaults_list._check_not_missing, "repo", "default", "skip_missing"):
+        compose_once_per_start()
+    if takes(ConfigRepository.load_config, "self", "config_path"):
+        parse_each_config_file_once()
+    if takes(defaults_list._create_interpolation_map, "overrides", "defaults_list", "self_added"):
+        interpolation_map_only_when_used()
+
+
+def takes(function: Any, *names: str) -> bool:
+    """Whether `function` (or the Hydra function a change of ours wraps) has exactly these parameters."""
+    return list(inspect.signature(getattr(function, "hydras", function)).parameters) == list(names)
 
 
 # ------------------------------------------------------------------ 1. the ConfigStore shared by copies
@@ -205,10 +218,10 @@ def parse_each_config_file_once() -> None:
 
 def file_key(source: ConfigSource, config_path: str) -> tuple | None:
     """(source kind, its path and provider, the name asked for, the file's bytes, the version_base it is
-    read under: how Hydra splits out a defaults list depends on it), or None for a
-    source that is not a file (the ConfigStore's) or a file that cannot be read (Hydra then says so).
-    By scheme, not class: Hydra's plugin scan imports its sources' modules a second time, so the
-    class a repository holds is not the one `import` gives."""
+    read under: how Hydra splits out a defaults list depends on it), or None for a source that is not a
+    file (the ConfigStore's) or a file that cannot be read (Hydra then says so). By scheme, not class:
+    Hydra's plugin scan imports its sources' modules a second time, so the class a repository holds is
+    not the one `import` gives."""
     name = source._normalize_file_name(config_path)  # config_path with .yaml, as the source opens it
     try:
         if source.scheme() == "file":
@@ -240,6 +253,5 @@ def interpolation_map_only_when_used() -> None:
     defaults_list._create_interpolation_map = interpolation_map
 
 
-__all__ = ["kept_for_run", "compose_once_per_start", "faster_compositions",
-           "interpolation_map_only_when_used", "parse_each_config_file_once", "share_config_store_in_copies",
-           "taken_for_run"]
+__all__ = ["compose_once_per_start", "faster_compositions", "interpolation_map_only_when_used", "kept_for_run",
+           "parse_each_config_file_once", "share_config_store_in_copies", "taken_for_run", "takes"]
