@@ -65,7 +65,8 @@ from omegaconf import DictConfig
 
 
 def faster_compositions() -> None:
-    """Install the four; each replacement keeps the function it wraps as its `hydras` attribute."""
+    """Install the four; each replacement keeps the function it wraps as its `hydras` attribute, which
+    also tells that it is installed already."""
     share_config_store_in_copies()
     if takes(Hydra.get_mode, "self", "config_name", "overrides") and takes(
             ConfigLoaderImpl.load_configuration, "self", "config_name", "overrides", "run_mode", "from_shell",
@@ -104,7 +105,7 @@ COMPOSING = Composing()
 
 
 def compose_once_per_start() -> None:
-    if getattr(Hydra.get_mode, "keeps_its_composition", False):
+    if hasattr(Hydra.get_mode, "hydras"):
         return  # installed already
     hydras_get_mode = Hydra.get_mode
     hydras_load_configuration = ConfigLoaderImpl.load_configuration
@@ -139,7 +140,6 @@ def compose_once_per_start() -> None:
         COMPOSING.skipped_missing |= skipped
         return skipped
 
-    get_mode.keeps_its_composition = True
     get_mode.hydras, load_configuration.hydras = hydras_get_mode, hydras_load_configuration
     check_not_missing.hydras = hydras_check_not_missing
     Hydra.get_mode = get_mode
@@ -188,7 +188,7 @@ PARSED_FILES_LOCK = threading.Lock()  # compositions on several threads (hydra.c
 
 
 def parse_each_config_file_once() -> None:
-    if getattr(ConfigRepository.load_config, "keeps_parsed_files", False):
+    if hasattr(ConfigRepository.load_config, "hydras"):
         return  # installed already
     hydras_load_config = ConfigRepository.load_config
 
@@ -212,7 +212,7 @@ def parse_each_config_file_once() -> None:
                     PARSED_FILES.popitem(last=False)
         return loaded
 
-    load_config.keeps_parsed_files, load_config.hydras = True, hydras_load_config
+    load_config.hydras = hydras_load_config
     ConfigRepository.load_config = load_config
 
 
@@ -239,7 +239,7 @@ def file_key(source: ConfigSource, config_path: str) -> tuple | None:
 # ------------------------------------------------------------------ 4. the interpolation map when used
 
 def interpolation_map_only_when_used() -> None:
-    if getattr(defaults_list._create_interpolation_map, "only_when_used", False):
+    if hasattr(defaults_list._create_interpolation_map, "hydras"):
         return  # installed already
     hydras_map = defaults_list._create_interpolation_map
 
@@ -249,7 +249,7 @@ def interpolation_map_only_when_used() -> None:
             return None
         return interpolation_map.hydras(overrides, defaults, self_added)
 
-    interpolation_map.only_when_used, interpolation_map.hydras = True, hydras_map
+    interpolation_map.hydras = hydras_map
     defaults_list._create_interpolation_map = interpolation_map
 
 
