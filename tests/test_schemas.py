@@ -259,9 +259,13 @@ def test_a_script_start_composes_once_and_its_main_gets_what_composing_for_a_sin
 def test_a_config_file_is_parsed_once_while_its_bytes_are_unchanged_and_each_load_is_hydras_result(
         tmp_path, monkeypatch):
     """lm.config.faster_composition (3): a file's second load parses nothing and equals Hydra's own load; an edit
-    that keeps the file's size is parsed again; what a load hands out is a copy the next load does not see."""
+    that keeps the file's size is parsed again; what a load hands out is shared read-only, and a merge takes a
+    copy of its own, which the next load does not see."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
     from hydra._internal.config_repository import ConfigRepository
+    from hydra._internal.defaults_list import create_defaults_list
     from hydra._internal.utils import create_config_search_path
+    from omegaconf.errors import ReadonlyConfigError
 
     conf = tmp_path / "conf"
     (conf / "db").mkdir(parents=True)
@@ -281,12 +285,16 @@ def test_a_config_file_is_parsed_once_while_its_bytes_are_unchanged_and_each_loa
 
     first = loaded("db/one")
     assert len(parsed) == 1 and first.header["package"] == "_global_"
-    first.config.a = 99  # a composition writes into what it loaded
-    again = loaded("db/one")
-    assert len(parsed) == 1 and again.config.a == 1
-    again.config.a = 98
-    assert loaded("db/one").config.a == 1 and len(parsed) == 1
-    assert as_plain(loaded("db/one")) == as_plain(hydras_load(repository, "db/one")) and len(parsed) == 2
+    with pytest.raises(ReadonlyConfigError):
+        first.config.a = 99
+    defaults = create_defaults_list(repo=repository, config_name="train", overrides_list=[], prepend_hydra=False,
+                                    skip_missing=False).defaults
+    loader = ConfigLoaderImpl(config_search_path=create_config_search_path(str(conf)))
+    merged = loader._compose_config_from_defaults_list(defaults, repository)
+    merged.a = 98  # a composition writes into what it merged
+    assert (merged.x, loaded("db/one").config.a, len(parsed)) == (1, 1, 2)  # train.yaml parsed once too
+    assert not OmegaConf.is_readonly(merged)
+    assert as_plain(loaded("db/one")) == as_plain(hydras_load(repository, "db/one")) and len(parsed) == 3
     assert as_plain(loaded("train")) == as_plain(hydras_load(repository, "train"))
     assert [d.get_name() for d in loaded("train").defaults_list] == ["one", "_self_"]
 
@@ -344,6 +352,84 @@ def test_a_defaults_entry_written_as_an_interpolation_resolves_as_with_hydras_ma
     assert ours == hydras
 
 
+def anatomy(node) -> tuple:
+    """A config node as OmegaConf holds it: its class, metadata (types, key, flags) and value or children."""
+    from omegaconf import DictConfig, ListConfig
+
+    meta = node._metadata
+    head = (type(node).__name__, meta.ref_type, meta.object_type, meta.optional, meta.key, dict(meta.flags))
+    if not isinstance(node, (DictConfig, ListConfig)) or node._is_missing() or node._is_none() or \
+            node._is_interpolation():
+        return (*head, node._value())
+    keys = node.keys() if isinstance(node, DictConfig) else range(len(node))
+    return (*head, tuple((key, anatomy(node._get_node(key))) for key in keys))
+
+
+def test_a_defaults_list_is_merged_once_and_each_composition_is_hydras(tmp_path, monkeypatch):
+    """lm.config.faster_composition (5): a defaults list merged before is not merged again while its configs
+    are unchanged; every composition is Hydra's own to each node's class, types and flags, for every
+    script's config; an edited file and a schema stored again are seen; a value resolved from outside the
+    configs while merging (the environment) is merged by Hydra each time; what a caching resolver gave
+    during one composition's merge is not another's."""
+    import itertools
+
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra._internal.config_repository import ConfigRepository
+    from hydra.core.config_store import ConfigStore
+
+    merges = []
+    hydras_merge = ConfigLoaderImpl._compose_config_from_defaults_list.hydras
+    monkeypatch.setattr(ConfigLoaderImpl._compose_config_from_defaults_list, "hydras",
+                        lambda *args: merges.append(args[1]) or hydras_merge(*args))
+
+    def composed(config_dir, name, overrides, hydras_own=False):
+        with monkeypatch.context() as own:
+            if hydras_own:
+                own.setattr(ConfigRepository, "load_config", ConfigRepository.load_config.hydras)
+                own.setattr(ConfigLoaderImpl, "_compose_config_from_defaults_list", hydras_merge)
+            with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+                return compose(config_name=name, overrides=overrides, return_hydra_config=True)
+
+    scripts = [("train", []), ("train", ["attn=mla", "optim.lr=0.1"]), ("train", ["data=mqar", "attn=hybrid"]),
+               ("compare", ["preset=zoology"]), ("uptrain", []), ("generate", []), ("serve", []), ("eval", []),
+               ("export", []), ("import_hf", [])]
+    for name, overrides in scripts:
+        first, again = (anatomy(composed(ROOT / "conf", name, overrides)) for _ in range(2))
+        merged = len(merges)
+        assert first == again == anatomy(composed(ROOT / "conf", name, overrides, hydras_own=True)), name
+        assert anatomy(composed(ROOT / "conf", name, overrides)) == first and len(merges) == merged, name
+
+    conf = tmp_path / "conf"
+    (conf / "db").mkdir(parents=True)
+    (conf / "db" / "one.yaml").write_text("a: 1\nt: tick${lm_test_tick:}\n"
+                                          "x: ${oc.create:${oc.decode:${oc.env:LM_TEST_X}}}\n")
+    (conf / "main.yaml").write_text("defaults:\n  - db: one\n  - /lm_test_schema@s\n  - _self_\n"
+                                    "db:\n  t: 5\n  x: {a: 1}\n  u: tick${lm_test_tick:}\n")
+    store, ticks = ConfigStore.instance(), itertools.count()
+    OmegaConf.register_new_resolver("lm_test_tick", lambda: next(ticks), use_cache=True)
+    monkeypatch.setenv("LM_TEST_X", "{b: 2}")
+    try:
+        store.store(name="lm_test_schema", node={"k": 1})
+        before = len(merges)
+        one, two = composed(conf, "main", []), composed(conf, "main", [])
+        assert len(merges) - before == 2  # db/one holds a value the environment decides: merged each time
+        assert one.db.x == {"b": 2, "a": 1} and one.db.u != two.db.u  # each composition's own tick
+        monkeypatch.setenv("LM_TEST_X", "{c: 3}")
+        assert composed(conf, "main", []).db.x == {"c": 3, "a": 1} == composed(conf, "main", [], True).db.x
+
+        (conf / "db" / "one.yaml").write_text("a: 2\nt: tick${lm_test_tick:}\n")  # the outside value gone
+        three, four = composed(conf, "main", []), composed(conf, "main", [])
+        assert (three.db.a, four.db.a, three.db.x, three.s.k) == (2, 2, {"a": 1}, 1)
+        assert three.db.u != four.db.u  # the merge of three was kept, its tick was not
+        merged = len(merges)
+        store.store(name="lm_test_schema", node={"k": 2})
+        assert composed(conf, "main", []).s.k == 2 and len(merges) == merged + 1
+        assert anatomy(composed(conf, "main", [])) == anatomy(composed(conf, "main", [], hydras_own=True))
+    finally:
+        store.repo.pop("lm_test_schema.yaml", None)
+        OmegaConf.clear_resolver("lm_test_tick")
+
+
 def test_a_hydra_whose_functions_take_other_arguments_keeps_its_own(monkeypatch):
     """lm.config.faster_composition installs a change only over the Hydra functions it was written
     against: one of another shape (another Hydra release) is left as it is, and composes as it did."""
@@ -358,11 +444,17 @@ def test_a_hydra_whose_functions_take_other_arguments_keeps_its_own(monkeypatch)
         raise AssertionError("not called here")
 
     places = [(Hydra, "get_mode"), (ConfigLoaderImpl, "load_configuration"), (defaults_list, "_check_not_missing"),
-              (ConfigRepository, "load_config"), (defaults_list, "_create_interpolation_map")]
+              (ConfigRepository, "load_config"), (ConfigLoaderImpl, "_compose_config_from_defaults_list"),
+              (defaults_list, "_create_interpolation_map")]
+    hydras_load = ConfigRepository.load_config.hydras
     for owner, name in places:
         monkeypatch.setattr(owner, name, other_shape)
     faster_compositions()
     assert [getattr(owner, name) for owner, name in places] == [other_shape] * len(places)
+    # the kept configs are shared read-only until the merge copies them: the one not installed without the other
+    monkeypatch.setattr(ConfigRepository, "load_config", hydras_load)
+    faster_compositions()
+    assert ConfigRepository.load_config is hydras_load
 
 
 # ------------------------------------------------------------------ kinds from outside lm/
