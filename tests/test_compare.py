@@ -504,7 +504,7 @@ def test_the_slurm_example_config_selects_the_submitit_launcher():
 
 
 def test_the_zoology_preset_plans_figure_2s_grid():
-    arms = planned("preset=zoology", "kinds=[mha]", "tasks=[mqar]")
+    arms = planned("preset=zoology", "kinds=[mha]", "extra_kinds=[]", "tasks=[mqar]")  # the grid of one kind
     cells = {(a.labels["width"], a.labels["pairs"], a.settings["data"]["seq_len"]) for a in arms}
     assert cells == {(w, p, 16 * p) for w in (64, 128, 256) for p in (4, 8, 16)}
     assert {a.labels["lr"] for a in arms} == {0.0001, 0.000464, 0.00215, 0.01}
@@ -513,7 +513,7 @@ def test_the_zoology_preset_plans_figure_2s_grid():
     assert (data["vocab_size"], data["examples"], data["val_examples"]) == (8192, 100_000, 3000)
     assert all(a.settings["model"]["max_seq_len"] == a.settings["data"]["seq_len"] for a in arms)
     with pytest.raises(ConfigError, match=r"mqar.seq_len=\[64, 128\] must be one length, or one per entry"):
-        planned("preset=zoology", "kinds=[mha]", "tasks=[mqar]", "mqar.seq_len=[64,128]")
+        planned("preset=zoology", "kinds=[mha]", "extra_kinds=[]", "tasks=[mqar]", "mqar.seq_len=[64,128]")
 
 
 def test_the_zoology_preset_trains_its_longest_cell_end_to_end(tmp_path, capsys):
