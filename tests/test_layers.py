@@ -2,9 +2,13 @@
 itself back through others, and `import lm` stays light (no Lightning, Hydra, wandb or fcntl)."""
 
 import ast
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import lm
 
@@ -84,24 +88,67 @@ def test_the_walk_sees_the_imports_it_judges():
     assert layer_of("lm.studies.compare") > layer_of("lm.training.run") > layer_of("lm.model.transformer")
 
 
-def test_import_lm_loads_nothing_heavy_or_posix_only():
-    """Measured against what torch and tokenizers load themselves (torch imports fcntl on Linux):
-    what `import lm` adds must hold none of these."""
-    heavy = ("lightning", "hydra", "omegaconf", "wandb", "datasets", "transformers", "matplotlib", "fcntl")
-    code = ("import sys, torch, tokenizers; before = set(sys.modules); import lm; "
-            f"print(sorted(m for m in {heavy!r} if m in set(sys.modules) - before))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"
+# What each import may not load, in an interpreter that has only torch and tokenizers (which `import lm`
+# loads itself: torch imports fcntl on Linux). A statement's modules: those it adds to sys.modules.
+# torch._dynamo: what compiles imports it, 1.3-2 s a process; nothing that only imports lm or starts a script does.
+IMPORT_CHECKS = {
+    # `import lm` stays light, and holds nothing POSIX-only
+    "import lm": ("lightning", "hydra", "omegaconf", "wandb", "datasets", "transformers", "matplotlib", "fcntl",
+                  "torch._dynamo"),
+    # model code trains and decodes without the training stack
+    "import lm.model, lm.attention": ("lightning", "wandb", "hydra", "torch._dynamo"),
+    # lm.config, which every script imports before it reads its settings (generate, serve, export, eval): a
+    # script that trains nothing starts without Lightning; nor does scoring a batch (the evaluation, the
+    # training benchmark) or checking a distillation's settings
+    "import lm.config, lm.training.scoring, lm.training.distill, lm.studies.evaluate": ("lightning", "torch._dynamo"),
+    # what every script does first (lm.util.cli.run_script), where no CPU capability is held back
+    "import os; os.environ.pop('ATEN_CPU_CAPABILITY', None); from lm.util.hardware import "
+    "inductor_cache_per_capability; inductor_cache_per_capability()": ("torch._dynamo", "torch._inductor"),
+    # a study's report renders from its records alone: its tables and plots load no training layer
+    "import lm.studies.report": ("lightning", "pytorch_lightning", "lm.training"),
+}
+FRESH_IMPORTS = """
+import json, os, sys, torch, tokenizers
+base = set(sys.modules)
+for statement in json.loads(sys.argv[1]):
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # a fresh copy of this interpreter, torch and tokenizers loaded: the statement alone
+        try:
+            os.close(read)
+            exec(statement)
+            os.write(write, json.dumps(sorted(set(sys.modules) - base)).encode())
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+        finally:
+            os._exit(0)  # never back into the loop
+    os.close(write)
+    with os.fdopen(read) as out:
+        added = json.loads(out.read() or "null")
+    os.waitpid(child, 0)
+    print(json.dumps([statement, added]))
+"""
 
 
-def test_the_scripts_settings_and_the_scoring_load_no_lightning():
-    """lm.config, which every script imports before it reads its settings (generate, serve, export,
-    eval), loads no Lightning: a script that trains nothing starts without it. Nor does scoring a
-    batch (the evaluation, the training benchmark) or checking a distillation's settings."""
-    code = ("import sys, lm.config, lm.training.scoring, lm.training.distill, lm.studies.evaluate; "
-            "print('lightning' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "False"
+@pytest.fixture(scope="module")
+def loaded_by():
+    """statement -> the modules it loads, in a fresh interpreter that has imported torch and tokenizers: one
+    interpreter imports them (seconds), then each statement runs in a fork of it."""
+    run = subprocess.run([sys.executable, "-c", FRESH_IMPORTS, json.dumps(list(IMPORT_CHECKS))], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return dict(json.loads(line) for line in run.stdout.splitlines())
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="forks one interpreter per statement")
+@pytest.mark.parametrize("statement", IMPORT_CHECKS)
+def test_each_import_loads_none_of_what_its_layer_must_not(statement, loaded_by):
+    added = loaded_by[statement]
+    assert added is not None, f"{statement!r} failed in the fresh interpreter"
+    assert any(m == "lm" or m.startswith("lm.") for m in added)  # the statement ran: lm was not loaded before it
+    forbidden = [m for m in added if any(m == f or m.startswith(f + ".") for f in IMPORT_CHECKS[statement])]
+    assert forbidden == [], f"{statement!r} loads {forbidden[:8]}"
 
 
 def test_no_module_imports_fcntl_when_it_is_imported():

@@ -42,10 +42,15 @@ def folds(q: torch.Tensor, nkv: int) -> bool:
     return q.device.type == "cuda" or (q.device.type == "cpu" and q.shape[0] * nkv >= cpu_threads())
 
 
-@torch.compiler.assume_constant_result
 def cpu_threads() -> int:
     """torch.get_num_threads(), which a compiled graph cannot call: read once as it is traced."""
     return torch.get_num_threads()
+
+
+# torch.compiler.assume_constant_result(cpu_threads) sets only this flag (torch marks its own functions the
+# same way), and imports dynamo to do it: 1.5-2 s at the start of every process that imports lm.attention.
+# tests/test_fast_paths.py traces every kind's training forward as one graph, which this flag keeps so.
+cpu_threads._dynamo_marked_constant = True
 
 
 def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,

@@ -28,7 +28,6 @@ import warnings
 import weakref
 
 import torch
-import torch._inductor.config as inductor_config
 
 from lm.model.transformer import Transformer
 from lm.util.errors import GenerationError
@@ -163,6 +162,10 @@ class FrozenWeightsStep:
             _LAST_TAGS[model] = self.tag
 
     def __call__(self, ids: torch.Tensor, cache, pos: torch.Tensor) -> torch.Tensor:
+        # here, not at the top: inductor's package imports dynamo, 1.3 s at every start of a process that
+        # imports lm (lm.generation) whether it compiles or not
+        import torch._inductor.config as inductor_config
+
         with _FROZEN_LOCK:
             before = inductor_config.freezing
             inductor_config.freezing = True

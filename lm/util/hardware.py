@@ -76,11 +76,14 @@ def inductor_cache_per_capability() -> str | None:
     ran)."""
     import os
 
+    capability = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    if not capability:
+        return None
+    # only now: inductor's package imports dynamo, 1.3 s at the start of every script
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    capability = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
     chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if not capability or (chosen and chosen != default_cache_dir()):
+    if chosen and chosen != default_cache_dir():
         return None
     folder = f"{default_cache_dir()}-{capability}"
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
