@@ -133,19 +133,20 @@ for statement in json.loads(sys.argv[1]):
 
 @pytest.fixture(scope="module")
 def loaded_by():
-    """statement -> the modules it loads, in a fresh interpreter that has imported torch and tokenizers: one
-    interpreter imports them (seconds), then each statement runs in a fork of it."""
+    """(statement -> the modules it loads, in a fresh interpreter that has imported torch and tokenizers;
+    what the children wrote to stderr): one interpreter imports them (seconds), then each statement runs
+    in a fork of it."""
     run = subprocess.run([sys.executable, "-c", FRESH_IMPORTS, json.dumps(list(IMPORT_CHECKS))], capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
-    return dict(json.loads(line) for line in run.stdout.splitlines())
+    return dict(json.loads(line) for line in run.stdout.splitlines()), run.stderr
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="forks one interpreter per statement")
 @pytest.mark.parametrize("statement", IMPORT_CHECKS)
 def test_each_import_loads_none_of_what_its_layer_must_not(statement, loaded_by):
-    added = loaded_by[statement]
-    assert added is not None, f"{statement!r} failed in the fresh interpreter"
+    added = loaded_by[0][statement]
+    assert added is not None, f"{statement!r} failed in the fresh interpreter: {loaded_by[1][-2000:]}"
     assert any(m == "lm" or m.startswith("lm.") for m in added)  # the statement ran: lm was not loaded before it
     forbidden = [m for m in added if any(m == f or m.startswith(f + ".") for f in IMPORT_CHECKS[statement])]
     assert forbidden == [], f"{statement!r} loads {forbidden[:8]}"

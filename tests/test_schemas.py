@@ -425,8 +425,18 @@ def test_a_defaults_list_is_merged_once_and_each_composition_is_hydras(tmp_path,
         store.store(name="lm_test_schema", node={"k": 2})
         assert composed(conf, "main", []).s.k == 2 and len(merges) == merged + 1
         assert anatomy(composed(conf, "main", [])) == anatomy(composed(conf, "main", [], hydras_own=True))
+
+        (conf / "db" / "odd.yaml").write_text('a: "${:x}"\nb: 1\n')  # OmegaConf takes it, its grammar does not
+        assert composed(conf, "main", ["db=odd"]).db.b == 1 == composed(conf, "main", ["db=odd"], True).db.b
+        store.store(group="db", name="one", node={"a": 0, "w": 7})  # Hydra 1.1's automatic schema matching
+        merged = len(merges)
+        for _ in range(2):  # Hydra merges it, and warns, each time
+            with pytest.warns(UserWarning, match="validated against ConfigStore schema with the same name"):
+                assert composed(conf, "main", []).db.w == 7
+        assert len(merges) == merged + 2
     finally:
         store.repo.pop("lm_test_schema.yaml", None)
+        store.repo.pop("db", None)
         OmegaConf.clear_resolver("lm_test_tick")
 
 

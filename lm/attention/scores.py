@@ -49,7 +49,7 @@ def cpu_threads() -> int:
 
 # torch.compiler.assume_constant_result(cpu_threads) sets only this flag (torch marks its own functions the
 # same way), and imports dynamo to do it: 1.5-2 s at the start of every process that imports lm.attention.
-# tests/test_fast_paths.py traces every kind's training forward as one graph, which this flag keeps so.
+# Decoding a GQA or MQA model compiled (fullgraph) traces it: tests/test_fast_paths.py's compiled decoding tests.
 cpu_threads._dynamo_marked_constant = True
 
 
