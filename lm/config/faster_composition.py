@@ -82,7 +82,7 @@ from omegaconf.grammar_parser import parse
 
 
 def faster_compositions() -> None:
-    """Install the four; each replacement keeps the function it wraps as its `hydras` attribute, which
+    """Install the five; each replacement keeps the function it wraps as its `hydras` attribute, which
     also tells that it is installed already."""
     share_config_store_in_copies()
     if takes(Hydra.get_mode, "self", "config_name", "overrides") and takes(
@@ -371,10 +371,7 @@ def merge_each_defaults_list_once() -> None:
                 if merged is not None:
                     MERGED.move_to_end(key)
                     return copy.deepcopy(merged)
-        own = OwnCopies(repo)
-        for default, result in zip(defaults, loaded, strict=True):
-            own.results.setdefault(default.config_path, own.copied(result))
-        cfg = compose_config_from_defaults_list.hydras(self, defaults, own)
+        cfg = compose_config_from_defaults_list.hydras(self, defaults, OwnCopies(repo))
         if key is not None:
             merged = copy.deepcopy(cfg)
             # what resolvers gave while this merge ran (`${now:...}` among them) is this composition's: the
