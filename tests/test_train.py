@@ -174,6 +174,42 @@ def test_precision_auto_follows_what_the_hardware_multiplies_fast(monkeypatch, a
     assert setup.pick_precision(OmegaConf.merge(trainer, {"precision": "32-true"})) == "32-true"  # asked for: kept
 
 
+@pytest.mark.parametrize("variables, limit, bf16, int8", [
+    ({}, None, True, True),
+    ({"DNNL_MAX_CPU_ISA": "AVX2"}, "AVX2", False, False),  # as docs/performance.md emulates an AVX2 CPU
+    ({"ONEDNN_MAX_CPU_ISA": "avx512_core"}, "AVX512_CORE", False, False),  # oneDNN takes either case
+    ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI"}, "AVX512_CORE_VNNI", False, True),
+    ({"DNNL_MAX_CPU_ISA": "AVX512_CORE_BF16"}, "AVX512_CORE_BF16", True, True),
+    ({"DNNL_MAX_CPU_ISA": "AVX512_CORE_AMX"}, "AVX512_CORE_AMX", True, True),
+    ({"ONEDNN_MAX_CPU_ISA": "ALL", "DNNL_MAX_CPU_ISA": "AVX2"}, None, True, True),  # the newer name is read first
+    ({"ONEDNN_MAX_CPU_ISA": "AVX2", "DNNL_MAX_CPU_ISA": "ALL"}, "AVX2", False, False),
+    ({"DNNL_MAX_CPU_ISA": "NO_SUCH_ISA"}, None, True, True),  # a name oneDNN does not know holds nothing
+])
+def test_auto_choices_take_onednn_held_below_bf16_or_int8_as_a_cpu_without_them(monkeypatch, variables, limit,
+                                                                                 bf16, int8):
+    """oneDNN runs PyTorch's bf16 and int8 matmuls on a CPU: held below the instructions (its
+    DNNL_MAX_CPU_ISA), a bf16 matmul ran ~600x slower than unheld on an AVX-512 Xeon with AMX, so
+    precision=auto and optim.ns_dtype=auto take fp32 as on a CPU without them."""
+    from omegaconf import OmegaConf
+
+    from lm.training import setup
+    from lm.training.optim import ns_dtype
+    from lm.util import hardware
+
+    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    for instructions in ("_is_avx512_bf16_supported", "_is_amx_tile_supported", "_is_vnni_supported"):
+        monkeypatch.setattr(torch.cpu, instructions, lambda: True)  # this CPU's, whatever it has
+    assert hardware.onednn_limit() == limit
+    assert hardware.cpu_multiplies_bf16() is bf16 and hardware.cpu_multiplies_int8() is int8
+    trainer = OmegaConf.create({"precision": "auto", "accelerator": "cpu"})
+    assert setup.pick_precision(trainer) == ("bf16-mixed" if bf16 else "32-true")
+    assert ns_dtype("auto", torch.device("cpu")) == ("bfloat16" if bf16 else "float32")
+    assert hardware.cpu_features().endswith(f" + AMX (oneDNN held to {limit})" if limit else " + AMX")
+
+
 def test_bf16_mixed_trains_with_the_fused_optimizer_and_clips_its_gradients(train_config):
     """Lightning's mixed-precision plugin refuses gradient clipping with a fused AdamW (it guards
     float16's scaler); bf16-mixed has no scaler, and the run clips and trains."""

@@ -26,7 +26,8 @@ class TrainerSettings:
     devices: Any = setting(1, "devices per machine (processes, with strategy=ddp), or auto")
     strategy: str = setting("auto", "auto | ddp | fsdp (trainer=ddp and trainer=fsdp choose them)")
     num_nodes: int = setting(1, "machines", integer())
-    # bf16 matmuls are ~100x slower on a CPU without bf16 instructions (lm.util.hardware)
+    # bf16 matmuls are ~100x slower on a CPU without bf16 instructions, or with oneDNN held below them
+    # (lm.util.hardware)
     precision: str = setting("auto", "auto: bf16-mixed on a GPU and on a CPU with bf16 instructions (AVX512-BF16, "
                                      "AMX), else 32-true", PRECISION)
     max_steps: int = setting(400, "optimizer steps (the default recipe's: docs/training.md, "

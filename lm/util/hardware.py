@@ -4,23 +4,55 @@ dtype of Muon's Newton-Schulz iteration, the int8 kernel) ask here."""
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
+# oneDNN's instruction-set limits (the values of ONEDNN_MAX_CPU_ISA, or DNNL_MAX_CPU_ISA, its older name:
+# oneDNN's guide, "CPU Dispatcher Control"), partially ordered, that keep bf16 and int8 dot products
+ONEDNN_BF16_LEVELS = frozenset({
+    "AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX10_1_512", "AVX512_CORE_AMX", "AVX10_1_512_AMX",
+    "AVX512_CORE_AMX_FP16", "AVX10_1_512_AMX_FP16", "AVX10_2_512", "AVX10_2_512_AMX_2",
+})
+ONEDNN_INT8_LEVELS = ONEDNN_BF16_LEVELS | {"AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE_VNNI"}
+ONEDNN_LIMITS = ONEDNN_INT8_LEVELS | {"SSE41", "AVX", "AVX2", "AVX512_CORE"}
+
+
+def onednn_limit() -> str | None:
+    """The instruction set the environment holds oneDNN to (ONEDNN_MAX_CPU_ISA before DNNL_MAX_CPU_ISA, as
+    oneDNN reads them), upper-cased; None where it is not held. oneDNN ignores a value it does not know, and
+    so does this (ALL and DEFAULT hold nothing)."""
+    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        value = os.environ.get(name, "").strip().upper()
+        if value:
+            return value if value in ONEDNN_LIMITS else None
+    return None
+
+
+def onednn_allows(levels: frozenset[str]) -> bool:
+    """Whether oneDNN may run the instructions that `levels` (the limits that keep them) name."""
+    limit = onednn_limit()
+    return limit is None or limit in levels
+
 
 def cpu_multiplies_bf16() -> bool:
-    """Whether this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX): there a bf16 matmul
-    runs ~3.5x fp32's rate (measured on an AMD EPYC with AVX512-BF16); on a CPU without them,
-    ~100x slower (an AVX2 EPYC)."""
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    """Whether this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX) and oneDNN, which runs
+    PyTorch's bf16 matmuls on a CPU, may use them (onednn_allows): there a bf16 matmul runs ~3.5x fp32's
+    rate (measured on an AMD EPYC with AVX512-BF16); on a CPU without them, ~100x slower (an AVX2 EPYC),
+    and as slow where oneDNN is held below them: a 512 x 512 bf16 matmul on an AVX-512 Xeon with AMX took
+    0.28 ms, and 160 ms with DNNL_MAX_CPU_ISA=AVX2 (fp32: 1.8 ms either way)."""
+    return ((torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+            and onednn_allows(ONEDNN_BF16_LEVELS))
 
 
 def cpu_multiplies_int8() -> bool:
     """Whether this CPU has int8 dot-product instructions (AVX512-VNNI or AMX), on which oneDNN's int8
     matmuls (torch._int_mm) run: with them int8 decoding ran 9.2x the fp32 step compiled (an AVX-512
     VNNI EPYC); without them oneDNN's int8 matmuls are slow (an AVX2 EPYC of family 25 model 1: 0.11x
-    fp32 at 16 rows) or their sums not exact (int8_matmul_is_exact)."""
-    return torch.cpu._is_vnni_supported() or torch.cpu._is_amx_tile_supported()
+    fp32 at 16 rows) or their sums not exact (int8_matmul_is_exact). oneDNN held below them
+    (onednn_allows) is a CPU without them."""
+    return ((torch.cpu._is_vnni_supported() or torch.cpu._is_amx_tile_supported())
+            and onednn_allows(ONEDNN_INT8_LEVELS))
 
 
 def int8_matmul_pays() -> bool:
@@ -32,12 +64,13 @@ def int8_matmul_pays() -> bool:
 
 def cpu_features() -> str:
     """The CPU's instruction sets that choose kernels here, in a few words for the lines that say so:
-    what ATen's kernels run (DEFAULT, AVX2, AVX512, ...; ATEN_CPU_CAPABILITY holds it back) and the
-    dot-product extensions present."""
+    what ATen's kernels run (DEFAULT, AVX2, AVX512, ...; ATEN_CPU_CAPABILITY holds it back), the
+    dot-product extensions present, and oneDNN's limit where one is set."""
     extensions = [name for name, present in (("AVX512-VNNI", torch.cpu._is_vnni_supported()),
                                              ("AVX512-BF16", torch.cpu._is_avx512_bf16_supported()),
                                              ("AMX", torch.cpu._is_amx_tile_supported())) if present]
-    return " + ".join([torch.backends.cpu.get_cpu_capability(), *extensions])
+    held = f" (oneDNN held to {limit})" if (limit := onednn_limit()) else ""
+    return " + ".join([torch.backends.cpu.get_cpu_capability(), *extensions]) + held
 
 
 @functools.cache
@@ -74,8 +107,6 @@ def inductor_cache_per_capability() -> str | None:
     compiled held to AVX2 and then loaded by a process running AVX-512 aborted it (`malloc(): unaligned
     tcache chunk detected`, in transformers' compiled forward, every time; with separate folders both
     ran)."""
-    import os
-
     capability = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
     if not capability:
         return None
