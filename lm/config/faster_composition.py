@@ -1,7 +1,9 @@
 """Hydra 1.3's composition made faster, its results unchanged: five changes, installed by
 `faster_compositions()` when lm.config is imported. Each is installed once, and only where the Hydra
 functions it wraps take the arguments they were written against (hydra-core 1.3.x): another Hydra
-composes as it always did, only slower.
+composes as it always did, only slower. One module past 400 lines, not five: each change wraps a step of
+the same composition, one installer guards them all, and 3 and 5 share the kept configs (installed
+together or not at all).
 
 A composition of conf/train.yaml took about 107 ms (Intel Xeon, family 6 model 207), each script start
 made two, and a test run makes about 850, a comparison plan one per attention config:
