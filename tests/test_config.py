@@ -170,3 +170,32 @@ def test_model_qk_norm_is_refused_in_one_line_when_not_a_boolean():
     with pytest.raises(ConfigError, match="model.qk_norm=3 must be true or false"):
         check_run_settings(cfg)
         model_config_from(cfg, vocab_size=64)
+
+
+@pytest.mark.parametrize("config_name, overrides", [
+    ("train", ["data=text", "data.paths=[/a/b.py, /c]", "data.vocab_size=512", "model.n_layer=2",
+               "model.d_model=64", "trainer=cpu", "trainer.max_steps=3", "logger=none", "sample.max_new_tokens=0"]),
+    ("train", ["model.d_model=64", "attn=sliding", "attn.window=8", "optim=adamw", "optim.lr=1e-3",
+               "model.qk_norm=null", "run_name=teacher", "sample.prompt='def '"]),
+    ("train", ["attn=hybrid", "model=small", "trainer.val_every_n_steps=3", "seed=null"]),
+    ("uptrain", ["attn=gqa", "attn.n_kv_head=2"]),
+    ("train", ["+extra=1"]),  # not a plain change: Hydra's whole
+])
+def test_composing_group_choices_once_then_the_values_equals_hydras_composition(config_name, overrides):
+    """tests/conftest.py's compose_config composes each set of group choices once and applies the plain
+    `key=value` overrides itself; what it returns must be what Hydra composes, value for value."""
+    from conftest import compose_config, hydra_compose
+    from omegaconf import OmegaConf
+
+    ours, hydras = compose_config(config_name, overrides), hydra_compose(config_name, overrides)
+    assert OmegaConf.to_container(ours) == OmegaConf.to_container(hydras)
+    assert OmegaConf.to_container(ours, resolve=True) == OmegaConf.to_container(hydras, resolve=True)
+    assert OmegaConf.is_struct(ours) == OmegaConf.is_struct(hydras)
+
+
+def test_an_override_of_a_key_the_config_lacks_gets_hydras_own_error():
+    from conftest import compose_config
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException, match="Could not override 'model.no_such_key'"):
+        compose_config("train", ["attn=mha", "model.no_such_key=1"])

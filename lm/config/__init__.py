@@ -23,9 +23,7 @@ from lm.config import (  # noqa: F401  store them
     uptrain,
 )
 from lm.config.attn import register_attn_schemas
-from lm.config.faster_composition import faster_compositions
 
-faster_compositions()
 register_attn_schemas()
 
 __all__ = ["register_attn_schemas"]
