@@ -2,9 +2,13 @@
 strings): one line on stderr naming the key as typed, exit code 2, no traceback, nothing written.
 
 The same approach as tests/test_hostile_files.py, for the command line: one table of
-(script, arguments, what the line must say), each row run through the script's own `main` and
-`run_script` in this process (a fresh process per row would cost seconds each). Outputs of every
-row point into one folder, which must stay empty; Hydra's own run folder is put elsewhere.
+(script, arguments, what the line must say), each row run through the script's own `main` in this
+process (a fresh process per row would cost seconds each), given the config the arguments compose
+(tests/conftest.py's compose_config, held equal to Hydra's in tests/test_config.py). A row whose
+arguments are Hydra's own business (a `hydra.` key, a launcher, `+`/`~`, a composition Hydra refuses)
+goes through `run_script` and Hydra's whole start, and one row per script goes both ways and must
+end the same (`test_a_row_ends_the_same_through_the_whole_command_line`). Outputs of every row point
+into one folder, which must stay empty; Hydra's own run folder is put elsewhere.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import train_small_run
+from conftest import CONF_DIR, compose_config, train_small_run
+from hydra import initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 from lm.util.cli import run_script
@@ -197,6 +202,35 @@ def run_in_process(name: str, args: list[str], monkeypatch) -> tuple[int, str]:
     return code, err.getvalue()
 
 
+def run_directly(name: str, args: list[str]) -> tuple[int, str] | None:
+    """(exit code, stderr) of scripts/<name>.py's main given the config `args` compose, without
+    Hydra's start around it; None for a row that is Hydra's business (see the module's docstring)."""
+    config_name, overrides, rest = name, [], list(args)
+    while rest:
+        arg = rest.pop(0)
+        if arg == "--config-name":
+            config_name = rest.pop(0)
+        elif arg.startswith("hydra.run.dir="):
+            continue  # where Hydra's start would write its own folder; no script reads it
+        elif arg.startswith(("hydra", "+", "~", "-")):
+            return None
+        else:
+            overrides.append(arg)
+    try:
+        cfg = compose_config(config_name, overrides)
+    except Exception:  # noqa: BLE001  Hydra refuses the composition: its line is run_script's to word
+        return None
+    err = io.StringIO()
+    # Hydra initialised over conf/ as a script's start leaves it: the comparison composes its arms there
+    with contextlib.redirect_stderr(err), initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        try:
+            load_script(name).main.__wrapped__(cfg)
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    return code, err.getvalue()
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, small_corpus) -> Path:
     # without the default shape's QK-norm, so that the MLA conversion's own checks are the ones reached
@@ -207,10 +241,8 @@ def fill(arg: str, empty: Path) -> str:
     return arg.replace("{empty}", str(empty))
 
 
-@pytest.mark.parametrize(("script", "args", "key"), CASES,
-                         ids=[f"{script} {' '.join(args)}" for script, args, _ in CASES])
-def test_a_bad_setting_is_one_line_naming_it_exit_2_and_nothing_written(script, args, key, checkpoint, small_corpus,
-                                                                         tmp_path, monkeypatch):
+def row_arguments(script: str, args: list[str], checkpoint: Path, small_corpus: Path, tmp_path: Path) -> list[str]:
+    """The whole command line of a row: where the script reads and writes, then the row's own arguments."""
     empty, written = tmp_path / "empty", tmp_path / "written"
     empty.mkdir()
     outputs = {
@@ -232,12 +264,35 @@ def test_a_bad_setting_is_one_line_naming_it_exit_2_and_nothing_written(script, 
                     f"data.cache_dir={written}/cache"]
     elif script in ("train", "compare", "eval") and "data=mqar" not in args:
         outputs.append(f"data.cache_dir={written}/cache")
-    code, err = run_in_process(script.split("_")[0], [*outputs, *(fill(a, empty) for a in args)], monkeypatch)
+    return [*outputs, *(fill(a, empty) for a in args)]
+
+
+@pytest.mark.parametrize(("script", "args", "key"), CASES,
+                         ids=[f"{script} {' '.join(args)}" for script, args, _ in CASES])
+def test_a_bad_setting_is_one_line_naming_it_exit_2_and_nothing_written(script, args, key, checkpoint, small_corpus,
+                                                                         tmp_path, monkeypatch):
+    written = tmp_path / "written"
+    line = row_arguments(script, args, checkpoint, small_corpus, tmp_path)
+    ended = run_directly(script.split("_")[0], line) or run_in_process(script.split("_")[0], line, monkeypatch)
+    code, err = ended
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err[-3000:]
     assert key in lines[0], lines[0]
     assert "Traceback" not in err
     assert not written.exists() or not any(written.rglob("*")), sorted(written.rglob("*"))
+
+
+FIRST_ROWS = [next(case for case in CASES if case[0] == script) for script in dict.fromkeys(s for s, _, _ in CASES)]
+
+
+@pytest.mark.parametrize(("script", "args", "key"), FIRST_ROWS, ids=[script for script, _, _ in FIRST_ROWS])
+def test_a_row_ends_the_same_through_the_whole_command_line(script, args, key, checkpoint, small_corpus, tmp_path,
+                                                            monkeypatch):
+    """The table's first row of each script, run both ways: the same exit code and the same line."""
+    line = row_arguments(script, args, checkpoint, small_corpus, tmp_path)
+    direct = run_directly(script.split("_")[0], line)
+    assert direct is not None and direct[0] == 2
+    assert direct == run_in_process(script.split("_")[0], line, monkeypatch)
 
 
 BENCH = [  # scripts/bench.py (argparse): a size that cannot be measured, named as typed
