@@ -61,7 +61,7 @@ gpu-wheels: ## .whl/: what a GPU machine with its own torch and no index lacks (
 	$(PYTHON) -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3  # pure Python, source only
 
 lint: install ## ruff
-	$(VENV)/bin/ruff check lm scripts tests
+	$(VENV)/bin/ruff check lm scripts tests benchmarks
 
 bench: install ## training and decoding against transformers' Llama, attention kinds against N
 	$(PY) scripts/bench.py train

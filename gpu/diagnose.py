@@ -210,9 +210,9 @@ class BaseTraining:
     MFU of a step as bench-train counts it, and the step with the loss inside a compiled graph."""
 
     def __init__(self) -> None:
+        from benchmarks.bench_models import dense_bf16_peak
+        from benchmarks.train_bench import bench_shape
         from lm import Transformer
-        from lm.studies.bench_models import dense_bf16_peak
-        from lm.studies.train_bench import bench_shape
 
         self.cfg = bench_shape(SimpleNamespace(model="base", vocab=None, seq=1024))
         torch.manual_seed(0)
@@ -245,7 +245,8 @@ def profile() -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as cuda_profile
 
-    from lm.studies.train_bench import chunked_loss_step_fn, train_step_fn
+    from benchmarks.train_bench import chunked_loss_step_fn
+    from lm.studies.train_step import train_step_fn
 
     base = BaseTraining()
     compiled = torch.compile(base.model)
@@ -292,9 +293,9 @@ def autotune() -> None:
 
 
 def ragged() -> None:
+    from benchmarks.bench_models import REFERENCE
+    from benchmarks.decode_bench import hf_twin, ragged_prompts, theirs
     from lm import ModelConfig, Transformer, generate
-    from lm.studies.bench_models import REFERENCE
-    from lm.studies.decode_bench import hf_twin, ragged_prompts, theirs
 
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # the CPU: to try the part out

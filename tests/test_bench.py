@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.attention_bench import attention_layer
+from benchmarks.bench import build_parser
+from benchmarks.bench_models import attention_rows
+from benchmarks.train_bench import variant_spec
 from lm.attention import LayerShape, SlidingSpec, SoftmaxSpec, available_kinds
 from lm.attention.lowrank import LowRankSpec
-from lm.studies.attention_bench import attention_layer
-from lm.studies.bench import build_parser
-from lm.studies.bench_models import attention_rows
-from lm.studies.train_bench import variant_spec
 from lm.util.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,7 +70,7 @@ def test_bench_generate_gives_a_row_per_kind(tmp_path):
 
 def test_bench_json_holds_the_settings_the_machine_and_what_the_table_shows(tmp_path, capsys):
     """`--json PATH` in `make test`: one kind's decoding row at a few tokens, the table printed as ever."""
-    from lm.studies.bench import main
+    from benchmarks.bench import main
 
     out = tmp_path / "results" / "generate.json"  # its folder made
     main(["generate", "--prompt", "4", "--new-tokens", "3", "--positions", "4", "8", "--repeats", "1",
@@ -88,7 +88,7 @@ def test_bench_json_holds_the_settings_the_machine_and_what_the_table_shows(tmp_
 
 
 def test_bench_json_where_no_folder_can_be_made_is_one_line_before_measuring(tmp_path, capsys):
-    from lm.studies.bench import main
+    from benchmarks.bench import main
 
     (tmp_path / "a-file").write_text("")
     with pytest.raises(SystemExit) as exit_:
@@ -192,8 +192,9 @@ def test_the_chunked_loss_contender_takes_the_plain_contenders_step():
     """bench.py train's "lm chunked loss" row trains what the "lm" row does, the loss made a chunk of
     positions at a time: from the same weights and batch, the same loss and the same weights after
     the AdamW step (float64; 7-position chunks that do not divide the 72 positions)."""
+    from benchmarks.train_bench import chunked_loss_step_fn
     from lm import ModelConfig, Transformer
-    from lm.studies.train_bench import chunked_loss_step_fn, train_step_fn
+    from lm.studies.train_step import train_step_fn
 
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=97, n_layer=2, d_model=32, n_head=4, n_kv_head=2, d_ff=64, max_seq_len=24)
@@ -216,8 +217,8 @@ def test_bench_train_times_the_chunked_loss_beside_the_plain_one(tmp_path, monke
     ours and the peer, counted with our FLOPs; `--loss-chunk 0` builds no such contender."""
     from argparse import Namespace
 
-    from lm.studies import train_bench
-    from lm.studies.bench import main
+    from benchmarks import train_bench
+    from benchmarks.bench import main
 
     monkeypatch.setattr(train_bench, "matmul_peak_flops", lambda device: 1e9)
     main(["train", "--model", "tiny", "--seq", "32", "--batch", "2", "--steps", "1", "--warmup", "0", "--no-compile",
@@ -235,8 +236,8 @@ def test_bench_train_times_the_chunked_loss_beside_the_plain_one(tmp_path, monke
 def test_the_chunked_loss_contender_scores_as_training_does_under_bf16_autocast():
     """Under bf16 autocast (as bf16-mixed trains) the chunked contender's loss is the one training's
     Scorer takes with the same chunk, on the same weights and batch."""
+    from benchmarks.train_bench import chunked_loss_step_fn
     from lm import ModelConfig, Transformer
-    from lm.studies.train_bench import chunked_loss_step_fn
     from lm.training.scoring import Scorer
 
     torch.manual_seed(0)
@@ -253,7 +254,7 @@ def test_the_chunked_loss_contender_scores_as_training_does_under_bf16_autocast(
 def test_the_int4_contender_is_the_product_with_its_4_bit_weights():
     """bench.py kernels times PyTorch's int4 CPU kernel; what it times must be the matmul it claims:
     x times the weight rounded to 16 levels per group of 32, in float64."""
-    from lm.studies.kernel_bench import INT4_GROUP, int4_kernel
+    from benchmarks.kernel_bench import INT4_GROUP, int4_kernel
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(128, 48, bias=False)
@@ -267,7 +268,7 @@ def test_the_int4_contender_is_the_product_with_its_4_bit_weights():
 
 @pytest.mark.slow
 def test_bench_kernels_times_every_kernel_at_every_shape(tmp_path):
-    from lm.studies.kernel_bench import PER_STEP, SHAPES
+    from benchmarks.kernel_bench import PER_STEP, SHAPES
 
     results, _ = bench(tmp_path, "kernels", "--rounds", "1", "--repeats", "1", timeout=900)
     rows = {row["kernel"]: row for row in results["rows"]}

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import lm
 from lm.data.tokenizer import EOT
-from lm.studies.evaluate import score, token_stream
+from lm.evaluation.perplexity import score, token_stream
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "v1" / "hybrid.ckpt"  # max_seq_len 32, vocab 300
@@ -95,7 +95,7 @@ def test_eval_script_bad_input_is_one_line(args, message, tmp_path):
 def test_eval_settings_are_refused_before_the_checkpoint_loads(override, message, tmp_path):
     from hydra import compose, initialize_config_dir
 
-    from lm.studies.evaluate import evaluate
+    from lm.evaluation.perplexity import evaluate
     from lm.util.errors import ConfigError
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
@@ -120,7 +120,7 @@ def test_weights_too_large_for_float32_are_refused_at_load(tmp_path):
 def test_a_non_finite_loss_is_refused_and_nothing_is_written(tmp_path, monkeypatch):
     from hydra import compose, initialize_config_dir
 
-    import lm.studies.evaluate as evaluation
+    import lm.evaluation.perplexity as evaluation
     from lm.util.errors import DataError
 
     overflowing = evaluation.Score(tokens=10, bytes=40, nll_nats=float("inf"), documents=1)
@@ -150,7 +150,7 @@ def eval_config(*overrides: str):
     (["data=text", "data.paths=[{empty}]"], "data.paths entry '{empty}' is a folder with no files in it"),
 ])
 def test_a_corpus_eval_cannot_score_is_refused_before_the_checkpoint_loads(data, message, tmp_path):
-    from lm.studies.evaluate import evaluate
+    from lm.evaluation.perplexity import evaluate
     from lm.util.errors import DataError
 
     empty = tmp_path / "empty"
@@ -173,7 +173,7 @@ def test_eval_script_on_an_empty_folder_is_one_line(tmp_path):
 
 def test_the_record_of_an_exported_folder_goes_beside_it_not_into_it(tmp_path, monkeypatch):
     """An export folder is copied or uploaded whole; a run folder, or its checkpoint, keeps its records inside."""
-    import lm.studies.evaluate as evaluation
+    import lm.evaluation.perplexity as evaluation
     from lm.formats.checkpoint import export_safetensors, save_checkpoint
 
     monkeypatch.setattr(evaluation, "score", lambda *args, **kwargs: evaluation.Score(10, 40, 20.0, 1))
@@ -195,7 +195,7 @@ def test_the_record_of_an_exported_folder_goes_beside_it_not_into_it(tmp_path, m
 
 def test_a_folder_of_empty_files_is_a_split_with_no_text(tmp_path):
     """Training refuses it as an empty corpus (test_bad_input.py); eval, as nothing to score."""
-    from lm.studies.evaluate import evaluate
+    from lm.evaluation.perplexity import evaluate
     from lm.util.errors import DataError
 
     for name in ("a.txt", "b.txt"):

@@ -54,7 +54,7 @@ def evaluate(task_dir: Path, model: str, model_args: str) -> dict:
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    import lm.studies.harness  # noqa: F401  (registers --model lm)
+    import lm.evaluation.harness  # noqa: F401  (registers --model lm)
 
     out = simple_evaluate(model=model, model_args=model_args, tasks=TASKS, device="cpu", batch_size=4,
                           task_manager=TaskManager(include_path=str(task_dir)), log_samples=True)
@@ -105,7 +105,7 @@ def test_generate_until_is_lm_greedy_decoding_cut_at_the_stop(tokenizer, tmp_pat
     from types import SimpleNamespace
 
     from lm import generate
-    from lm.studies.harness import HarnessModel
+    from lm.evaluation.harness import HarnessModel
 
     ckpt, model = checkpoint(tmp_path, tokenizer, [SlidingSpec(window=8), LinearSpec(chunk_size=8)])
     harness = HarnessModel(str(ckpt))
@@ -219,7 +219,7 @@ def test_model_arguments_are_refused_before_the_checkpoint_loads(typed, harness,
     and --batch_size beside them. The checkpoint does not exist, so the check came first."""
     from lm_eval._cli.utils import key_val_to_dict
 
-    from lm.studies.harness import HarnessModel
+    from lm.evaluation.harness import HarnessModel
     from lm.util.errors import ConfigError
 
     typed = f"ckpt={tmp_path / 'none.ckpt'}" + (f",{typed}" if typed else "")
@@ -231,7 +231,7 @@ def test_model_arguments_are_refused_before_the_checkpoint_loads(typed, harness,
 def test_model_arguments_win_over_the_harness_flags_and_auto_is_a_fixed_batch(tokenizer, tmp_path):
     """The harness passes --device and --batch_size even when not typed (cuda:0 and 1); the same names in
     --model_args used to fail as keywords given twice."""
-    from lm.studies.harness import AUTO_BATCH, HarnessModel
+    from lm.evaluation.harness import AUTO_BATCH, HarnessModel
 
     ckpt, _ = checkpoint(tmp_path, tokenizer, SoftmaxSpec())
     model = HarnessModel.create_from_arg_obj({"ckpt": str(ckpt), "device": "cpu", "batch_size": 3},

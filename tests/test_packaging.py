@@ -71,7 +71,8 @@ def build_from_a_copy(folder: Path, hook: str) -> Path:
     pyproject.toml): the path of the metadata folder or wheel."""
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, folder / name)
-    shutil.copytree(ROOT / "lm", folder / "lm", ignore=shutil.ignore_patterns("__pycache__"))
+    for package in ("lm", "benchmarks"):  # benchmarks/: beside lm/ in the repository, so the wheel could take it
+        shutil.copytree(ROOT / package, folder / package, ignore=shutil.ignore_patterns("__pycache__"))
     (folder / "out").mkdir()
     build = f"from setuptools import build_meta; print(build_meta.{hook}('out'))"
     done = subprocess.run([sys.executable, "-c", build], cwd=folder, capture_output=True, text=True, timeout=300)
@@ -96,6 +97,20 @@ def test_the_wheel_carries_the_c_source_the_native_int8_kernel_is_built_from(tmp
 
     names = zipfile.ZipFile(build_from_a_copy(tmp_path, "build_wheel")).namelist()
     assert "lm/generation/int8_matmul.c" in names and "lm/generation/int8_native.py" in names
+    # evaluation, which users call, ships; the benchmarks, which only the repository runs, do not
+    assert "lm/evaluation/perplexity.py" in names and "lm/evaluation/harness.py" in names
+    assert [name for name in names if name.startswith("benchmarks/")] == []
+
+
+def test_the_package_discovery_takes_lm_and_its_evaluation_but_not_the_benchmarks():
+    """What pyproject.toml's `packages.find` finds in this checkout: every folder of lm/ (evaluation and
+    studies among them) and nothing of benchmarks/, which imports lm but is no part of it."""
+    from setuptools import find_namespace_packages
+
+    found = find_namespace_packages(where=str(ROOT), **pyproject()["tool"]["setuptools"]["packages"]["find"])
+    assert {"lm", "lm.evaluation", "lm.studies", "lm.generation"} <= set(found)
+    assert [name for name in found if not (name == "lm" or name.startswith("lm."))] == []
+    assert (ROOT / "benchmarks" / "__init__.py").is_file()  # there to be found, and left out
 
 
 # ------------------------------------------------------------------ optimiser defaults

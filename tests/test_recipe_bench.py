@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_every_recipe_is_scored_on_the_documents_chosen_with_the_first_recipes_tokenizer(monkeypatch):
     """The first contender chooses the held-out documents by its own token count; every other one is
     handed those documents, whatever its vocabulary (per-tokenizer choices would score other text)."""
-    from lm.studies import recipe_bench
+    from benchmarks import recipe_bench
 
     given = []
 

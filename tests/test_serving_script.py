@@ -16,8 +16,8 @@ pytest.importorskip("fastapi")
 from conftest import compose_config  # noqa: E402
 from serving import CHAT_TEMPLATE, greedy_text, model, running, tokenizer, write_checkpoint  # noqa: E402
 
+from benchmarks.servers import find_llama_server  # noqa: E402
 from lm.serving.run import prepare  # noqa: E402
-from lm.studies.servers import find_llama_server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -129,7 +129,7 @@ def test_bench_serve_puts_llama_cpps_server_beside_ours_on_the_same_weights(tmp_
 
 
 def test_bench_serve_refuses_an_unknown_kind_before_serving(capsys):
-    from lm.studies.bench import main
+    from benchmarks.bench import main
 
     with pytest.raises(SystemExit) as exit_code:
         main(["serve", "--kinds", "nope"])

@@ -1,7 +1,7 @@
 """scripts/eval.py's settings: each one's default, meaning and bound, declared once here.
 
 conf/eval.yaml composes them (`eval_settings`) beside the `data` group (the corpus, as training
-reads it), its --help lists them, and lm.studies.evaluate checks them before the checkpoint is
+reads it), its --help lists them, and lm.evaluation.perplexity checks them before the checkpoint is
 read. `device` is checked by lm.util.checks.check_device, which knows what this torch can reach.
 """
 

@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 KERNELS = ("dynamic", "native", "dequant", "int8pack")
 # Rows above which `native` gives way to torch._int_mm where that is exact. One decoding step's matmuls at
-# the reference shape (lm.studies.kernel_bench's shapes, each timed alone, its weight hot in cache) on an
+# the reference shape (benchmarks.kernel_bench's shapes, each timed alone, its weight hot in cache) on an
 # AMD EPYC with AVX512-VNNI, one thread beside another job, against fp32: native 2.4x at 1 row, 3.3x at 2,
 # 2.7x at 4, 1.7x at 8, 1.1x at 16; torch._int_mm 1.1x, 1.6x, 2.0x, 2.0x, 1.8x. Without exact sums from
 # torch._int_mm, or without int8 dot-product instructions (AVX2 without VNNI), native serves every row count.

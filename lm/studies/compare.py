@@ -5,7 +5,7 @@ options), at equal steps and equal model size:
 
 - MQAR (lm/data/mqar.py) accuracy on held-out examples for each model width x number of pairs;
 - language modelling on the `data` corpus: validation loss against training time, then loss and
-  bits per byte over the whole validation split (lm/studies/evaluate.py);
+  bits per byte over the whole validation split (lm/evaluation/perplexity.py);
 - training tokens/s of that run, and greedy decoding tokens/s and cache bytes at each context of
   `speed.contexts`, on a freshly initialised model of the same shape (speed does not depend on the
   weights, and the trained model's context may be shorter).
@@ -30,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from lm.attention import available_kinds
 from lm.config.compose import forget_changed_compositions
 from lm.data.corpora import build_corpus
+from lm.evaluation.perplexity import split_documents
 from lm.studies.compare_arms import (
     BASES,
     attn_configs,
@@ -43,7 +44,6 @@ from lm.studies.compare_runs import unless_diverged
 from lm.studies.compare_settings import check_per_kind, check_study_settings, for_kind, study_seeds, study_tasks
 from lm.studies.compare_tables import comparison_table
 from lm.studies.engine import Arm, finished_records, import_records, machine, run_arms
-from lm.studies.evaluate import split_documents
 from lm.studies.frontier import check_frontier, describe_frontier, frontier_arms
 from lm.studies.frontier_report import frontier_plot, frontier_tables
 from lm.studies.jobs import check_launcher, chosen_launcher, only_arm, run_as_jobs

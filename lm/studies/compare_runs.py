@@ -11,11 +11,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from lm.data.corpora import build_corpus
+from lm.evaluation.perplexity import score, split_documents, token_stream
 from lm.formats.checkpoint import load
 from lm.model.transformer import Transformer
-from lm.studies.bench import train_step_fn
 from lm.studies.decode_speed import decode_speed
-from lm.studies.evaluate import score, split_documents, token_stream
+from lm.studies.train_step import train_step_fn
 from lm.training.run import train
 from lm.training.settings import model_config_from
 from lm.util.errors import TrainingError

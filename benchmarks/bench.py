@@ -4,10 +4,10 @@
     python scripts/bench.py attention   # time and peak memory of each attention kind vs sequence length
     python scripts/bench.py generate    # decode tokens/s, per-token latency and cache bytes per kind vs transformers
     python scripts/bench.py decode      # eager, compiled, int8 and llama.cpp decoding vs transformers, batch 1 and
-                                        # ragged batches (lm.studies.decode_bench)
-    python scripts/bench.py kernels     # one decoding matmul through every int8/int4 kernel (lm.studies.kernel_bench)
+                                        # ragged batches (benchmarks.decode_bench)
+    python scripts/bench.py kernels     # one decoding matmul through every int8/int4 kernel (benchmarks.kernel_bench)
     python scripts/bench.py int8 --ckpt ...  # int8 against fp32 on a trained model
-    python scripts/bench.py serve       # the server under 1 to 64 concurrent clients, per kind (lm.studies.serve_bench)
+    python scripts/bench.py serve       # the server under 1 to 64 concurrent clients, per kind (benchmarks.serve_bench)
     python scripts/bench.py recipe      # two training recipes in turns: time to a held-out bits per byte
 
 The machine may be shared and noisy, so the contenders run in alternating rounds and each
@@ -21,19 +21,17 @@ import argparse
 import json
 from pathlib import Path
 
+from benchmarks.attention_bench import bench_attention
+from benchmarks.bench_models import add_device_argument, attention_rows
+from benchmarks.decode_bench import LONG_CONTEXT_KINDS, bench_decode
+from benchmarks.generate_bench import bench_generate
+from benchmarks.int8_bench import bench_int8
+from benchmarks.kernel_bench import bench_kernels
+from benchmarks.recipe_bench import BASELINE, bench_recipe
+from benchmarks.serve_bench import SERVE_KINDS, bench_serve
+from benchmarks.train_bench import bench_train, checked_variant, model_shapes
 from lm.config.train import TrainSettings
 from lm.generation.quantize import AUTO, CHOICES, KERNELS
-from lm.studies.attention_bench import bench_attention
-from lm.studies.bench_models import add_device_argument, attention_rows
-from lm.studies.decode_bench import LONG_CONTEXT_KINDS, bench_decode
-from lm.studies.generate_bench import bench_generate
-from lm.studies.int8_bench import bench_int8
-from lm.studies.kernel_bench import bench_kernels
-from lm.studies.recipe_bench import BASELINE, bench_recipe
-from lm.studies.serve_bench import SERVE_KINDS, bench_serve
-from lm.studies.train_bench import bench_train, checked_variant, model_shapes, train_step_fn
-
-__all__ = ["build_parser", "main", "train_step_fn"]  # train_step_fn: the comparison times its steps with it
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -30,10 +30,10 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.bench_models import REFERENCE, attention_rows
+from benchmarks.servers import LlamaServerProcess, ServerProcess, find_llama_server, llama_server_version
 from lm import ModelConfig, Transformer
 from lm.attention import layer_specs
-from lm.studies.bench_models import REFERENCE, attention_rows
-from lm.studies.servers import LlamaServerProcess, ServerProcess, find_llama_server, llama_server_version
 from lm.util.errors import ConfigError
 
 HYBRID = "hybrid-gated_delta-softmax"  # gated delta with a softmax layer every third, as hybrids ship

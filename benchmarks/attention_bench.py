@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.bench_models import attention_rows, bench_device, bench_dtype, describe_device, synchronize, timed
+from benchmarks.train_bench import matmul_peak_flops
 from lm.attention import AttentionSpec, LayerShape, LinearSpec, SoftmaxSpec
-from lm.studies.bench_models import attention_rows, bench_device, bench_dtype, describe_device, synchronize, timed
-from lm.studies.train_bench import matmul_peak_flops
 
 FULL_ATTENTION = "softmax-mha"  # the row the others are compared with
 

@@ -17,9 +17,9 @@ from collections.abc import Callable
 
 import torch
 
+from benchmarks.bench_models import REFERENCE, alternate
 from lm.generation.int8_native import unavailable
 from lm.generation.quantize import KERNELS, Int8Linear
-from lm.studies.bench_models import REFERENCE, alternate
 from lm.util.hardware import int8_matmul_is_exact
 
 # (in, out) of the reference shape's matmuls: fused Q/K/V (2 K/V heads), attention out, gate and up, down, head

@@ -14,12 +14,8 @@ import dataclasses
 import statistics
 
 import torch
-import torch.nn.functional as F
 
-from lm import ModelConfig, Transformer
-from lm.attention import SoftmaxSpec, spec_from_dict
-from lm.config.compose import CONF_DIR
-from lm.studies.bench_models import (
+from benchmarks.bench_models import (
     REFERENCE,
     bench_device,
     bench_dtype,
@@ -28,6 +24,10 @@ from lm.studies.bench_models import (
     hf_llama,
     timed,
 )
+from lm import ModelConfig, Transformer
+from lm.attention import SoftmaxSpec, spec_from_dict
+from lm.config.compose import CONF_DIR
+from lm.studies.train_step import optimizer_step_fn, train_step_fn
 from lm.training.scoring import Scorer
 from lm.util.errors import ConfigError
 
@@ -45,19 +45,6 @@ def matmul_peak_flops(device: torch.device, repeats: int = 10) -> float:
     return 2 * size**3 / min(timed(lambda: a @ b) for _ in range(repeats))
 
 
-def train_step_fn(model: torch.nn.Module, logits_of, autocast: torch.dtype | None = None):
-    """One training step: forward (under bf16 autocast when `autocast` says, as `bf16-mixed`
-    trains), loss in float32 at least from the whole logits, backward, fused AdamW."""
-
-    def loss_of(batch: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(batch.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-            logits = logits_of(model, batch[:, :-1])  # (B, T, V)
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 up to float32; float64 stays
-        return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
-
-    return optimizer_step_fn(model, loss_of)
-
-
 def chunked_loss_step_fn(model: Transformer, chunk: int, compile: bool = False,
                          autocast: torch.dtype | None = None):
     """One training step as `lm` trains (`loss_chunk`), through training's own Scorer: the final
@@ -71,21 +58,6 @@ def chunked_loss_step_fn(model: Transformer, chunk: int, compile: bool = False,
             return scorer(batch, "mean", accuracy=False)[0]
 
     return optimizer_step_fn(model, loss_of)
-
-
-def optimizer_step_fn(model: torch.nn.Module, loss_of):
-    """loss_of(batch), its backward and a fused AdamW step, as one callable of the batch that returns
-    the loss (detached; reading it is the caller's sync, not the step's)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-
-    def step(batch: torch.Tensor) -> torch.Tensor:
-        loss = loss_of(batch)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return step
 
 
 def variant_spec(variant: str) -> SoftmaxSpec:

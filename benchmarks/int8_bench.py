@@ -14,7 +14,7 @@ def validation_windows(tokenizer, tokens: int, seq_len: int) -> tuple[torch.Tens
     validation split, cut into whole windows."""
     from lm.config.compose import compose_train
     from lm.data.corpora import build_corpus
-    from lm.studies.evaluate import split_documents, token_stream
+    from lm.evaluation.perplexity import split_documents, token_stream
 
     data_cfg = compose_train(["data=pystdlib"]).data
     ids, _, _, _ = token_stream(split_documents(build_corpus(data_cfg), "val", float(data_cfg.val_fraction)),

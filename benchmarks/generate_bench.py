@@ -8,8 +8,7 @@ import statistics
 
 import torch
 
-from lm import ModelConfig, Transformer
-from lm.studies.bench_models import (
+from benchmarks.bench_models import (
     GENERATE_KV_HEADS,
     REFERENCE,
     attention_rows,
@@ -19,6 +18,7 @@ from lm.studies.bench_models import (
     step_times,
     timed,
 )
+from lm import ModelConfig, Transformer
 
 GQA = "softmax-gqa"  # the row set beside transformers' Llama of the same (GQA) shape
 

@@ -74,8 +74,8 @@ class Contender:
         """The data, model, optimizer and schedule; `held_out` is the documents every evaluation scores,
         or a token count choosing them (the first contender's) with this tokenizer."""
         from lm.data.modules import make_data_module
+        from lm.evaluation.perplexity import token_stream
         from lm.model.transformer import Transformer
-        from lm.studies.evaluate import token_stream
         from lm.training.module import LitLM
         from lm.training.optim import optim_config
         from lm.training.scoring import Scorer
@@ -129,7 +129,7 @@ class Contender:
         self.tokens += batch[:, 1:].numel()
 
     def evaluate(self) -> float:
-        from lm.studies.evaluate import score
+        from lm.evaluation.perplexity import score
 
         self.model.eval()
         with self.autocast():
@@ -150,7 +150,7 @@ def held_out_documents(tokenizer, tokens: int) -> list[str]:
     scored on the same bytes whatever its vocabulary."""
     from lm.config.compose import compose_train
     from lm.data.corpora import build_corpus
-    from lm.studies.evaluate import split_documents
+    from lm.evaluation.perplexity import split_documents
 
     data_cfg = compose_train(["data=pystdlib_tests"]).data
     texts, count = [], 0

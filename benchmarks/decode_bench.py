@@ -21,10 +21,7 @@ from pathlib import Path
 
 import torch
 
-from lm import ModelConfig, Transformer, generate
-from lm.formats.weights import to_hf_state_dict
-from lm.generation.quantize import quantize_int8, weight_bytes
-from lm.studies.bench_models import (
+from benchmarks.bench_models import (
     GENERATE_KV_HEADS,
     REFERENCE,
     alternate,
@@ -37,6 +34,9 @@ from lm.studies.bench_models import (
     reference_model,
     step_times,
 )
+from lm import ModelConfig, Transformer, generate
+from lm.formats.weights import to_hf_state_dict
+from lm.generation.quantize import quantize_int8, weight_bytes
 from lm.util.errors import GenerationError
 
 
