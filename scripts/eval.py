@@ -6,16 +6,17 @@ import hydra
 from omegaconf import DictConfig
 
 import lm.config  # noqa: F401  the settings' schemas, also where hydra.searchpath=... replaces conf's
+from lm.config.attn import load_attention_kinds
 from lm.util.cli import exit_on_user_error, run_script
 
 
 @hydra.main(config_path="../conf", config_name="eval", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     with exit_on_user_error():
-        from lm.studies.evaluate import evaluate
+        from lm.evaluation.perplexity import evaluate
 
         evaluate(cfg)
 
 
 if __name__ == "__main__":
-    sys.exit(run_script(main))
+    sys.exit(run_script(main, start=load_attention_kinds))  # the kinds outside lm/ too

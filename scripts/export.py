@@ -6,6 +6,7 @@ import hydra
 from omegaconf import DictConfig
 
 import lm.config  # noqa: F401  the settings' schemas, also where hydra.searchpath=... replaces conf's
+from lm.config.attn import load_attention_kinds
 from lm.config.export import ExportSettings
 from lm.config.settings import check_settings
 from lm.util.cli import exit_on_user_error, run_script
@@ -29,4 +30,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(run_script(main))
+    sys.exit(run_script(main, start=load_attention_kinds))  # the kinds outside lm/ too

@@ -6,6 +6,7 @@ import hydra
 from omegaconf import DictConfig
 
 import lm.config  # noqa: F401  the settings' schemas, also where hydra.searchpath=... replaces conf's
+from lm.config.attn import load_attention_kinds
 from lm.util.cli import exit_on_user_error, quote_text_overrides, run_script
 
 
@@ -21,4 +22,4 @@ if __name__ == "__main__":
     from lm.generation.text import PROMPT_KEYS
 
     sys.argv = quote_text_overrides(sys.argv, keys=PROMPT_KEYS)
-    sys.exit(run_script(main))
+    sys.exit(run_script(main, start=load_attention_kinds))  # the kinds outside lm/ too

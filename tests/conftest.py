@@ -26,9 +26,13 @@ def pytest_configure(config):
     tests start inherit it through OMP_NUM_THREADS. Without xdist, or where the caller set
     OMP_NUM_THREADS, torch keeps its own choice. A run held to a CPU capability (ATEN_CPU_CAPABILITY, as
     docs/reliability.md times `make test` held to AVX2) compiles into inductor's cache for that capability."""
+    from lm.attention import load_outside_kinds
     from lm.util.hardware import inductor_cache_per_capability
 
     inductor_cache_per_capability()
+    # the session's start, as a script's: a kind outside lm/ (an installed distribution's entry point,
+    # LM_ATTENTION_KINDS) joins the shared tables (docs/adding-a-kind.md)
+    load_outside_kinds()
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers < 2 or "OMP_NUM_THREADS" in os.environ:
         return
@@ -53,7 +57,7 @@ def hydra_compose(config_name: str, overrides: list[str] | tuple[str, ...]) -> D
         return compose(config_name=config_name, overrides=list(overrides))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def composed_choices(config_name: str, choices: tuple[str, ...]) -> DictConfig:
     """One Hydra composition per set of group choices (`attn=sliding`, `data=text`) in this process."""
     return hydra_compose(config_name, choices)

@@ -19,6 +19,7 @@ from lm.attention import (
     LayerCache,
     LayerShape,
     available_kinds,
+    example_rows,
     layer_specs,
     load_kind_files,
     register,
@@ -26,6 +27,8 @@ from lm.attention import (
     spec_from_dict,
 )
 from lm.attention import base as attention_base
+from lm.attention.base import WeightDeclarations
+from lm.attention.rope import RotaryEmbedding
 from lm.model.generation_cache import GenerationCache
 
 SHAPE = LayerShape(d_model=128, n_head=4, n_kv_head=2, head_dim=32, layer_idx=0)  # room for every kind's defaults
@@ -53,6 +56,116 @@ def test_a_spec_must_be_a_frozen_dataclass_registered_once():
     with pytest.raises(TypeError, match="must be a frozen dataclass"):
         register("foreign")(dataclass(frozen=True)(type("Foreign", (), {})))
     assert not {"undecorated", "foreign"} & set(available_kinds())
+
+
+# ---------------------------------------------------------------- the hooks, declared with their defaults
+
+
+@pytest.mark.parametrize("row", list(example_rows()))
+def test_every_kind_declares_its_hooks_through_the_contract(row):
+    """What the code reads from a layer besides its calls comes from AttentionLayer, and each kind's
+    answers hold for its weights: fused rows add up to their weight's rows, renamed weights exist
+    under their new names, declared AdamW parameters are 2-D, and no loss is left before a forward."""
+    spec, example = example_rows()[row]
+    layer = spec.build(LayerShape(d_model=32, n_head=4, n_kv_head=example.kv_heads(4, 2), head_dim=8))
+    assert isinstance(layer, AttentionLayer) and isinstance(layer, WeightDeclarations)
+    assert isinstance(layer.context_limited, bool) and isinstance(layer.uses_rope, bool)
+    assert layer.aux_loss is None
+    weights = layer.state_dict()
+    assert all(sum(rows) == weights[name].shape[0] for name, rows in layer.fused_rows().items())
+    assert all(new in weights and old not in weights for old, new in layer.former_names.items())
+    assert all(p.dim() == 2 for name, p in layer.named_parameters() if name in layer.adamw_parameters)
+
+
+@pytest.mark.parametrize("row", list(example_rows()))
+def test_uses_rope_says_whether_the_angles_change_the_output(row):
+    """Angles of positions three times as far apart change a layer that rotates q and k by them
+    and leave one that declares uses_rope=False exactly as it was."""
+    spec, example = example_rows()[row]
+    torch.manual_seed(0)
+    layer = spec.build(LayerShape(d_model=32, n_head=4, n_kv_head=example.kv_heads(4, 2), head_dim=8)).double()
+    layer.reset_own_parameters()
+    x = torch.randn(2, 12, 32, dtype=torch.float64)
+    rope = RotaryEmbedding(8, 10000.0)
+    with torch.no_grad():
+        near, far = (layer(x, *(t.double() for t in rope(positions))) for positions in
+                     (torch.arange(12), 3 * torch.arange(12)))
+    assert torch.equal(near, far) != layer.uses_rope
+
+
+class Bare(AttentionLayer):
+    """A layer that overrides none of the hooks: one projection of x."""
+
+    def __init__(self, shape: LayerShape):
+        super().__init__()
+        self.proj = torch.nn.Linear(shape.d_model, shape.d_model, bias=False)
+
+    def forward(self, x, cos, sin, cache=None, pos=None):
+        return self.proj(x)
+
+
+@dataclass(frozen=True)
+class BareSpec(AttentionSpec):
+    kind = "bare"  # built directly, never registered
+
+    def build(self, shape: LayerShape) -> Bare:
+        return Bare(shape)
+
+
+def test_a_layer_that_overrides_no_hook_reads_as_their_defaults():
+    from lm.formats.checked import with_current_names
+    from lm.training.optim import declarations, placement
+
+    model = Transformer(ModelConfig(vocab_size=11, n_layer=2, d_model=32, n_head=4, attention=BareSpec()))
+    layer = model.blocks[0].attn
+    assert (layer.context_limited, layer.uses_rope, layer.aux_loss, dict(layer.former_names)) == (True, True, None, {})
+    assert declarations(layer) == ((), {}) and model.context_limited and model.aux_loss() is None
+    assert "blocks.0.attn.proj.weight" in placement(model).muon  # an nn.Linear weight, one matrix
+    state = model.state_dict()
+    assert with_current_names(model, state) == state
+
+
+def test_hooks_are_read_from_the_contract_not_from_whatever_a_module_holds():
+    """A module outside WeightDeclarations that happens to hold an attribute of a hook's name declares
+    nothing; a layer that is not an AttentionLayer is refused where the model builds it, in one line."""
+    from lm.training.optim import declarations
+
+    class Stray(torch.nn.Module):
+        adamw_parameters = ("weight",)
+        former_names = {"old": "weight"}
+
+        def fused_rows(self):
+            return {"weight": (1, 1)}
+
+    assert declarations(Stray()) == ((), {})
+
+    @dataclass(frozen=True)
+    class LinearOnly(AttentionSpec):
+        kind = "linear_only"
+
+        def build(self, shape: LayerShape) -> torch.nn.Module:
+            return torch.nn.Linear(shape.d_model, shape.d_model)
+
+    with pytest.raises(TypeError, match=r"^attention kind 'linear_only' built a Linear; a kind's layer must "
+                                        r"subclass lm.attention.AttentionLayer$"):
+        Transformer(ModelConfig(vocab_size=11, n_layer=1, d_model=32, n_head=4, attention=LinearOnly()))
+
+
+def test_a_former_name_loads_under_todays_name():
+    """WeightDeclarations.former_names: load_state_dict (through the module's own pre-hook, at any
+    depth) takes a weight saved under the old name."""
+
+    class Renamed(WeightDeclarations):
+        former_names = {"gate.weight": "output_gate.weight"}
+
+        def __init__(self):
+            super().__init__()
+            self.output_gate = torch.nn.Linear(3, 2, bias=False)
+
+    saved = torch.randn(2, 3)
+    outer = torch.nn.Sequential(Renamed())
+    outer.load_state_dict({"0.gate.weight": saved})
+    assert torch.equal(outer[0].output_gate.weight, saved)
 
 
 # ---------------------------------------------------------------- a kind from outside, on the contract alone

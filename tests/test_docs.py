@@ -188,7 +188,7 @@ def check_documented_command(where, argv, error, tmp_path, monkeypatch, plan: bo
     assert script.is_file(), f"{where}: {argv[0]} does not exist"
     name = script.stem
     if name == "bench":
-        from lm.studies.bench import build_parser
+        from benchmarks.bench import build_parser
 
         if "--help" not in argv and "PLACEHOLDER" not in argv:
             build_parser().parse_args(argv[1:])

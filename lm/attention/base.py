@@ -3,17 +3,15 @@
 - a **spec**: a frozen dataclass of the kind's options, with their defaults and their checks
   (`check`, run on construction), registered under the kind's name with `@register("name")`.
   `spec.build(shape)` makes the layer from the few sizes in `LayerShape`; nothing else is needed.
-- its **layer** (`AttentionLayer`): x (B, T, C) -> (B, T, C) for training and scoring, and with a
-  cache for generation; it declares what it keeps while decoding and whether it is context-limited.
+- its **layer**, a subclass of `AttentionLayer` (an nn.Module): x (B, T, C) -> (B, T, C) for
+  training and scoring, and with a cache for generation. What the rest of the code reads from a
+  layer besides its calls (whether it is context-limited, whether it rotates by RoPE, a loss of its
+  own, how the optimizer treats its weights, former names of its weights) is declared there with
+  its default, so a layer states only where it differs and nothing probes a layer for an attribute.
 - its **cache** (`LayerCache`): the tensors it holds, declared (`tensors()`), and `attend(...)` of
   the next positions over what it holds, updating it, and `decode(..., pos)`, the same for one
   position per row on fixed shapes (what a compiled decoding step runs), each taking the inputs
   its kind computes. The cached path is always here, never in the layer.
-
-A layer that trains part of itself by a loss of its own (DSA's indexer, lm/attention/dsa.py) leaves
-that loss of its last forward in an attribute `aux_loss` (None when it computed none: outside
-training); lm.model.Transformer.aux_loss sums the layers' and the training loss adds the sum. The
-attribute is optional: layers without one are read as having none.
 
 A model's attention is a list of specs, one per layer (lm.model.config.ModelConfig.attention).
 Shapes: B batch, T new positions, C d_model, nh query heads, nkv K/V heads, hs head size.
@@ -29,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import torch
+from torch import nn
 
 from lm.util.errors import ConfigError
 
@@ -67,45 +66,86 @@ class LayerCache(Protocol):
         ...
 
 
-@runtime_checkable
-class AttentionLayer(Protocol):
-    """One layer's attention, an nn.Module."""
+def with_current_names(module: WeightDeclarations, state_dict: dict, prefix: str, *args) -> None:
+    """A load_state_dict pre-hook: the module's weights saved under a former name take today's."""
+    for old, new in module.former_names.items():
+        if f"{prefix}{old}" in state_dict and f"{prefix}{new}" not in state_dict:
+            state_dict[f"{prefix}{new}"] = state_dict.pop(f"{prefix}{old}")
 
-    context_limited: bool  # True: positions past max_seq_len are out of reach (full attention)
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 cache: LayerCache | None = None, pos: torch.Tensor | None = None) -> torch.Tensor:
+class WeightDeclarations(nn.Module):
+    """What a module declares about its own weights, for the code that treats weights by their role
+    rather than by their shape: the optimizer's placement (lm.training.optim) and checkpoint loading
+    (lm.formats.checked). Every attention layer is one (AttentionLayer); a submodule with weights of
+    such roles subclasses it too, and the readers look at no other module. The defaults declare
+    nothing: each 2-D weight an nn.Linear's single matrix, saved under today's name."""
+
+    # Own 2-D parameters that are no matrix for Muon (convolution taps, per-head vectors), by name:
+    # AdamW takes them. Declared, since a shape does not say what a weight means.
+    adamw_parameters: ClassVar[tuple[str, ...]] = ()
+    # Own weights renamed since checkpoints were saved, {old: new} relative to the module: checkpoint
+    # loading and load_state_dict read a weight under its old name as the new one, so old files load.
+    former_names: ClassVar[Mapping[str, str]] = {}
+
+    def __init__(self) -> None:
+        super().__init__()
+        if self.former_names:
+            self.register_load_state_dict_pre_hook(with_current_names)
+
+    def fused_rows(self) -> dict[str, tuple[int, ...]]:
+        """Own weights that stack several matrices (fused Q/K/V: one GEMM is faster than three on small
+        models) -> the row count of each matrix, in row order: Muon orthogonalises each on its own."""
+        return {}
+
+
+class AttentionLayer(WeightDeclarations):
+    """One layer's attention, the base every kind's layer subclasses (most through GroupedQKV,
+    lm.attention.projections). It declares the calls the model and the shared tests make, and the
+    hooks the rest of the code reads, each with its default."""
+
+    # True: positions past max_seq_len are out of reach (full attention: trained on no longer
+    # context), so generation stops there. The default is the cautious answer for a new kind.
+    context_limited: bool = True
+    # Whether q and k are rotated by the RoPE angles the layer is given; False: position enters
+    # otherwise (causality, a decay) and the angles change nothing (tests/test_contract.py holds both).
+    uses_rope: bool = True
+    # A loss of its own that its last forward computed, weighted by the layer itself, which alone knows
+    # what it trains (DSA's indexer KL, in training); None: none. lm.model.Transformer.aux_loss sums
+    # the layers' and the training loss adds the sum.
+    aux_loss: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: LayerCache | None = None, pos: torch.Tensor | None = None) -> torch.Tensor:
         """x (B, T, C) -> (B, T, C); cos, sin are the RoPE angles of the T positions. With a cache,
         x holds the next T positions after those the cache has seen; with `pos` too (a 0-dim long
         tensor), x is the one position at slot pos, decoded through `cache.decode`."""
-        ...
+        raise NotImplementedError(f"{type(self).__name__} has no forward")
 
     def naive_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The same as its training path `layer(x, cos, sin)`, written plainly (its naive twin):
         the shared equivalence test compares the two, values and gradients, in float64. Layers
         built on GroupedQKV (lm.attention.projections) write only `naive_attend(q, k, v)`."""
-        ...
+        raise NotImplementedError(f"{type(self).__name__} has no naive twin (naive_forward)")
 
     def benchmark_op(self, seq_len: int, requires_grad: bool = False) -> tuple[Any, list[torch.Tensor]]:
         """Its attention op, projections excluded, and random inputs for it at batch 1 and length
         seq_len: what the attention benchmark times (GroupedQKV's: `attend` on q, k, v)."""
-        ...
+        raise NotImplementedError(f"{type(self).__name__} declares no benchmark_op")
 
     def generation_state(self) -> CacheSpec:
         """What its cache keeps, as a size anyone can compute without building it; the shared
         cache test holds it equal to the bytes of the built cache's `tensors()`, and the benchmarks
         report it."""
-        ...
+        raise NotImplementedError(f"{type(self).__name__} declares no generation_state")
 
     def build_cache(self, context: CacheContext, max_len: int) -> LayerCache:
         """An empty cache for `context.batch_size` rows of up to `max_len` positions, its tensors on
         `context.device` in `context.dtype` (or wider, for a recurrent state)."""
-        ...
+        raise NotImplementedError(f"{type(self).__name__} has no build_cache")
 
     def reset_own_parameters(self) -> None:
         """Initialise parameters of its own that the model's normal(0, init_std) does not suit
-        (called by the Transformer after that; GroupedQKV's does nothing)."""
-        ...
+        (called by the Transformer after that); by default there are none."""
 
 
 ALL_HEADS = 0  # an Example's n_kv_head meaning one K/V head per query head, whatever their number
@@ -140,7 +180,7 @@ class AttentionSpec:
     # Small settings the shared tests run on a 4-head model (choose awkward sizes: a window or a
     # chunk that does not divide the length, fewer K/V heads); the row is named kind-name.
     examples: ClassVar[dict[str, Example]] = {"": Example(n_kv_head=2)}
-    # Settings at the benchmarks' sizes (lm.studies.bench attention and generate).
+    # Settings at the benchmarks' sizes (benchmarks.bench attention and generate).
     benchmarks: ClassVar[dict[str, Example]] = {"": Example()}
 
     def __post_init__(self) -> None:
@@ -175,13 +215,19 @@ class AttentionSpec:
         return f"{self.kind}({options})" if options else self.kind
 
 
+# The registry. Importing lm.attention fills it with nothing but what the modules it imports define; the
+# lookups below (available_kinds, spec_class, ...) load every built-in kind on first use
+# (load_builtin_kinds), and the kinds outside lm/ come with an explicit call (load_outside_kinds).
 _SPECS: dict[str, type[AttentionSpec]] = {}
+_LOADED: set[str] = set()  # which of "builtin" and "outside" this process has loaded
 
 
 def register(name: str):
     """Class decorator: make a spec class available as the attention kind `name`."""
 
     def add(cls: type[AttentionSpec]) -> type[AttentionSpec]:
+        if not getattr(cls, "__module__", "").startswith(f"{__package__}."):
+            load_builtin_kinds()  # a kind from outside that takes a built-in's name is refused here, where it is
         if name in _SPECS:
             raise ValueError(f"attention kind {name!r} is registered twice")
         # Its own dataclass parameters: a subclass left undecorated would inherit the base's
@@ -196,7 +242,55 @@ def register(name: str):
     return add
 
 
+def load_builtin_kinds() -> list[str]:
+    """Import every module of lm/attention/, so that each built-in kind registers itself (its spec's
+    @register runs as its file is imported): a new kind is a new file, listed nowhere. The registry's
+    lookups call it on first use, so a Python user never needs to; importing lm.attention does not.
+    Returns the kinds it added; after the first call it does nothing."""
+    if "builtin" in _LOADED:
+        return []
+    import importlib
+    import pkgutil
+    from pathlib import Path
+
+    _LOADED.add("builtin")  # first: a lookup while the modules load sees the kinds so far, not a loop
+    before = set(_SPECS)
+    try:
+        for module in pkgutil.iter_modules([str(Path(__file__).parent)]):
+            importlib.import_module(f"{__package__}.{module.name}")
+    except BaseException:
+        _LOADED.discard("builtin")
+        raise
+    return sorted(set(_SPECS) - before)
+
+
+def load_outside_kinds() -> list[str]:
+    """The kinds written outside lm/: those of the modules installed distributions name in the entry
+    point group lm.attention_kinds (load_entry_points; a broken one is a RuntimeWarning), then those
+    of the files the environment variable LM_ATTENTION_KINDS names (load_kind_files; deprecated, with
+    a DeprecationWarning). Never on import: every script calls it at its start (through
+    lm.config.attn.load_attention_kinds, before Hydra composes) and so does the server's
+    (lm.serving.run.prepare); a Python user calls it to use them. Returns the kinds it added; after
+    the first call it does nothing."""
+    if "outside" in _LOADED:
+        return []
+    import os
+
+    load_builtin_kinds()  # first, so an outside kind that takes a built-in's name is the one refused
+    _LOADED.add("outside")
+    added = load_entry_points(strict=False)
+    paths = os.environ.get("LM_ATTENTION_KINDS", "")
+    if paths:
+        warnings.warn(f"LM_ATTENTION_KINDS is deprecated and goes in the next release: declare the module of "
+                      f"your kinds in the entry point group {ENTRY_POINT_GROUP!r} of an installed distribution "
+                      "(docs/adding-a-kind.md)", DeprecationWarning, stacklevel=2)
+        added += load_kind_files(paths)
+    return sorted(added)
+
+
 def available_kinds() -> list[str]:
+    """Every registered kind: the built-in ones (loaded on first use) and those registered since."""
+    load_builtin_kinds()
     return sorted(_SPECS)
 
 
@@ -243,7 +337,7 @@ def load_entry_points(group: str = ENTRY_POINT_GROUP, strict: bool = True) -> li
     registers its kinds on import, as the built-in ones do. Returns the kinds it added.
 
     A module that cannot be imported is one line naming the entry point: a ConfigError, or with
-    strict=False (what `import lm` does) a RuntimeWarning, the other kinds loading as usual, so one
+    strict=False (what load_outside_kinds does) a RuntimeWarning, the other kinds loading as usual, so one
     broken plug-in does not stop every command; its kinds are then unknown, one line where used."""
     from importlib.metadata import entry_points
 
@@ -263,6 +357,8 @@ def load_entry_points(group: str = ENTRY_POINT_GROUP, strict: bool = True) -> li
 
 
 def spec_class(kind: str) -> type[AttentionSpec]:
+    if kind not in _SPECS:
+        load_builtin_kinds()
     if kind not in _SPECS:
         raise ConfigError(f"attention kind {kind!r} is not known; choose one of {available_kinds()}")
     return _SPECS[kind]

@@ -189,7 +189,6 @@ class SparseLatentAttention(LatentAttention):
                               "rotates its first rope_dim numbers as the main keys' RoPE part")
         self.top_k, self.phase = spec.top_k, spec.phase
         self.indexer = LightningIndexer(shape.d_model, spec.index_heads, spec.index_dim, self.rope_dim)
-        self.aux_loss: torch.Tensor | None = None  # the indexer's KL of the last training forward
 
     def index(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """The indexer on x detached (its gradient is its own KL alone): q (B, HI, T, DI), w, k (B, 1, T, DI)."""

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lm.attention.base import AttentionSpec, Example, LayerShape, register
+from lm.attention.base import AttentionLayer, AttentionSpec, Example, LayerShape, register
 from lm.attention.cache import CacheContext, CacheSpec
 from lm.attention.convolution import causal_conv, naive_causal_conv, window_after
 from lm.attention.delta_rule import chunkwise_delta_rule, decay_factor, state_flops
@@ -100,32 +100,33 @@ def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: to
 # ------------------------------------------------------------------------------------ the kind
 
 
-def check_delta_rule_options(spec) -> None:
-    """The options every delta-rule kind shares (gated delta, KDA): convolution, chunk, norm, backend."""
-    require_int("conv_size", spec.conv_size, minimum=0)
-    require_int("chunk_size", spec.chunk_size)
-    require_positive("norm_eps", spec.norm_eps)
-    require_choice("backend", spec.backend, BACKENDS)
-
-
-@register("gated_delta")
 @dataclass(frozen=True)
-class GatedDeltaSpec(AttentionSpec):
-    """Gated DeltaNet: a decaying matrix state per K/V head written by the delta rule."""
+class DeltaRuleOptions(AttentionSpec):
+    """The options every delta-rule kind takes (gated delta here, KDA in lm.attention.kda), which
+    DeltaRuleLayer reads: a kind's spec subclasses this, and its `check` calls this one."""
 
     conv_size: int = 4  # kernel of the short causal convolution on q, k and v; 0 turns it off
     chunk_size: int = 64  # positions per chunk of the chunkwise training path
     norm_eps: float = 1e-6  # of the L2 norm of q and k and of the output's RMSNorm
     backend: str = "torch"  # torch: the chunkwise form here; fla: flash-linear-attention's CUDA kernel
 
+    def check(self) -> None:
+        require_int("conv_size", self.conv_size, minimum=0)
+        require_int("chunk_size", self.chunk_size)
+        require_positive("norm_eps", self.norm_eps)
+        require_choice("backend", self.backend, BACKENDS)
+
+
+@register("gated_delta")
+@dataclass(frozen=True)
+class GatedDeltaSpec(DeltaRuleOptions):
+    """Gated DeltaNet: a decaying matrix state per K/V head written by the delta rule."""
+
     examples = {
         "": Example({"chunk_size": 8}, n_kv_head=2),
         "mha-odd-chunk": Example({"chunk_size": 5, "conv_size": 3}),
         "mqa-no-conv": Example({"chunk_size": 4, "conv_size": 0}, n_kv_head=1),
     }
-
-    def check(self) -> None:
-        check_delta_rule_options(self)
 
     def build(self, shape: LayerShape) -> GatedDeltaNet:
         return GatedDeltaNet(self, shape)
@@ -174,7 +175,7 @@ def mamba2_decay_init(A_log: nn.Parameter, dt_bias: nn.Parameter) -> None:
         dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
 
-class DeltaRuleLayer(nn.Module):
+class DeltaRuleLayer(AttentionLayer):
     """What the delta-rule layers share (this file's GatedDeltaNet, lm.attention.kda's KimiDeltaNet):
     the fused Q/K/V rows of lm.attention.projections through the short causal convolution of
     lm.attention.convolution and SiLU, q and k L2-normalised, the output RMS-normalised per head and
@@ -190,7 +191,7 @@ class DeltaRuleLayer(nn.Module):
     adamw_parameters = ("conv",)  # (channels, taps): convolution taps, not a matrix for Muon (lm.training.optim)
     out_norm: nn.Parameter  # the output RMSNorm's gain (hs,), shared by the heads; registered by the subclass
 
-    def __init__(self, spec, shape: LayerShape):
+    def __init__(self, spec: DeltaRuleOptions, shape: LayerShape):
         super().__init__()
         self.spec = spec
         self.layer_idx = shape.layer_idx
@@ -319,7 +320,7 @@ class GatedDeltaNet(DeltaRuleLayer):
     projections and RoPE."""
 
     # Weights saved while this layer subclassed GroupedQKV call its SiLU gate `gate`, the sigmoid
-    # gate's name there: read under today's name (here, and by lm.formats.checked before it compares names).
+    # gate's name there: read under today's name (lm.attention.base.WeightDeclarations).
     former_names = {"gate.weight": "output_gate.weight"}
 
     def __init__(self, spec: GatedDeltaSpec, shape: LayerShape):
@@ -334,7 +335,6 @@ class GatedDeltaNet(DeltaRuleLayer):
         self.out_norm = nn.Parameter(torch.ones(hs))
         self.backend = (gated_delta_rule if spec.backend == "torch"
                         else fla_backend("gated_delta", "fla.ops.gated_delta_rule", "chunk_gated_delta_rule"))
-        self.register_load_state_dict_pre_hook(with_current_names)
 
     def reset_own_parameters(self) -> None:
         """fla's initialisation: A ~ U(0, 16), dt ~ logU(1e-3, 0.1) through an inverse softplus in
@@ -354,13 +354,6 @@ class GatedDeltaNet(DeltaRuleLayer):
 
     def _gate(self, x: torch.Tensor) -> torch.Tensor:
         return F.silu(self.output_gate(x))
-
-
-def with_current_names(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
-    """A load_state_dict pre-hook: the module's weights saved under a former name take today's."""
-    for old, new in module.former_names.items():
-        if f"{prefix}{old}" in state_dict and f"{prefix}{new}" not in state_dict:
-            state_dict[f"{prefix}{new}"] = state_dict.pop(f"{prefix}{old}")
 
 
 # ------------------------------------------------------------ naive twin (for tests)

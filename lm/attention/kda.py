@@ -46,9 +46,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lm.attention.base import AttentionSpec, Example, LayerShape, register
+from lm.attention.base import Example, LayerShape, register
 from lm.attention.delta_rule import chunkwise_delta_rule, decay_factor, state_flops
-from lm.attention.gated_delta import DeltaRuleLayer, check_delta_rule_options, fla_backend, mamba2_decay_init
+from lm.attention.gated_delta import DeltaRuleLayer, DeltaRuleOptions, fla_backend, mamba2_decay_init
 from lm.attention.shared_caches import accumulation_dtype, without_autocast
 from lm.util.checks import require_bool
 
@@ -160,13 +160,9 @@ def doubled_factors(step: torch.Tensor, from_start: torch.Tensor, to_end: torch.
 
 @register("kda")
 @dataclass(frozen=True)
-class KimiDeltaSpec(AttentionSpec):
+class KimiDeltaSpec(DeltaRuleOptions):
     """Kimi Delta Attention: gated delta's matrix state per K/V head with a decay per key channel."""
 
-    conv_size: int = 4  # kernel of the short causal convolution on q, k and v; 0 turns it off
-    chunk_size: int = 64  # positions per chunk of the chunkwise training path
-    norm_eps: float = 1e-6  # of the L2 norm of q and k and of the output's RMSNorm
-    backend: str = "torch"  # torch: the chunkwise form here; fla: flash-linear-attention's CUDA kernel
     gate_bias: bool = True  # a bias in the output gate's up-projection (fla's layer); false: Kimi Linear's
 
     examples = {
@@ -175,7 +171,7 @@ class KimiDeltaSpec(AttentionSpec):
     }
 
     def check(self) -> None:
-        check_delta_rule_options(self)
+        super().check()
         require_bool("gate_bias", self.gate_bias)
 
     def build(self, shape: LayerShape) -> KimiDeltaNet:

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lm.attention.base import AttentionSpec, Example, LayerShape, register
+from lm.attention.base import AttentionLayer, AttentionSpec, Example, LayerShape, register
 from lm.attention.cache import CacheContext, CacheSpec
 from lm.attention.convolution import causal_conv, naive_causal_conv, window_after
 from lm.attention.shared_caches import RecurrentCache, accumulation_dtype, without_autocast
@@ -144,7 +144,7 @@ class Mamba2Spec(AttentionSpec):
         return n_kv_head * 2 * T * Q * N + n_head * (2 * T * Q * P + 4 * T * N * P)
 
 
-class Mamba2(nn.Module):
+class Mamba2(AttentionLayer):
     """Its own layer (not projections around an attention op): one input projection, the short
     convolution of lm.attention.convolution, the SSM, the gated group norm, the output projection."""
 

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lm.attention.base import AttentionSpec, Example, LayerShape, register
+from lm.attention.base import AttentionLayer, AttentionSpec, Example, LayerShape, register
 from lm.attention.cache import CacheContext, CacheSpec, scatter_at, visibility_mask
 from lm.attention.rope import apply_rope
 from lm.util.checks import require_bool, require_int
@@ -130,9 +130,7 @@ class LatentCacheSpec(CacheSpec):
         return batch * seq_len * self.head_dim
 
 
-class LatentAttention(nn.Module):
-    context_limited = True
-
+class LatentAttention(AttentionLayer):
     def __init__(self, spec: LatentSpec, shape: LayerShape):
         super().__init__()
         C, nh, hs = shape.d_model, shape.n_head, shape.head_dim
@@ -151,7 +149,7 @@ class LatentAttention(nn.Module):
         self.layer_idx = shape.layer_idx
         self.n_head, self.head_dim, self.kv_rank, self.rope_dim = nh, hs, r, dR
         self.nope_dim = hs - dR
-        self.rotates = spec.rope  # False: NoPE, rotate() leaves its input as it is
+        self.uses_rope = spec.rope  # False: NoPE, rotate() leaves its input as it is
         # Rows of every query head: [q_nope (dn) | q_rope (dR)].
         self.q_down = nn.Linear(C, spec.q_rank, bias=False) if spec.q_rank else None
         self.q_up = nn.Linear(spec.q_rank or C, nh * hs, bias=False)
@@ -177,7 +175,7 @@ class LatentAttention(nn.Module):
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The RoPE part x (..., T, dR) rotated by the chosen pairs' angles; as it is under NoPE."""
-        return apply_rope(x, *self.rope_angles(cos, sin)) if self.rotates else x
+        return apply_rope(x, *self.rope_angles(cos, sin)) if self.uses_rope else x
 
     def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x (B, T, C) -> q (B, nh, T, hs) as [q_nope | q_rope], the RoPE part rotated."""
@@ -259,7 +257,7 @@ class LatentAttention(nn.Module):
         w_q = w_q if self.q_down is None else w_q @ float_weight(self.q_down)  # (nh*hs, C)
         w_down, w_up = float_weight(self.kv_down), float_weight(self.kv_up)  # (r + dR, C), (nh*(dn+hs), r)
         pair_cos, pair_sin = self.rope_angles(cos, sin)  # (T, dR/2) each
-        if not self.rotates:  # NoPE: the angles of position 0, a rotation by nothing
+        if not self.uses_rope:  # NoPE: the angles of position 0, a rotation by nothing
             pair_cos, pair_sin = torch.ones_like(pair_cos), torch.zeros_like(pair_sin)
         c = x @ w_down[:r].T  # (B, T, r)
         if self.latent_norm is not None:
@@ -299,8 +297,9 @@ def float_weight(linear: nn.Module) -> torch.Tensor:
     """A projection's weight (out, in) as floats: an nn.Linear's own, or a weight-only int8 one's
     (lm.generation.quantize keeps int8 rows and one scale per row) dequantized, since absorbing
     multiplies by the matrix itself rather than calling the layer."""
-    scales = getattr(linear, "scales", None)
-    return linear.weight if scales is None else linear.weight.to(scales.dtype) * scales[:, None]
+    if isinstance(linear, nn.Linear):
+        return linear.weight
+    return linear.weight.to(linear.scales.dtype) * linear.scales[:, None]  # (out, in) int8 times (out,)
 
 
 class LatentCache:

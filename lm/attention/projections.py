@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lm.attention.base import AttentionSpec, LayerCache, LayerShape
+from lm.attention.base import AttentionLayer, AttentionSpec, LayerCache, LayerShape
 from lm.attention.rope import apply_rope
 from lm.util.checks import require_bool, require_choice
 
@@ -49,10 +49,7 @@ class ProjectionOptions(AttentionSpec):
         return {"gate": self.gate, "qk_norm": self.qk_norm}
 
 
-class GroupedQKV(nn.Module):
-    uses_rope = True
-    context_limited = True
-
+class GroupedQKV(AttentionLayer):
     def __init__(self, shape: LayerShape, gate: str = "none", qk_norm: bool = False):
         super().__init__()
         self.layer_idx = shape.layer_idx
@@ -122,7 +119,3 @@ class GroupedQKV(nn.Module):
 
     def naive_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
-
-    def reset_own_parameters(self) -> None:
-        """Initialise the kind's parameters besides the shared projections, if its parameters need
-        more than the model's normal(0, init_std), which the Transformer applies first."""

@@ -43,14 +43,12 @@ def folds(q: torch.Tensor, nkv: int) -> bool:
 
 
 def cpu_threads() -> int:
-    """torch.get_num_threads(), which a compiled graph cannot call: read once as it is traced."""
+    """torch.get_num_threads(), which a compiled graph cannot call. lm.generation.compiled, where
+    decoding is compiled, declares it torch.compiler.assume_constant_result before it compiles
+    anything, so it is read once as the step is traced (a GQA or MQA model's decoding step reaches it:
+    tests/test_fast_paths.py's compiled decoding tests); not here, since that imports dynamo, 1.5-2 s at
+    the start of every process that imports lm.attention."""
     return torch.get_num_threads()
-
-
-# torch.compiler.assume_constant_result(cpu_threads) sets only this flag (torch marks its own functions the
-# same way), and imports dynamo to do it: 1.5-2 s at the start of every process that imports lm.attention.
-# Decoding a GQA or MQA model compiled (fullgraph) traces it: tests/test_fast_paths.py's compiled decoding tests.
-cpu_threads._dynamo_marked_constant = True
 
 
 def softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,

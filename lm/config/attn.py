@@ -15,6 +15,11 @@ A conf/attn/*.yaml names its kind through its defaults list and holds only what 
 reaches the layers whose kind takes it (lm.attention.layout.layer_specs). A key the schema lacks is
 refused by Hydra, one line naming it (lm.util.cli); a value is checked by the spec, one line
 naming the option. Options are typed Any here because each takes one value or one per layer.
+
+The built-in kinds' schemas are stored by register_attn_schemas (lm.config does, and the registry
+loads those kinds as it is asked for them); the kinds outside lm/ (entry points, LM_ATTENTION_KINDS)
+are loaded, and their schemas stored, by load_attention_kinds, which every script calls at its start
+(lm.util.cli.run_script's `start`), before Hydra composes.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
-from lm.attention import available_kinds, option_names
+from lm.attention import available_kinds, load_builtin_kinds, load_outside_kinds, option_names
 from lm.util.errors import ConfigError
 
 GROUP = "attn/kind"
@@ -61,8 +66,10 @@ def attn_schema(kind: str) -> type:
 
 
 def register_attn_schemas() -> list[str]:
-    """Store every registered kind's schema (and PER_LAYER's) in Hydra's ConfigStore; returns the
-    names stored. Call it again after registering a kind later in the process."""
+    """Store every registered kind's schema (and PER_LAYER's) in Hydra's ConfigStore, the built-in
+    kinds loaded first; returns the names stored. Call it again after registering a kind later in the
+    process (load_attention_kinds does)."""
+    load_builtin_kinds()
     if PER_LAYER in available_kinds():
         raise ConfigError(f"attention kind {PER_LAYER!r} clashes with attn/kind/{PER_LAYER}, the schema of "
                           "attn.pattern: register the kind under another name")
@@ -73,4 +80,14 @@ def register_attn_schemas() -> list[str]:
     return names
 
 
-__all__ = ["GROUP", "PER_LAYER", "attn_schema", "register_attn_schemas"]
+def load_attention_kinds() -> list[str]:
+    """Every kind this process can use, each with its schema: the kinds outside lm/ loaded
+    (lm.attention.load_outside_kinds: installed distributions' entry points, LM_ATTENTION_KINDS), then
+    every registered kind's schema stored. What a script passes run_script as its `start`, so that
+    Hydra composes `attn=` with them; returns the kinds added."""
+    added = load_outside_kinds()
+    register_attn_schemas()
+    return added
+
+
+__all__ = ["GROUP", "PER_LAYER", "attn_schema", "load_attention_kinds", "register_attn_schemas"]

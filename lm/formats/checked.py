@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from lm.attention.base import WeightDeclarations
 from lm.model.config import ModelConfig
 from lm.model.transformer import Transformer
 from lm.util.checks import is_count
@@ -49,10 +50,13 @@ MAX_WEIGHT = 1e6
 
 def with_current_names(model: Transformer, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`state` with weights a layer saved under a former name renamed to today's: each module that
-    renamed a weight says so in its `former_names` ({old: new}, relative to the module)."""
+    renamed a weight says so in its `former_names` ({old: new}, relative to the module; declared on
+    lm.attention.base.WeightDeclarations)."""
     renamed = dict(state)
     for prefix, module in model.named_modules():
-        for old, new in getattr(module, "former_names", {}).items():
+        if not isinstance(module, WeightDeclarations):
+            continue
+        for old, new in module.former_names.items():
             old_key, new_key = f"{prefix}.{old}", f"{prefix}.{new}"
             if old_key in renamed and new_key not in renamed:
                 renamed[new_key] = renamed.pop(old_key)

@@ -30,6 +30,7 @@ import re
 
 import torch
 
+from lm.attention.projections import ProjectionOptions
 from lm.formats.weights import split_qkv
 from lm.model.config import ModelConfig
 from lm.model.transformer import Transformer
@@ -188,9 +189,9 @@ def _check_alignable(config: ModelConfig, layer_inputs: list[torch.Tensor] | Non
         if spec.kind not in ALIGNABLE:
             raise ConfigError(f"layer {i} is of kind {spec.kind!r}; aligned init supports {list(ALIGNABLE)}")
         # A per-channel gain after the projection does not commute with a rotation of the channels.
-        if getattr(spec, "qk_norm", False):
+        if isinstance(spec, ProjectionOptions) and spec.qk_norm:
             raise ConfigError(f"layer {i} has qk_norm=True, which aligned init cannot rotate through")
-        if getattr(spec, "gate", "none") == "elementwise":
+        if isinstance(spec, ProjectionOptions) and spec.gate == "elementwise":
             raise ConfigError(f"layer {i} has gate='elementwise', which aligned init cannot rotate through")
 
 

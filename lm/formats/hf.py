@@ -82,7 +82,7 @@ def nearest_class(specs: set) -> str | None:
     for kind in ("kda", "gated_delta"):
         if kind in kinds:
             return NEAREST[kind]
-    if any(getattr(spec, "learned_sink", False) for spec in specs):
+    if any(spec.options().get("learned_sink") for spec in specs):  # softmax's and sliding's option
         return NEAREST["learned_sink"]
     if {"sliding", "softmax"} <= kinds:
         return NEAREST["sliding+softmax"]
@@ -110,9 +110,10 @@ def hf_architecture(config: ModelConfig) -> tuple[str, int | None]:
         raise ConfigError(f"attention {config.describe_attention()} has no transformers equivalent: the nearest "
                           f"class, {near}; export takes {EXPORTABLE}")
     for spec in specs:
+        options = spec.options()  # a kind without the option computes without it
         for option, why in UNEXPORTABLE.items():
-            if getattr(spec, option, None) not in (None, "none"):
-                raise ConfigError(f"attn.{option}={getattr(spec, option)} cannot be exported to transformers: {why}")
+            if options.get(option) not in (None, "none"):
+                raise ConfigError(f"attn.{option}={options[option]} cannot be exported to transformers: {why}")
     if any(spec.kind == "mla" for spec in specs):
         raise ConfigError("attn=mla cannot be exported to transformers on its own: DeepSeek-V2/V3, its MLA "
                           "architectures, are not among export's targets; MLA layers with rope=false and "

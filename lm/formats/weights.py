@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lm.attention.projections import qkv_rows
+from lm.attention.projections import ProjectionOptions, qkv_rows
 
 if TYPE_CHECKING:
     from lm.model.config import ModelConfig
@@ -61,7 +61,8 @@ def key_map(config: ModelConfig) -> dict[str, str | tuple[str, ...]]:
     if config.tie_embeddings:
         del names["head.weight"]  # transformers ties lm_head to the embedding itself
     for i, spec in enumerate(config.attention):
-        layer_keys = {**LAYER_KEYS, **QK_NORM_KEYS} if getattr(spec, "qk_norm", False) else LAYER_KEYS
+        qk_norm = isinstance(spec, ProjectionOptions) and spec.qk_norm
+        layer_keys = {**LAYER_KEYS, **QK_NORM_KEYS} if qk_norm else LAYER_KEYS
         for ours, theirs in layer_keys.items():
             prefix = f"model.layers.{i}."
             names[f"blocks.{i}.{ours}"] = (tuple(prefix + t for t in theirs) if isinstance(theirs, tuple)

@@ -29,14 +29,13 @@ import weakref
 
 import torch
 
+from lm.attention.scores import cpu_threads
 from lm.model.transformer import Transformer
 from lm.util.errors import GenerationError
 
 COMPILE_MODES = ("default", "max-autotune")
-
-# inductor's autotuning (torch 2.13) calls a deprecated storage method once per matmul it times: a warning
-# about torch's own code that no user of lm can act on.
-warnings.filterwarnings("ignore", message="TypedStorage is deprecated", module="torch._inductor.select_algorithm")
+# (inductor's autotuning warns that a storage method of torch's own is deprecated, once per matmul it times:
+# the scripts and the server quiet it at their start, lm.util.cli.quiet_known_warnings.)
 
 
 def check_compile_mode(compile_mode: str, compile: bool) -> None:
@@ -78,10 +77,19 @@ def holds_int8_weights(model: Transformer) -> bool:
                for m in model.modules())
 
 
+def declare_constants() -> None:
+    """What torch must know before it traces lm's decoding: lm.attention.scores.cpu_threads
+    (torch.get_num_threads, which dynamo cannot call) is a constant of the graph, read once as it is
+    traced. Declared here, where compiling is asked for, and not where it is defined: the declaration
+    imports dynamo, 1.5-2 s at the start of every process that imports lm. Declaring it again does nothing."""
+    torch.compiler.assume_constant_result(cpu_threads)
+
+
 def compiled_step(model: Transformer, compile_mode: str = "default"):
     """model.decode_step compiled as `compile_mode` says, the eager step past torch's recompile limit."""
     device = next(model.parameters()).device
     check_fits(compile_mode, device, holds_int8_weights(model))
+    declare_constants()
     if compile_mode == "max-autotune":
         return EagerPastRecompileLimit(FrozenWeightsStep(model), model.decode_step)
     step = torch.compile(model.decode_step, fullgraph=True,
@@ -110,6 +118,7 @@ def compiled_functions(model: Transformer, compile_mode: str = "default"):
 
 def compiled_prefill(model: Transformer):
     """The CPU's prefill: the whole model compiled with static shapes, by inductor."""
+    declare_constants()  # a one-token prompt of a GQA or MQA model folds its heads (lm.attention.scores.folds)
     return torch.compile(model, dynamic=False)
 
 
@@ -150,7 +159,8 @@ class FrozenWeightsStep:
 
     inductor reads `freezing` while dynamo traces, which happens on a call (the first, and any whose
     guards fail), not when torch.compile wraps the function, and `options=` reaches only inductor; so
-    the flag is set around each call. It is set directly, not through config.patch (17 us a call)."""
+    the flag is set around each call, through inductor's own `config.patch` (about 17 us a call, against
+    steps of milliseconds), which puts it back however the call ends."""
 
     def __init__(self, model: Transformer):
         self.model, self.tag = model, weights_tag(model)
@@ -166,13 +176,8 @@ class FrozenWeightsStep:
         # imports lm (lm.generation) whether it compiles or not
         import torch._inductor.config as inductor_config
 
-        with _FROZEN_LOCK:
-            before = inductor_config.freezing
-            inductor_config.freezing = True
-            try:
-                return _frozen_autotuned()(self.model, self.tag, ids, cache, pos)
-            finally:
-                inductor_config.freezing = before
+        with _FROZEN_LOCK, inductor_config.patch(freezing=True):
+            return _frozen_autotuned()(self.model, self.tag, ids, cache, pos)
 
 
 class EagerPastRecompileLimit:

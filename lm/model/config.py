@@ -119,11 +119,14 @@ def check_layers_build(config: ModelConfig) -> None:
     by building each distinct layer on the meta device (no memory, no values)."""
     import torch  # here, not at the top: the config stays importable without building anything
 
+    from lm.attention.mla import LatentSpec  # here too: a kind's module loads when it is used
+
     built = []  # compared by equality: a spec may hold a list, which hashes not
     for i, spec in enumerate(config.attention):
         if spec in built:
             continue
-        check_query_rank(getattr(spec, "q_rank", 0) or 0, config.d_model)
+        if isinstance(spec, LatentSpec):  # MLA and DSA: the one option bounded by the model's width
+            check_query_rank(spec.q_rank, config.d_model)
         try:
             with torch.device("meta"):
                 spec.build(config.layer_shape(i))

@@ -12,6 +12,7 @@ import math
 import torch
 from torch import nn
 
+from lm.attention.base import AttentionLayer
 from lm.attention.rope import RotaryEmbedding
 from lm.model.config import ModelConfig
 from lm.model.generation_cache import GenerationCache
@@ -24,7 +25,11 @@ class Block(nn.Module):
         super().__init__()
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
         self.short_conv = ShortConv(config.d_model, config.short_conv) if config.short_conv else None
-        self.attn = config.attention[layer_idx].build(config.layer_shape(layer_idx))
+        spec = config.attention[layer_idx]
+        self.attn = spec.build(config.layer_shape(layer_idx))
+        if not isinstance(self.attn, AttentionLayer):  # its hooks' defaults live there (lm.attention.base)
+            raise TypeError(f"attention kind {spec.kind!r} built a {type(self.attn).__name__}; a kind's layer "
+                            "must subclass lm.attention.AttentionLayer")
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = MLPS[config.mlp](config.d_model, config.d_ff)
 
@@ -117,11 +122,10 @@ class Transformer(nn.Module):
         return self.head(self.norm(x[:, -1]))  # (B, V)
 
     def aux_loss(self) -> torch.Tensor | None:
-        """The sum of the auxiliary losses the layers left in their last forward (a layer's attention
-        may hold one as `aux_loss`: DSA's indexer KL in training), or None where none did. The
-        training loss adds it; a layer's own loss weights itself, since only that layer knows what
-        its loss trains."""
-        losses = [block.attn.aux_loss for block in self.blocks if getattr(block.attn, "aux_loss", None) is not None]
+        """The sum of the auxiliary losses the layers left in their last forward (AttentionLayer.aux_loss:
+        DSA's indexer KL in training), or None where none did. The training loss adds it; a layer's own
+        loss weights itself, since only that layer knows what its loss trains."""
+        losses = [block.attn.aux_loss for block in self.blocks if block.attn.aux_loss is not None]
         return torch.stack(losses).sum() if losses else None
 
     def num_params(self) -> int:

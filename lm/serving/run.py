@@ -12,6 +12,7 @@ from typing import TextIO
 
 from omegaconf import DictConfig
 
+from lm.attention import load_outside_kinds
 from lm.config.serve import ServeSettings
 from lm.config.settings import check_settings
 from lm.data.tokenizer import EOT
@@ -21,6 +22,7 @@ from lm.generation.quantize import CHOICES, quantize_int8, resolve_kernel
 from lm.serving.chat import ChatTemplate, read_chat_template
 from lm.serving.engine import Engine
 from lm.util.checks import check_device
+from lm.util.cli import quiet_known_warnings
 from lm.util.errors import ConfigError
 from lm.util.paths import resolve_path
 
@@ -65,13 +67,17 @@ def serve(cfg: DictConfig, out: TextIO | None = None) -> None:
 
 
 def prepare(cfg: DictConfig, out: TextIO):
-    """(uvicorn server, bound socket), the engine started: `server.run(sockets=[sock])` serves."""
+    """(uvicorn server, bound socket), the engine started: `server.run(sockets=[sock])` serves.
+    The server's start: the known warnings quieted and the kinds outside lm/ loaded, as at a script's
+    (both done once a process; scripts/serve.py has done them already)."""
     try:
         import uvicorn
 
         from lm.serving.app import Limits, Server, build_app
     except ModuleNotFoundError as e:
         raise ConfigError(f"serving needs {e.name}, which is not installed: pip install -e '.[serve]'") from None
+    quiet_known_warnings()
+    load_outside_kinds()  # the checkpoint may hold a kind of an installed distribution's
     check_run_settings(cfg)
     checkpoint = checkpoint_file(resolve_path(cfg.ckpt))
     template_source = read_chat_template(cfg.chat_template, checkpoint)

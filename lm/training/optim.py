@@ -9,10 +9,11 @@ side with its own learning rate and weight decay. Either way one schedule scales
 learning rate: linear warm-up, then `cosine`, `wsd` or `linear` decay to `min_lr_ratio`.
 
 Which parameters are matrices for Muon is declared, not guessed from shapes: a 2-D parameter is an
-nn.Linear weight, or its layer names it in `adamw_parameters` (a tuple of its own parameters'
+nn.Linear weight, or its module names it in `adamw_parameters` (a tuple of its own parameters'
 names, e.g. gated delta's convolution taps); a weight stacking several matrices is named by its
-layer's `fused_rows()` (own weight name -> the row counts of its matrices, in row order). The
-model's own layers (lm.model) are declared here, beside the placement that reads them.
+module's `fused_rows()` (own weight name -> the row counts of its matrices, in row order). Both are
+declared with their defaults on lm.attention.base.WeightDeclarations, which every attention layer
+subclasses; the model's own layers (lm.model) are declared here, beside the placement that reads them.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from lm.attention.base import WeightDeclarations
 from lm.config.optim import CONFIGS, MuonConfig, OptimConfig
 from lm.config.settings import check_settings
 from lm.model.layers import SwiGLU
@@ -78,8 +80,9 @@ def model_layer_declarations(module: nn.Module) -> tuple[tuple[str, ...], dict[s
 def declarations(module: nn.Module) -> tuple[tuple[str, ...], dict[str, tuple[int, ...]]]:
     """(own parameters that are not matrices for Muon, own fused weights -> the rows of each matrix)."""
     adamw, rows = model_layer_declarations(module)
-    fused_rows = getattr(module, "fused_rows", None)
-    return (*adamw, *getattr(module, "adamw_parameters", ())), {**rows, **(fused_rows() if fused_rows else {})}
+    if isinstance(module, WeightDeclarations):
+        return (*adamw, *module.adamw_parameters), {**rows, **module.fused_rows()}
+    return adamw, rows
 
 
 @dataclass

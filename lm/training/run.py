@@ -9,9 +9,7 @@ say what the run reached. The steps live beside it: settings (checks, the model'
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
-import warnings
 
 import lightning as L
 from omegaconf import DictConfig
@@ -22,30 +20,13 @@ from lm.training.settings import check_run_settings, distillation_settings, mode
 from lm.training.setup import lightning_module, make_trainer, pick_precision, prepared_data
 from lm.training.start import continued, starting_point
 from lm.training.summary import announce, finish, run_result, sample_text, sampling_model
+from lm.util.cli import quiet_known_warnings
 from lm.util.distributed import is_main_process, quiet_other_ranks
 from lm.util.files import RunLock, remove_stale_temporaries, run_folder
 from lm.util.memory import keep_freed_memory
 from lm.util.paths import resolve_path
 
 __all__ = ["train", "check_run_settings", "distillation_settings", "model_config_from"]
-
-# Lightning's own use of a deprecated torch API; nothing a user can act on.
-warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
-# The run folder always holds tokenizer.json before the first checkpoint; train() says
-# itself when an earlier run's checkpoints are about to be replaced.
-warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
-# Resuming mid-epoch is exact here: the data module restarts its shuffle at the checkpoint's batch.
-warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before the epoch ended")
-
-
-class DropAdverts(logging.Filter):
-    """Lightning logs an advert for its cloud logger at every run ("💡 Tip: ..."): not about this run."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("💡 Tip")
-
-
-logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(DropAdverts())
 
 
 def train(cfg: DictConfig, model_config: ModelConfig | None = None, init_state: dict | None = None,
@@ -59,6 +40,7 @@ def train(cfg: DictConfig, model_config: ModelConfig | None = None, init_state: 
     and temperature of `uptrain.distill` and `uptrain.temperature` (lm.training.module.LitLM).
     """
     started = time.perf_counter()
+    quiet_known_warnings()  # Lightning's warnings that a run of ours answers itself, and its advert
     quiet_other_ranks()
     check_run_settings(cfg)
     keep_freed_memory()

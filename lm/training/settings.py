@@ -9,6 +9,7 @@ import dataclasses
 from omegaconf import DictConfig, OmegaConf
 
 from lm.attention import layer_specs
+from lm.attention.projections import ProjectionOptions
 from lm.config.data import check_data_settings
 from lm.config.model import ModelSettings
 from lm.config.settings import check_settings, setting_value
@@ -37,7 +38,8 @@ def model_config_from(cfg: DictConfig, vocab_size: int) -> ModelConfig:
                           f"layers), not {'both' if kind else 'neither'}")
     specs = layer_specs(pattern if pattern is not None else kind, model["n_layer"], attn, every, last_kind=last_kind)
     if qk_norm is not None and attn.get("qk_norm") is None:  # attn.qk_norm, when given, decides instead
-        specs = [dataclasses.replace(spec, qk_norm=qk_norm) if hasattr(spec, "qk_norm") else spec for spec in specs]
+        specs = [dataclasses.replace(spec, qk_norm=qk_norm) if isinstance(spec, ProjectionOptions) else spec
+                 for spec in specs]
     config = ModelConfig(vocab_size=vocab_size, attention=specs, n_kv_head=n_kv_head, **model)
     check_layers_build(config)  # sizes bounded by the model's shape, before any data or training
     return config

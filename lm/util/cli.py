@@ -1,4 +1,5 @@
-"""What the scripts share: turning a user's mistake into one line on stderr and exit code 2."""
+"""What the scripts share: what each does at its start (run_script: never on import), and turning a
+user's mistake into one line on stderr and exit code 2."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import logging
 import os
 import re
 import sys
+import warnings
+from collections.abc import Callable
 from contextlib import contextmanager
 
 from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException, OverrideParseException
@@ -19,10 +22,39 @@ from lm.util.files import run_folder_name
 
 FAILED_ARMS: list[str] = []  # arms of a -m sweep that ended in a user error, in order
 
-# Hydra makes its run folder (hydra.run.dir, hydra.sweep.subdir) before the script's main runs, so a
-# run_name that leaves outputs/ is refused while the path is resolved: `${run_folder_name:${run_name}}`
-# in the configs. Registered on import, because every script imports this module before hydra.main.
-OmegaConf.register_new_resolver("run_folder_name", run_folder_name, replace=True)
+# Warnings of the libraries lm runs that say nothing a user of lm can act on, as (message, module) patterns
+# of warnings.filterwarnings: quiet_known_warnings filters them out.
+KNOWN_WARNINGS = (
+    # Lightning's own use of a deprecated torch API.
+    (r".*isinstance\(treespec, LeafSpec\).*", ""),
+    # The run folder always holds tokenizer.json before the first checkpoint; train() says itself when an
+    # earlier run's checkpoints are about to be replaced.
+    (r"Checkpoint directory .* exists and is not empty", ""),
+    # Resuming mid-epoch is exact here: the data module restarts its shuffle at the checkpoint's batch.
+    (r"You're resuming from a checkpoint that ended before the epoch ended", ""),
+    # inductor's autotuning (torch 2.13; compile_mode=max-autotune) calls a deprecated storage method once
+    # per matmul it times: torch's own code.
+    ("TypedStorage is deprecated", "torch._inductor.select_algorithm"),
+)
+
+
+class DropAdverts(logging.Filter):
+    """Lightning logs an advert for its cloud logger at every run ("💡 Tip: ..."): not about this run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("💡 Tip")
+
+
+def quiet_known_warnings() -> None:
+    """Filter out KNOWN_WARNINGS and Lightning's advert. Process-wide, so called where a process starts
+    to do lm's work, never on import: at every script's start (run_script, scripts/bench.py), the
+    server's (lm.serving.run.prepare) and a training run's (lm.training.run.train). Calling it again
+    changes nothing (warnings.filterwarnings replaces an equal filter)."""
+    for message, module in KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, module=module)
+    adverts = logging.getLogger("lightning.pytorch.utilities.rank_zero")  # a name: Lightning is not imported
+    if not any(isinstance(f, DropAdverts) for f in adverts.filters):
+        adverts.addFilter(DropAdverts())
 
 
 @contextmanager
@@ -107,10 +139,13 @@ def quote_text_overrides(argv: list[str], keys: tuple[str, ...]) -> list[str]:
 
 # ------------------------------------------------------------------ Hydra's own errors
 
-def run_script(main) -> int:
-    """Run a `@hydra.main` function. Hydra's own errors (an unknown key or group option, an
-    override it cannot parse) become one line naming the close matches, and exit code 2; a
-    -m sweep runs every arm and lists the ones that failed at the end."""
+def run_script(main, start: Callable[[], object] | None = None) -> int:
+    """Run a `@hydra.main` function, after what every script does first: inductor's cache folder
+    (lm.util.hardware), quiet_known_warnings, the run_folder_name resolver, then the script's own
+    `start` (lm.config.attn.load_attention_kinds: the kinds outside lm/ and their schemas, which Hydra
+    needs before it composes); a user error of `start` is one line too. Hydra's own errors (an unknown
+    key or group option, an override it cannot parse) become one line naming the close matches, and
+    exit code 2; a -m sweep runs every arm and lists the ones that failed at the end."""
     # Hydra's exceptions must reach us, not its own printed trace or short form: forced whatever the
     # user's environment says (HYDRA_FULL_ERROR=0, a common setting, would print three lines or fail
     # while formatting), and put back afterwards. Either way the user sees one line.
@@ -119,6 +154,17 @@ def run_script(main) -> int:
     from lm.util.hardware import inductor_cache_per_capability
 
     inductor_cache_per_capability()  # before anything compiles
+    quiet_known_warnings()
+    # Hydra makes its run folder (hydra.run.dir, hydra.sweep.subdir) before the script's main runs, so a
+    # run_name that leaves outputs/ is refused while the path is resolved: `${run_folder_name:${run_name}}`
+    # in the configs. (Hydra's launchers carry OmegaConf's resolvers to the processes they start.)
+    OmegaConf.register_new_resolver("run_folder_name", run_folder_name, replace=True)
+    if start is not None:
+        try:
+            start()
+        except USER_ERRORS as e:
+            sys.stderr.write(f"error: {e}\n")
+            return 2
     previous = os.environ.get("HYDRA_FULL_ERROR")
     os.environ["HYDRA_FULL_ERROR"] = "1"
     FAILED_ARMS.clear()
