@@ -20,7 +20,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
+from conftest import compose_config
+from hydra import initialize_config_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -204,9 +205,10 @@ def check_documented_command(where, argv, error, tmp_path, monkeypatch, plan: bo
         runs = [quote_text_overrides(overrides, keys=PROMPT_KEYS) for overrides in runs]
     if "--help" in argv:
         runs = [[]]
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        for overrides in runs:
-            cfg = compose(config_name=config_name or config.group(1), overrides=overrides)
+    for overrides in runs:
+        cfg = compose_config(config_name or config.group(1), overrides)  # as Hydra composes it (conftest)
+        # Hydra initialised over conf/ as at a script's start: a comparison's plan composes its arms there
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
             if error is None:
                 check_composed(name, cfg, plan)
                 continue

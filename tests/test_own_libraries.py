@@ -1,6 +1,7 @@
-"""Importing lm leaves every library its own: no function of Hydra, OmegaConf or torch is replaced,
-no attribute of theirs is set, and lm's source names no `hydra._internal` module. A user's process
-that imports lm runs the Hydra, OmegaConf and torch they installed."""
+"""Importing lm, and what a script's start does, leave every library its own: no function of Hydra,
+OmegaConf or torch is replaced, no attribute of theirs is set, and lm's source names no
+`hydra._internal` module. A user's process that imports lm runs the Hydra, OmegaConf and torch
+they installed."""
 
 from __future__ import annotations
 
@@ -55,6 +56,12 @@ SNAPSHOT_THEN_IMPORT_LM = textwrap.dedent("""
     import lm
     for info in pkgutil.walk_packages(lm.__path__, "lm."):
         importlib.import_module(info.name)
+    # and what a script's and the server's start do (lm.util.cli.run_script), and compiled decoding's
+    from lm.config.attn import load_attention_kinds
+    from lm.generation.compiled import declare_constants
+    from lm.util.cli import quiet_known_warnings
+    from lm.util.hardware import inductor_cache_per_capability
+    inductor_cache_per_capability(); quiet_known_warnings(); load_attention_kinds(); declare_constants()
     after = snapshot()
 
     for key, value in before.items():

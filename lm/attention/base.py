@@ -66,7 +66,7 @@ class LayerCache(Protocol):
         ...
 
 
-def with_current_names(module: WeightDeclarations, state_dict: dict, prefix: str, *args) -> None:
+def rename_former_weights(module: WeightDeclarations, state_dict: dict, prefix: str, *args) -> None:
     """A load_state_dict pre-hook: the module's weights saved under a former name take today's."""
     for old, new in module.former_names.items():
         if f"{prefix}{old}" in state_dict and f"{prefix}{new}" not in state_dict:
@@ -90,7 +90,7 @@ class WeightDeclarations(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         if self.former_names:
-            self.register_load_state_dict_pre_hook(with_current_names)
+            self.register_load_state_dict_pre_hook(rename_former_weights)
 
     def fused_rows(self) -> dict[str, tuple[int, ...]]:
         """Own weights that stack several matrices (fused Q/K/V: one GEMM is faster than three on small
@@ -278,13 +278,17 @@ def load_outside_kinds() -> list[str]:
 
     load_builtin_kinds()  # first, so an outside kind that takes a built-in's name is the one refused
     _LOADED.add("outside")
-    added = load_entry_points(strict=False)
-    paths = os.environ.get("LM_ATTENTION_KINDS", "")
-    if paths:
-        warnings.warn(f"LM_ATTENTION_KINDS is deprecated and goes in the next release: declare the module of "
-                      f"your kinds in the entry point group {ENTRY_POINT_GROUP!r} of an installed distribution "
-                      "(docs/adding-a-kind.md)", DeprecationWarning, stacklevel=2)
-        added += load_kind_files(paths)
+    try:
+        added = load_entry_points(strict=False)
+        paths = os.environ.get("LM_ATTENTION_KINDS", "")
+        if paths:
+            warnings.warn(f"LM_ATTENTION_KINDS is deprecated and goes in the next release: declare the module of "
+                          f"your kinds in the entry point group {ENTRY_POINT_GROUP!r} of an installed "
+                          "distribution (docs/adding-a-kind.md)", DeprecationWarning, stacklevel=2)
+            added += load_kind_files(paths)
+    except BaseException:
+        _LOADED.discard("outside")  # a bad path is said once per attempt, and a corrected one loads
+        raise
     return sorted(added)
 
 
@@ -357,8 +361,13 @@ def load_entry_points(group: str = ENTRY_POINT_GROUP, strict: bool = True) -> li
 
 
 def spec_class(kind: str) -> type[AttentionSpec]:
+    """The spec class of `kind`. A kind not yet registered loads the built-in kinds, then the outside
+    ones: a process a launcher or a spawned worker starts runs only the script's function, not its
+    start, and a checkpoint of an outside kind loads in Python without a call first."""
     if kind not in _SPECS:
         load_builtin_kinds()
+    if kind not in _SPECS:
+        load_outside_kinds()
     if kind not in _SPECS:
         raise ConfigError(f"attention kind {kind!r} is not known; choose one of {available_kinds()}")
     return _SPECS[kind]

@@ -130,9 +130,19 @@ class LatentCacheSpec(CacheSpec):
         return batch * seq_len * self.head_dim
 
 
+def check_query_rank(q_rank: int, d_model: int) -> None:
+    """A query bottleneck (MLA's q_rank) is at most the width it compresses: wider, it compresses
+    nothing and only grows the model (q_rank=100000 at d_model=64 is 300 times the model's weights).
+    Training and uptraining refuse it alike."""
+    if q_rank > d_model:
+        raise ConfigError(f"attn.q_rank={q_rank} is more than d_model={d_model}: a query bottleneck wider than "
+                          "its input compresses nothing")
+
+
 class LatentAttention(AttentionLayer):
     def __init__(self, spec: LatentSpec, shape: LayerShape):
         super().__init__()
+        check_query_rank(spec.q_rank, shape.d_model)  # before any weight is made: a huge one is refused at once
         C, nh, hs = shape.d_model, shape.n_head, shape.head_dim
         spec = spec.at(hs)
         r, dR = spec.kv_rank, spec.rope_dim

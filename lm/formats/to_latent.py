@@ -26,10 +26,10 @@ import dataclasses
 
 import torch
 
-from lm.attention.mla import LatentSpec
+from lm.attention.mla import LatentSpec, check_query_rank
 from lm.attention.softmax import SoftmaxSpec
 from lm.formats.weights import split_qkv
-from lm.model.config import ModelConfig, check_query_rank
+from lm.model.config import ModelConfig
 from lm.util.errors import ConfigError
 
 

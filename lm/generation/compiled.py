@@ -34,8 +34,6 @@ from lm.model.transformer import Transformer
 from lm.util.errors import GenerationError
 
 COMPILE_MODES = ("default", "max-autotune")
-# (inductor's autotuning warns that a storage method of torch's own is deprecated, once per matmul it times:
-# the scripts and the server quiet it at their start, lm.util.cli.quiet_known_warnings.)
 
 
 def check_compile_mode(compile_mode: str, compile: bool) -> None:

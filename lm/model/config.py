@@ -119,29 +119,16 @@ def check_layers_build(config: ModelConfig) -> None:
     by building each distinct layer on the meta device (no memory, no values)."""
     import torch  # here, not at the top: the config stays importable without building anything
 
-    from lm.attention.mla import LatentSpec  # here too: a kind's module loads when it is used
-
     built = []  # compared by equality: a spec may hold a list, which hashes not
     for i, spec in enumerate(config.attention):
         if spec in built:
             continue
-        if isinstance(spec, LatentSpec):  # MLA and DSA: the one option bounded by the model's width
-            check_query_rank(spec.q_rank, config.d_model)
         try:
             with torch.device("meta"):
                 spec.build(config.layer_shape(i))
         except (NotImplementedError, RuntimeError):  # an op the meta device lacks: the real build meets it
             pass
         built.append(spec)
-
-
-def check_query_rank(q_rank: int, d_model: int) -> None:
-    """A query bottleneck (MLA's q_rank) is at most the width it compresses: wider, it compresses
-    nothing and only grows the model (q_rank=100000 at d_model=64 is 300 times the model's weights).
-    Training and uptraining refuse it alike."""
-    if q_rank > d_model:
-        raise ConfigError(f"attn.q_rank={q_rank} is more than d_model={d_model}: a query bottleneck wider than "
-                          "its input compresses nothing")
 
 
 def upgrade_from_format_1(values: dict) -> dict:
@@ -159,4 +146,4 @@ def upgrade_from_format_1(values: dict) -> dict:
     return values
 
 
-__all__ = ["AttentionSpec", "ConfigError", "ModelConfig", "check_layers_build", "check_query_rank"]
+__all__ = ["AttentionSpec", "ConfigError", "ModelConfig", "check_layers_build"]

@@ -18,6 +18,7 @@ from lm.model.config import ModelConfig
 from lm.model.generation_cache import GenerationCache
 from lm.model.layers import MLPS, RMSNorm
 from lm.model.short_conv import ShortConv
+from lm.util.errors import ConfigError
 
 
 class Block(nn.Module):
@@ -28,7 +29,7 @@ class Block(nn.Module):
         spec = config.attention[layer_idx]
         self.attn = spec.build(config.layer_shape(layer_idx))
         if not isinstance(self.attn, AttentionLayer):  # its hooks' defaults live there (lm.attention.base)
-            raise TypeError(f"attention kind {spec.kind!r} built a {type(self.attn).__name__}; a kind's layer "
+            raise ConfigError(f"attention kind {spec.kind!r} built a {type(self.attn).__name__}; a kind's layer "
                             "must subclass lm.attention.AttentionLayer")
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = MLPS[config.mlp](config.d_model, config.d_ff)

@@ -118,7 +118,8 @@ def placement(model: nn.Module) -> Placement:
             placed.muon[name] = p
         else:
             raise ConfigError(f"optim=muon: {name} {tuple(p.shape)} is a 2-D parameter but not an nn.Linear weight; "
-                              f"{type(owners[name]).__name__} must name it in adamw_parameters if it is no matrix "
+                              f"{type(owners[name]).__name__} must name it in adamw_parameters (declared on "
+                              "lm.attention.base.WeightDeclarations, which it must subclass) if it is no matrix "
                               "for Muon (taps, per-head vectors), or hold it in an nn.Linear if it is one")
     for name, r in rows.items():
         if name not in placed.muon:
