@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import sysconfig
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig, open_dict
+from hydra.core.config_store import ConfigStore
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import OverrideType
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 # Small models that still have several heads, so GQA/MQA groupings are real.
@@ -53,14 +57,36 @@ def hydra_compose(config_name: str, overrides: list[str] | tuple[str, ...]) -> D
         return compose(config_name=config_name, overrides=list(overrides))
 
 
-def compose_config(config_name: str, overrides: list[str]) -> DictConfig:
-    """What hydra_compose(config_name, overrides) gives, composing little: lm.config.compose.composed
-    composes each set of group choices once per process and applies the plain `key=value` overrides to a
-    copy as Hydra does (tests/test_config.py holds the two equal). A copy, so a test may change it."""
-    from lm.config.compose import composed
+@functools.cache
+def composed_choices(config_name: str, choices: tuple[str, ...]) -> DictConfig:
+    """One Hydra composition per set of group choices (`attn=sliding`, `data=text`) in this process."""
+    return hydra_compose(config_name, choices)
 
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return copy.deepcopy(composed(config_name, tuple(overrides)))
+
+def is_group(key: str) -> bool:
+    """Whether an override's key chooses a config group (a folder of conf/ or a ConfigStore group)."""
+    return "/" in key or (CONF_DIR / key).is_dir() or isinstance(ConfigStore.instance().repo.get(key), dict)
+
+
+def compose_config(config_name: str, overrides: list[str]) -> DictConfig:
+    """What hydra_compose(config_name, overrides) gives, composing little: the group choices are
+    composed once per process, then the plain `key=value` overrides are applied to a copy as Hydra
+    applies them after its merge (OmegaConf.update with merge=True, parsed by Hydra's own override
+    parser). Anything else (`+key`, `~key`, a sweep, a `hydra.` key, an override the copy refuses)
+    goes to Hydra whole, so its errors are Hydra's. tests/test_config.py holds the two equal."""
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    if any(o.type is not OverrideType.CHANGE or o.is_sweep_override() or o.package is not None
+           or o.key_or_group.split(".")[0] == "hydra" for o in parsed):
+        return hydra_compose(config_name, overrides)
+    choices = tuple(o.input_line for o in parsed if is_group(o.key_or_group))
+    cfg = copy.deepcopy(composed_choices(config_name, choices))
+    try:
+        for o in parsed:
+            if not is_group(o.key_or_group):
+                OmegaConf.update(cfg, o.key_or_group, o.value(), merge=True)
+    except Exception:  # noqa: BLE001  Hydra then says what is wrong, in its own words
+        return hydra_compose(config_name, overrides)
+    return cfg
 
 
 @pytest.fixture(scope="session")

@@ -5,11 +5,10 @@ comparison's plans, which compose the same arms again in each plan (tests, a not
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, open_dict
 
 from lm.util.paths import expand_pattern
 
@@ -40,73 +39,18 @@ def search_path() -> tuple:
 def composed(config_name: str, overrides: tuple[str, ...]) -> DictConfig:
     """hydra.compose(config_name, overrides) under the search path initialised now, kept for the
     process: the same call returns the same object, which callers copy before they change it.
-    forget_changed_compositions() drops each one whose inputs have changed since.
-
-    Hydra composes each set of group choices once (`attn=sliding`, `data=text`): the plain `key=value`
-    overrides are then applied to a copy of that as Hydra applies them after its merge
-    (OmegaConf.update with merge=True, each value parsed by Hydra's own override parser), so the arms of
-    a comparison, which differ in their values, cost one composition per attention config and task
-    rather than one each. Anything else (`+key`, `~key`, a sweep, a `hydra.` key, a value the copy
-    refuses) is Hydra's whole composition, and its errors are Hydra's."""
-    key = (search_path(), config_name, tuple(overrides))
-    if key not in KEPT:
-        split = choices_and_values(overrides)
-        if split is None or not split[1]:
-            KEPT[key] = hydra_composition(config_name, overrides)
-        else:
-            choices, values = split
-            base = composed(config_name, choices)
-            cfg = copy.deepcopy(base)
-            try:
-                for value in values:
-                    OmegaConf.update(cfg, value.key_or_group, value.value(), merge=True)
-            except Exception:  # noqa: BLE001  Hydra then says what is wrong, in its own words
-                KEPT[key] = hydra_composition(config_name, overrides)
-            else:
-                KEPT[key] = (cfg, KEPT[(key[0], config_name, choices)][1])
-    return KEPT[key][0]
-
-
-def hydra_composition(config_name: str, overrides: tuple[str, ...]) -> tuple[DictConfig, tuple]:
-    """(Hydra's composition, composition_inputs of the sources it read)."""
+    forget_changed_compositions() drops each one whose inputs have changed since."""
     from hydra import compose
 
-    cfg = compose(config_name=config_name, overrides=list(overrides), return_hydra_config=True)
-    # every source this composition read, those its primary config's hydra.searchpath added included
-    sources = tuple((s.provider, s.path) for s in cfg.hydra.runtime.config_sources)
-    with open_dict(cfg):
-        del cfg["hydra"]  # as hydra.compose leaves it without return_hydra_config
-    return cfg, composition_inputs(sources)
-
-
-def choices_and_values(overrides: tuple[str, ...]) -> tuple[tuple[str, ...], list] | None:
-    """(the group choices as typed, the plain `key=value` overrides parsed) of `overrides`, or None
-    where one is more than a plain change of a value or a choice."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.core.override_parser.types import OverrideType
-
-    parsed = OverridesParser.create().parse_overrides(list(overrides))
-    if any(o.type is not OverrideType.CHANGE or o.is_sweep_override() or o.package is not None
-           or o.key_or_group.split(".")[0] == "hydra" for o in parsed):
-        return None
-    groups = config_groups()
-    choices = tuple(o.input_line for o in parsed if is_group(o.key_or_group, groups))
-    return choices, [o for o in parsed if not is_group(o.key_or_group, groups)]
-
-
-def config_groups() -> set[str]:
-    """The top-level config groups under the search path initialised now: the folders of its sources'
-    YAML and the groups of Hydra's ConfigStore."""
-    from hydra.core.config_store import ConfigStore
-
-    folders = {f.name for _, path in search_path() for root in source_folders(path) for f in root.iterdir()
-               if f.is_dir()}
-    return folders | {k for k, v in ConfigStore.instance().repo.items() if isinstance(v, dict)}
-
-
-def is_group(key: str, groups: set[str]) -> bool:
-    """Whether an override's key chooses a config group (`attn`, `hydra/launcher`) rather than a value."""
-    return "/" in key or key in groups
+    key = (search_path(), config_name, tuple(overrides))
+    if key not in KEPT:
+        cfg = compose(config_name=config_name, overrides=list(overrides), return_hydra_config=True)
+        # every source this composition read, those its primary config's hydra.searchpath added included
+        sources = tuple((s.provider, s.path) for s in cfg.hydra.runtime.config_sources)
+        with open_dict(cfg):
+            del cfg["hydra"]  # as hydra.compose leaves it without return_hydra_config
+        KEPT[key] = (cfg, composition_inputs(sources))
+    return KEPT[key][0]
 
 
 def forget_changed_compositions() -> None:
