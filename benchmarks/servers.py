@@ -16,7 +16,7 @@ from pathlib import Path
 
 from lm.util.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class ServerProcess:
