@@ -9,6 +9,7 @@
     python scripts/bench.py int8 --ckpt ...  # int8 against fp32 on a trained model
     python scripts/bench.py serve       # the server under 1 to 64 concurrent clients, per kind (benchmarks.serve_bench)
     python scripts/bench.py recipe      # two training recipes in turns: time to a held-out bits per byte
+    python scripts/bench.py frontier    # CPU seconds per training step of the recall frontier's arms, per kind
 
 The machine may be shared and noisy, so the contenders run in alternating rounds and each
 reports its median step time; compare the ratio, not a single absolute figure. `--json PATH`
@@ -24,6 +25,7 @@ from pathlib import Path
 from benchmarks.attention_bench import bench_attention
 from benchmarks.bench_models import add_device_argument, attention_rows
 from benchmarks.decode_bench import LONG_CONTEXT_KINDS, bench_decode
+from benchmarks.frontier_bench import add_frontier_parser
 from benchmarks.generate_bench import bench_generate
 from benchmarks.int8_bench import bench_int8
 from benchmarks.kernel_bench import bench_kernels
@@ -156,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "its run)")
     recipe.add_argument("--out", default="bench", help="folder for recipe.png")
     recipe.set_defaults(run=bench_recipe)
+    add_frontier_parser(sub)
     for command in sub.choices.values():
         add_json_argument(command)
     return parser

@@ -10,7 +10,6 @@ from conftest import CONF_DIR
 from hydra import compose, initialize_config_dir
 
 import lm
-from lm.data.mqar import IGNORE, PAD, mix_tasks, mixed_examples
 from lm.model.config import ConfigError
 from lm.model.generation_cache import GenerationCache
 from lm.studies.frontier_report import on_plateau, pareto_front, state_points, still_learning
@@ -143,17 +142,6 @@ def test_a_point_that_ran_every_step_near_chance_is_marked_on_the_plateau():
     assert not on_plateau(stuck, 0.01)  # 0.012 is above a plateau bound of 0.01
     # an arm that stopped before its last step (at 0.99, or interrupted) is not said to be on the plateau
     assert not on_plateau(record("mha", "width=32", 0.01, 0, 0.012, flat_at_chance, steps=60), 0.05)
-
-
-def test_a_mix_pads_each_task_after_its_answers():
-    data = {"vocab_size": 32, "seed": 0, "filler": "pad", "query_power": 0.01, "examples": 10, "val_examples": 4}
-    tasks = mix_tasks(data, [[16, 2], [32, 4]])
-    assert [(t.seq_len, t.pairs, t.examples, t.val_examples) for t in tasks] == [(16, 2, 5, 2), (32, 4, 5, 2)]
-    inputs, targets = mixed_examples(tasks, "train")
-    assert inputs.shape == targets.shape == (10, 32)
-    short, _ = tasks[0].generate("train")
-    assert (inputs[:5, :16] == short).all() and (inputs[:5, 16:] == PAD).all() and (targets[:5, 16:] == IGNORE).all()
-    assert ((targets[:5] != IGNORE).sum(1) == 2).all() and ((targets[5:] != IGNORE).sum(1) == 4).all()
 
 
 def test_the_preset_plans_every_kind_at_several_state_sizes_with_two_learning_rates():

@@ -1,14 +1,17 @@
 """The MQAR recall task: examples, answer-only scoring, training and loading with data=mqar."""
 
+import copy
+
 import numpy as np
 import pytest
 import torch
 from conftest import compose_config
-from omegaconf import open_dict
+from omegaconf import OmegaConf, open_dict
 
-from lm import load
-from lm.data.mqar import IGNORE, RecallTask, number_tokenizer
-from lm.training.scoring import scored_batch
+from lm import ModelConfig, Transformer, load
+from lm.data.mqar import IGNORE, RecallDataModule, RecallTask, mix_tasks, number_tokenizer
+from lm.data.windows import CellShuffle
+from lm.training.scoring import Scorer, scored_batch
 from lm.util.errors import DataError
 
 
@@ -201,3 +204,98 @@ def test_a_threshold_that_is_not_an_accuracy_is_one_line(tmp_path):
         cfg.checkpoint_dir = str(tmp_path)
     with pytest.raises(ConfigError, match=r"trainer.stop_at_accuracy=1.5 must be a number between 0 and 1"):
         train(cfg)
+
+
+MIX_DATA = {"vocab_size": 32, "seed": 0, "filler": "pad", "query_power": 0.01, "examples": 40, "val_examples": 10,
+            "batch_size": 4, "num_workers": 0}
+
+
+def mix_module(cells=((16, 2), (32, 4), (24, 3))) -> RecallDataModule:
+    data = OmegaConf.create({**MIX_DATA, "mix": [list(c) for c in cells]})
+    module = RecallDataModule.from_config(data, max_seq_len=32)
+    module.setup()
+    return module
+
+
+def test_a_mix_keeps_each_cell_at_its_own_length():
+    module = mix_module()
+    tasks = mix_tasks(MIX_DATA, [[16, 2], [32, 4], [24, 3]])
+    assert module.train_set.sizes == [14, 14, 14]  # 40 examples shared equally, rounded up
+    for cell, task in enumerate(tasks):
+        inputs, targets = task.generate("train")  # the reference: each cell's task alone
+        first = sum(module.train_set.sizes[:cell])
+        for row in (0, 13):
+            x, y = module.train_set[first + row]
+            assert x.shape == (task.seq_len,) and (x.numpy() == inputs[row]).all() and (y.numpy() == targets[row]).all()
+
+
+def batches_of(order: list[int], batch_size: int) -> list[list[int]]:
+    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def test_every_training_batch_comes_from_one_cell_and_an_epoch_sees_each_cell_once():
+    sizes = [14, 9, 20]
+    cell_of = np.repeat(np.arange(3), sizes)
+    shuffle = CellShuffle(sizes, seed=3, batch_size=4)
+    shuffle.set_epoch(0)
+    epoch = list(shuffle)
+    batches = batches_of(epoch, 4)
+    assert len(batches) == shuffle.batches_per_epoch == 3 + 2 + 5  # each cell's remainder dropped
+    assert all(len(set(cell_of[b])) == 1 for b in batches)
+    assert len(set(epoch)) == len(epoch)  # no example twice in an epoch
+    assert sorted(int(np.sum(cell_of[epoch] == c)) for c in range(3)) == sorted([12, 8, 20])
+    assert len({int(cell_of[b[0]]) for b in batches[:4]}) > 1  # the cells' batches are interleaved
+    assert list(shuffle) == epoch  # a function of (seed, epoch) alone
+    shuffle.set_epoch(1)
+    assert list(shuffle) != epoch
+
+
+def test_cell_batches_shard_by_rank_and_resume_at_the_batch_reached():
+    sizes = [14, 9, 20]
+    whole = CellShuffle(sizes, seed=1, batch_size=4)  # one process, batch 4
+    halves = [CellShuffle(sizes, seed=1, batch_size=2, rank=r, world_size=2) for r in range(2)]
+    for s in (whole, *halves):
+        s.set_epoch(0)
+    global_batches = batches_of(list(whole), 4)
+    mine = [batches_of(list(h), 2) for h in halves]
+    assert [a + b for a, b in zip(*mine, strict=True)] == global_batches  # two ranks see one process's batches
+    resumed = CellShuffle(sizes, seed=1, batch_size=4, start_batch=len(global_batches) + 3)
+    resumed.set_epoch(1)  # start_batch past the first epoch: the second epoch from its fourth batch
+    whole.set_epoch(1)
+    assert list(resumed) == list(whole)[3 * 4:]
+
+
+def test_validation_batches_never_mix_cells_and_cover_each_rank_s_share_once():
+    module = mix_module()
+    batches = module.val_set.cell_batches(3, rank=0, world=1)
+    cell_of = np.repeat(np.arange(3), module.val_set.sizes)
+    assert all(len(set(cell_of[b])) == 1 for b in batches)
+    assert sorted(i for b in batches for i in b) == list(range(len(module.val_set)))
+    ranks = [sorted(i for b in module.val_set.cell_batches(3, r, 2) for i in b) for r in range(2)]
+    assert not set(ranks[0]) & set(ranks[1]) and sorted(ranks[0] + ranks[1]) == list(range(len(module.val_set)))
+    shapes = {tuple(x.shape) for x, _ in module.val_dataloader()}
+    assert shapes <= {(b, t) for b in (1, 2, 3, 4) for t in (16, 32, 24)} and {s[1] for s in shapes} == {16, 24, 32}
+
+
+def test_a_cell_smaller_than_a_batch_is_one_line():
+    data = OmegaConf.create({**MIX_DATA, "examples": 9, "mix": [[16, 2], [32, 4], [24, 3]]})
+    with pytest.raises(DataError, match=r"^data.batch_size=4 is larger than each cell's share of data.examples \(3\)"):
+        RecallDataModule.from_config(data, max_seq_len=32)
+
+
+@pytest.mark.parametrize("loss_chunk", [0, 5])
+def test_a_recall_batch_scored_at_its_answers_equals_the_whole_logits(loss_chunk):
+    """The naive twin: every position's logits and F.cross_entropy over them, IGNORE left out."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=32, n_layer=2, d_model=32, n_head=4, d_ff=64, max_seq_len=32))
+    task = RecallTask(vocab_size=32, seq_len=24, pairs=3, examples=6, val_examples=1)
+    batch = [torch.from_numpy(a) for a in task.generate("train")]
+    twin = copy.deepcopy(model)
+    loss, n, correct = Scorer(model, loss_chunk)(batch, "mean")
+    want, want_n, want_correct = scored_batch(twin, batch, "mean")
+    assert n == want_n == 18 and int(correct) == int(want_correct)
+    torch.testing.assert_close(loss, want)
+    loss.backward()
+    want.backward()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)

@@ -70,9 +70,9 @@ class RecallSettings(DataSettings):
                                                    "the word \"i\" (no tokenizer is trained)")
     seq_len: int = recall_setting("seq_len", "tokens per example; at most model.max_seq_len")
     pairs: int = recall_setting("pairs", "key-value pairs per example, each key queried once later")
-    mix: list | None = setting(None, "[[seq_len, pairs], ...]: train and validate on these together, each padded to "
-                                     "the longest (Based's Figure 2), examples and val_examples shared equally; "
-                                     "null: seq_len and pairs")
+    mix: list | None = setting(None, "[[seq_len, pairs], ...]: train and validate on these together, each batch "
+                                     "from one of them at its own length (Based's Figure 2), examples and "
+                                     "val_examples shared equally; null: seq_len and pairs")
     examples: int = recall_setting("examples", "training examples, reshuffled every epoch")
     val_examples: int = recall_setting("val_examples", "a fixed held-out set (its own random stream)")
     filler: str = recall_setting("filler", "the query region between queries: pad (token 0, Zoology's Figure 2) or "

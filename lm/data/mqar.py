@@ -5,28 +5,47 @@ Lightning."""
 
 from __future__ import annotations
 
+import bisect
+import itertools
+
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
-from lm.data.recall_task import FILLERS, IGNORE, PAD, RecallTask, mix_tasks, mixed_examples
-from lm.data.windows import ShuffledDataModule
+from lm.data.recall_task import FILLERS, IGNORE, PAD, RecallTask, mix_tasks
+from lm.data.windows import CellShuffle, ShuffledDataModule
 from lm.util.checks import require_int
 from lm.util.errors import DataError
 
 
 class RecallExamples(Dataset):
-    """The examples of one task, or of several right-padded to the longest (`mixed_examples`)."""
+    """The examples of one task, or of a mix of several one cell after another, each cell's at its
+    own length: item i is (inputs, targets) of its cell's seq_len. `sizes` gives each cell's count."""
 
     def __init__(self, task: RecallTask | list[RecallTask], split: str):
-        inputs, targets = task.generate(split) if isinstance(task, RecallTask) else mixed_examples(task, split)
-        self.inputs, self.targets = torch.from_numpy(inputs), torch.from_numpy(targets)
+        tasks = [task] if isinstance(task, RecallTask) else list(task)
+        cells = [task.generate(split) for task in tasks]
+        self.inputs = [torch.from_numpy(inputs) for inputs, _ in cells]  # each (n_cell, seq_len_cell)
+        self.targets = [torch.from_numpy(targets) for _, targets in cells]
+        self.sizes = [len(inputs) for inputs in self.inputs]
+        self.firsts = list(itertools.accumulate(self.sizes, initial=0))[:-1]  # each cell's first index
 
     def __len__(self) -> int:
-        return len(self.inputs)
+        return sum(self.sizes)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.inputs[i], self.targets[i]
+        cell = bisect.bisect_right(self.firsts, i) - 1
+        row = i - self.firsts[cell]
+        return self.inputs[cell][row], self.targets[cell][row]
+
+    def cell_batches(self, batch_size: int, rank: int, world: int) -> list[list[int]]:
+        """Validation's batches, in order: this rank's share of each cell (every world-th example,
+        so the ranks' shares are disjoint), `batch_size` at a time, never two cells in one batch."""
+        batches = []
+        for first, size in zip(self.firsts, self.sizes, strict=True):
+            mine = list(range(first + rank, first + size, world))
+            batches += [mine[i:i + batch_size] for i in range(0, len(mine), batch_size)]
+        return batches
 
 
 def number_tokenizer(vocab_size: int) -> Tokenizer:
@@ -40,7 +59,7 @@ def number_tokenizer(vocab_size: int) -> Tokenizer:
 class RecallDataModule(ShuffledDataModule):
     """MQAR examples for training (`data=mqar`): generated in memory once, no tokenizer training.
     `data.mix` (a list of [seq_len, pairs]) trains and validates on several tasks at once instead
-    of data.seq_len and data.pairs."""
+    of data.seq_len and data.pairs, each batch drawn from one of them at its own length."""
 
     is_text = False
 
@@ -48,9 +67,10 @@ class RecallDataModule(ShuffledDataModule):
         super().__init__()
         require_int("data.batch_size", batch_size)
         tasks = [task] if isinstance(task, RecallTask) else list(task)
-        examples = sum(t.examples for t in tasks)
-        if batch_size > examples:
-            raise DataError(f"data.batch_size={batch_size} is larger than data.examples={examples}")
+        fewest = min(t.examples for t in tasks)  # every batch comes from one cell of a mix
+        if batch_size > fewest:
+            share = f"each cell's share of data.examples ({fewest})" if len(tasks) > 1 else f"data.examples={fewest}"
+            raise DataError(f"data.batch_size={batch_size} is larger than {share}")
         self.task, self.batch_size, self.num_workers, self.seed = task, batch_size, num_workers, tasks[0].seed
         self.tokenizer = number_tokenizer(tasks[0].vocab_size)
 
@@ -69,6 +89,15 @@ class RecallDataModule(ShuffledDataModule):
                             f"model.max_seq_len={max_seq_len}")
         return cls(task, data_cfg["batch_size"], data_cfg["num_workers"])
 
+    def train_sampler(self, start_batch: int, rank: int, world: int):
+        if len(self.train_set.sizes) == 1:  # one task: the plain epoch shuffle
+            return super().train_sampler(start_batch, rank, world)
+        return CellShuffle(self.train_set.sizes, self.seed, self.batch_size, start_batch, rank, world)
+
+    def val_dataloader(self) -> DataLoader:
+        batches = self.val_set.cell_batches(self.batch_size, *self._rank_and_world())
+        return DataLoader(self.val_set, batch_sampler=batches, num_workers=self.num_workers)
+
     def prepare_data(self) -> None:
         pass
 
@@ -79,4 +108,4 @@ class RecallDataModule(ShuffledDataModule):
 
 
 __all__ = ["FILLERS", "IGNORE", "PAD", "RecallDataModule", "RecallExamples", "RecallTask", "mix_tasks",
-           "mixed_examples", "number_tokenizer"]
+           "number_tokenizer"]

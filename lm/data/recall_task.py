@@ -149,18 +149,6 @@ def distinct_draws(rng: np.random.Generator, n: int, high: int, k: int) -> np.nd
         draws[repeats] = rng.integers(0, high, size=(int(repeats.sum()), k))
 
 
-def mixed_examples(tasks: list[RecallTask], split: str) -> tuple[np.ndarray, np.ndarray]:
-    """(inputs, targets) of every task's examples, one after another, each right-padded to the
-    longest task's length with PAD and IGNORE: the padding comes after every answer, so causal
-    attention never lets it reach a scored position (Based's Figure 2 trains on such a mix)."""
-    length = max(task.seq_len for task in tasks)
-    parts = [task.generate(split) for task in tasks]
-    inputs = np.concatenate([np.pad(x, ((0, 0), (0, length - x.shape[1])), constant_values=PAD) for x, _ in parts])
-    targets = np.concatenate([np.pad(y, ((0, 0), (0, length - y.shape[1])), constant_values=IGNORE)
-                              for _, y in parts])
-    return inputs, targets
-
-
 def mix_tasks(data_cfg, mix: list) -> list[RecallTask]:
     """One RecallTask per (seq_len, pairs) of `data.mix`, sharing data.examples and data.val_examples
     equally (rounded up) and every other setting of the data config."""

@@ -38,7 +38,7 @@ class EpochShuffle(torch.utils.data.Sampler):
 
     def __init__(self, n: int, seed: int, batch_size: int, start_batch: int = 0, rank: int = 0, world_size: int = 1):
         self.n, self.seed, self.batch_size, self.rank, self.world_size = n, seed, batch_size, rank, world_size
-        self.batches_per_epoch = n // (batch_size * world_size)  # the remainder is dropped, as drop_last does
+        self.batches_per_epoch = self.count_batches()
         self.start_epoch, start_in_epoch = divmod(start_batch, self.batches_per_epoch)
         self.offset = start_in_epoch * batch_size
         self.epoch = self.start_epoch
@@ -51,14 +51,50 @@ class EpochShuffle(torch.utils.data.Sampler):
     def _skip(self) -> int:
         return self.offset if self.epoch == self.start_epoch else 0
 
-    def __iter__(self):
+    def count_batches(self) -> int:
+        return self.n // (self.batch_size * self.world_size)  # the remainder is dropped, as drop_last does
+
+    def epoch_order(self) -> torch.Tensor:
+        """(batches_per_epoch * B * W,) the epoch's examples, global batch after global batch."""
         order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        return order[: self.batches_per_epoch * self.batch_size * self.world_size]
+
+    def __iter__(self):
         B, W = self.batch_size, self.world_size
-        mine = order[: self.batches_per_epoch * B * W].view(-1, W, B)[:, self.rank].flatten()  # (batches*B,)
+        mine = self.epoch_order().view(-1, W, B)[:, self.rank].flatten()  # (batches*B,)
         return iter(mine[self._skip():].tolist())
 
     def __len__(self) -> int:
         return self.batches_per_epoch * self.batch_size - self._skip()
+
+
+class CellShuffle(EpochShuffle):
+    """EpochShuffle over examples kept in cells (a recall mix: each cell its own sequence length),
+    in which every global batch comes from one cell, so a batch is never padded to a longer cell's
+    length (Based's Figure 2 draws its batches so). Epoch e shuffles each cell c's examples with
+    the generator seeded (seed, e, c), cuts them into global batches (a cell's remainder dropped),
+    and orders all the batches with the generator seeded (seed, e). `sizes`: examples per cell,
+    the cells one after another in the dataset's indices."""
+
+    def __init__(self, sizes: list[int], seed: int, batch_size: int, start_batch: int = 0, rank: int = 0,
+                 world_size: int = 1):
+        self.sizes = list(sizes)
+        super().__init__(sum(self.sizes), seed, batch_size, start_batch, rank, world_size)
+
+    def count_batches(self) -> int:
+        return sum(size // (self.batch_size * self.world_size) for size in self.sizes)
+
+    def epoch_order(self) -> torch.Tensor:
+        group = self.batch_size * self.world_size
+        batches, first = [], 0
+        for cell, size in enumerate(self.sizes):
+            rows = first + np.random.default_rng([self.seed, self.epoch, cell]).permutation(size)  # (size,)
+            whole = size // group
+            batches.append(torch.from_numpy(rows[: whole * group]).view(whole, group))  # (whole, B*W)
+            first += size
+        every = torch.cat(batches)  # (batches_per_epoch, B*W)
+        order = np.random.default_rng([self.seed, self.epoch]).permutation(len(every))
+        return every[torch.from_numpy(order)].flatten()  # (batches_per_epoch * B * W,)
 
 
 class ShuffledDataModule(L.LightningDataModule):
@@ -80,10 +116,12 @@ class ShuffledDataModule(L.LightningDataModule):
         # shuffle starts at the global batch the checkpointed run had reached.
         trainer = getattr(self, "trainer", None)
         start_batch = trainer.global_step * trainer.accumulate_grad_batches if trainer is not None else 0
-        rank, world = self._rank_and_world()
-        sampler = EpochShuffle(len(self.train_set), self.seed, self.batch_size, start_batch, rank, world)
+        sampler = self.train_sampler(start_batch, *self._rank_and_world())
         return DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler, drop_last=True,
                           num_workers=self.num_workers)
+
+    def train_sampler(self, start_batch: int, rank: int, world: int) -> EpochShuffle:
+        return EpochShuffle(len(self.train_set), self.seed, self.batch_size, start_batch, rank, world)
 
     def val_dataloader(self) -> DataLoader:
         rank, world = self._rank_and_world()

@@ -29,26 +29,40 @@ class Scorer:
     final hidden states (compiled with `compile`), then the head and the cross-entropy `loss_chunk`
     positions at a time (lm.model.linear_cross_entropy), which never holds the (B*T, V) logits
     whole; with `loss_chunk` 0 the plain head and F.cross_entropy over every logit (`scored_batch`).
+    A recall batch (inputs, targets) scores its answers alone: the head and the loss run on the
+    positions whose target is not IGNORE (a few per example), the same sums as over every logit.
     `logits` is the model's forward, compiled alike, for what needs the logits themselves."""
 
     def __init__(self, model: Transformer, loss_chunk: int = 0, compile: bool = False):
         self.model, self.loss_chunk = model, loss_chunk
         self.logits = torch.compile(model) if compile else model
-        # only a chunked loss asks for the hidden states, so a plain one scores any module of logits
-        self.hidden = (torch.compile(model.hidden) if compile else model.hidden) if loss_chunk else None
+        # the hidden states are asked for by a chunked loss and by a recall batch's answers; a module
+        # of logits alone (not a Transformer) is scored whole
+        has_head = isinstance(model, Transformer)
+        self.hidden = (torch.compile(model.hidden) if compile else model.hidden) if has_head else None
 
     def __call__(self, batch, reduction: str = "sum", accuracy: bool = True):
         """(cross-entropy, targets scored, targets the arg-max predicts right or None); `reduction`
         "sum" or "mean" over the targets scored."""
         if reduction not in ("sum", "mean"):
             raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
-        if not self.loss_chunk:
+        answers_only = not isinstance(batch, torch.Tensor) and self.hidden is not None
+        if not (self.loss_chunk or answers_only):
             return scored_batch(self.logits, batch, reduction, accuracy)
         inputs, targets = inputs_and_targets(batch)  # (B, T) each
         hidden = self.hidden(inputs).flatten(0, 1)  # (B*T, C)
         targets = targets.flatten()  # (B*T,)
-        scored = linear_cross_entropy(hidden, self.model.head.weight, targets, self.loss_chunk, IGNORE, accuracy)
-        loss, correct = scored if accuracy else (scored, None)
+        if answers_only:
+            scored = targets != IGNORE  # (B*T,)
+            hidden, targets = hidden[scored], targets[scored]  # (N, C), (N,): the answers alone
+        if self.loss_chunk:
+            scored = linear_cross_entropy(hidden, self.model.head.weight, targets, self.loss_chunk, IGNORE, accuracy)
+            loss, correct = scored if accuracy else (scored, None)
+        else:
+            logits = self.model.head(hidden)  # (N, V)
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # as scored_batch does
+            loss = F.cross_entropy(logits, targets, reduction="sum")
+            correct = (logits.argmax(-1) == targets).sum() if accuracy else None
         if reduction == "mean":
             loss = loss / (targets != IGNORE).sum()  # on the device: no sync
         return loss, scored_count(batch, targets), correct
