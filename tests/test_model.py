@@ -85,6 +85,8 @@ def plain_forward(m: Transformer, idx: torch.Tensor) -> torch.Tensor:
                 per_head.append(scores.softmax(-1) @ v)
             heads.append(torch.cat(per_head, dim=-1))
         x = x + torch.stack(heads) @ block.attn.out.weight.T
+        if c.mlp == "none":
+            continue
         h = rms(x, block.mlp_norm.weight)
         if c.mlp == "relu2":
             hidden = torch.relu(h @ block.mlp.up.weight.T) ** 2
@@ -104,6 +106,15 @@ def test_relu_squared_model_equals_the_plain_reference_forward():
         torch.testing.assert_close(m(idx), plain_forward(m, idx), atol=1e-6, rtol=1e-6)
 
 
+def test_a_model_without_mlps_equals_the_plain_reference_forward():
+    m = Transformer(ModelConfig(vocab_size=97, n_layer=2, d_model=32, n_head=4, n_kv_head=2, d_ff=48,
+                                max_seq_len=32, init_std=0.2, mlp="none")).double()
+    assert not any("mlp" in name for name, _ in m.named_parameters())
+    idx = torch.randint(0, 97, (2, 13))
+    with torch.no_grad():
+        torch.testing.assert_close(m(idx), plain_forward(m, idx), atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("kind", ["softmax", "gated_delta", "mamba2"])
 def test_zero_initialised_output_projections_make_every_block_the_identity(kind):
     config = ModelConfig(vocab_size=97, n_layer=2, d_model=32, n_head=4, d_ff=48, max_seq_len=32,
@@ -116,22 +127,23 @@ def test_zero_initialised_output_projections_make_every_block_the_identity(kind)
         torch.testing.assert_close(m(idx), m.head(m.norm(m.embed(idx))))
 
 
-@pytest.mark.parametrize("field, value, message", [("mlp", "gelu", "mlp='gelu' is not one of swiglu, relu2"),
+@pytest.mark.parametrize("field, value, message", [("mlp", "gelu", "mlp='gelu' is not one of swiglu, relu2, none"),
                                                    ("zero_init_out", 1, "zero_init_out=1 must be true or false")])
 def test_bad_mlp_options_are_refused_in_one_line(field, value, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         ModelConfig(**{field: value})
 
 
-def test_export_refuses_relu_squared_by_name():
+@pytest.mark.parametrize("mlp", ["relu2", "none"])
+def test_export_refuses_an_mlp_other_than_swiglu_by_name(mlp):
     from lm.formats.gguf import check_exportable
     from lm.formats.hf import hf_architecture
 
-    relu2 = model(4, mlp="relu2")
-    with pytest.raises(ConfigError, match="model.mlp=relu2 cannot be exported to transformers"):
-        hf_architecture(relu2.config)
-    with pytest.raises(ConfigError, match="model.mlp=relu2 has no GGUF equivalent"):
-        check_exportable(relu2)
+    other = model(4, mlp=mlp)
+    with pytest.raises(ConfigError, match=f"model.mlp={mlp} cannot be exported to transformers"):
+        hf_architecture(other.config)
+    with pytest.raises(ConfigError, match=f"model.mlp={mlp} has no GGUF equivalent"):
+        check_exportable(other)
 
 
 @pytest.mark.parametrize("n_kv_head", [4, 2, 1], ids=["mha", "gqa", "mqa"])

@@ -182,6 +182,9 @@ class AttentionSpec:
     examples: ClassVar[dict[str, Example]] = {"": Example(n_kv_head=2)}
     # Settings at the benchmarks' sizes (benchmarks.bench attention and generate).
     benchmarks: ClassVar[dict[str, Example]] = {"": Example()}
+    # False: a layer that goes beside a mixer in a hybrid (Based's gated convolution), not a sequence mixer
+    # of its own, so the attention comparison's default list of kinds (lm.studies.compare_arms) leaves it out.
+    compared_alone: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         self.check()

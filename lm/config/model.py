@@ -32,8 +32,8 @@ class ModelSettings:
     tie_embeddings: bool = model_setting("tie_embeddings", "the output head shares the token embedding's weights")
     short_conv: int = model_setting("short_conv", "taps of a causal convolution before each attention layer "
                                                   "(lm/model/short_conv.py); 0: none")
-    mlp: str = model_setting("mlp", "swiglu, or relu2 (down(relu(up x)^2), one matrix fewer: widen d_ff 3/2 for "
-                                    "equal size)")
+    mlp: str = model_setting("mlp", "swiglu, relu2 (down(relu(up x)^2), one matrix fewer: widen d_ff 3/2 for "
+                                    "equal size), or none (blocks of their mixer alone, as Based's recall models)")
     zero_init_out: bool = model_setting("zero_init_out", "the blocks' output projections start at zero (each block "
                                                          "starts as the identity)")
     qk_norm: bool | None = setting(None, "QK-norm (RMS-normalised queries and keys) in every layer whose attention "

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lm.attention import AttentionSpec, LayerShape, as_layer_specs, layer_specs
-from lm.model.layers import MLPS
+from lm.model.layers import MLPS, NO_MLP
 from lm.util.checks import require_bool, require_int, require_positive
 from lm.util.errors import ConfigError
 
@@ -39,7 +39,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     init_std: float = 0.02
     short_conv: int = 0  # taps of the causal convolution before each attention layer; 0: none (lm.model.short_conv)
-    mlp: str = "swiglu"  # swiglu or relu2 (lm.model.layers.MLPS)
+    mlp: str = "swiglu"  # swiglu, relu2 (lm.model.layers.MLPS) or none: no MLP in the blocks
     zero_init_out: bool = False  # residual output projections start at zero: each block starts as the identity
     attention_options: dataclasses.InitVar[dict | None] = None  # format 1 only: refused with the new spelling
 
@@ -52,8 +52,8 @@ class ModelConfig:
             require_positive(name, getattr(self, name))
         require_bool("tie_embeddings", self.tie_embeddings)
         require_bool("zero_init_out", self.zero_init_out)
-        if self.mlp not in MLPS:
-            raise ConfigError(f"mlp={self.mlp!r} is not one of {', '.join(MLPS)}")
+        if self.mlp not in (*MLPS, NO_MLP):
+            raise ConfigError(f"mlp={self.mlp!r} is not one of {', '.join((*MLPS, NO_MLP))}")
         require_int("short_conv", self.short_conv, minimum=0)
         if self.d_model % self.n_head:
             raise ConfigError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")

@@ -51,4 +51,5 @@ class ReluSquared(nn.Module):
         return self.down(F.relu(self.up(x)).square())
 
 
-MLPS = {"swiglu": SwiGLU, "relu2": ReluSquared}  # model.mlp's choices
+MLPS = {"swiglu": SwiGLU, "relu2": ReluSquared}  # model.mlp's choices, besides NO_MLP
+NO_MLP = "none"  # model.mlp=none: blocks without an MLP

@@ -16,7 +16,7 @@ from lm.attention.base import AttentionLayer
 from lm.attention.rope import RotaryEmbedding
 from lm.model.config import ModelConfig
 from lm.model.generation_cache import GenerationCache
-from lm.model.layers import MLPS, RMSNorm
+from lm.model.layers import MLPS, NO_MLP, RMSNorm
 from lm.model.short_conv import ShortConv
 from lm.util.errors import ConfigError
 
@@ -31,8 +31,10 @@ class Block(nn.Module):
         if not isinstance(self.attn, AttentionLayer):  # its hooks' defaults live there (lm.attention.base)
             raise ConfigError(f"attention kind {spec.kind!r} built a {type(self.attn).__name__}; a kind's layer "
                             "must subclass lm.attention.AttentionLayer")
-        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
-        self.mlp = MLPS[config.mlp](config.d_model, config.d_ff)
+        # model.mlp=none: a block of its mixer alone (Based's recall models, zoology's Identity state mixer)
+        has_mlp = config.mlp != NO_MLP
+        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps) if has_mlp else None
+        self.mlp = MLPS[config.mlp](config.d_model, config.d_ff) if has_mlp else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None,
                 pos: torch.Tensor | None = None, conv_cache=None) -> torch.Tensor:
@@ -40,7 +42,7 @@ class Block(nn.Module):
         if self.short_conv is not None:
             h = self.short_conv(h, conv_cache, pos)
         x = x + self.attn(h, cos, sin, cache, pos)
-        return x + self.mlp(self.mlp_norm(x))
+        return x + self.mlp(self.mlp_norm(x)) if self.mlp is not None else x
 
 
 class Transformer(nn.Module):

@@ -12,7 +12,7 @@ from pathlib import Path
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
-from lm.attention import available_kinds
+from lm.attention import available_kinds, spec_class
 from lm.config.compose import composed, search_path
 from lm.config.train import ADAMW_RECIPE
 from lm.data.recall_task import RecallTask, mix_tasks
@@ -42,9 +42,10 @@ def attn_configs() -> list[str]:
 
 def study_entries(cfg: DictConfig) -> list[Entry]:
     """The kinds to compare: `kinds` (null: MHA, MQA, GQA, then every other registered kind at its
-    defaults) followed by `extra_kinds`. A kind registered later joins without an edit here."""
+    defaults but those that only go beside a mixer, AttentionSpec.compared_alone) followed by
+    `extra_kinds`. A kind registered later joins without an edit here."""
     configs = attn_configs()
-    default = PEERS + [k for k in available_kinds() if k != "softmax"]
+    default = PEERS + [k for k in available_kinds() if k != "softmax" and spec_class(k).compared_alone]
     names = as_list("kinds", cfg.kinds) if cfg.kinds is not None else default
     entries = [_entry(name, {}, configs) for name in names]
     for extra in as_list("extra_kinds", cfg.extra_kinds):
