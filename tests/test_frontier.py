@@ -8,10 +8,12 @@ import pytest
 import torch
 from conftest import CONF_DIR
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 import lm
 from lm.model.config import ConfigError
 from lm.model.generation_cache import GenerationCache
+from lm.training.settings import model_config_from
 from lm.studies.frontier_report import on_plateau, pareto_front, state_points, still_learning
 
 # Every path of the frontier at toy sizes: three kinds, two state sizes each, one seed, seconds.
@@ -170,6 +172,25 @@ def test_the_preset_plans_every_kind_at_several_state_sizes_with_two_learning_ra
         (32, 1), (32, 2), (32, 4)]  # its K/V heads at width 32, the one width its step cost allows
 
 
+def test_based_block_puts_a_gated_convolution_before_each_mixer_layer_and_no_mlp():
+    """zoology's Hybrid of [BaseConv, mixer] with an Identity state mixer: layer 2i the convolution, layer
+    2i+1 the kind's own layer with its options; the filler random, as the paper's random_non_queries."""
+    arms = planned("preset=frontier", "kinds=[mqa]", "extra_kinds=[{name: based, attn: hybrid, pattern: [linear, "
+                   "sliding], feature_map: taylor, window: 16}]", "frontier.block=based", "frontier.short_conv=4",
+                   "frontier.lr=[0.01]", "frontier.knobs.mqa=[{width: 32}]", "frontier.knobs.based=[{n_head: 8}]")
+    mqa, based = (a.settings for a in arms)
+    for arm, mixers in ((mqa, ["softmax"]), (based, ["linear", "sliding"])):
+        model, attn = arm["model"], arm["attn"]
+        assert (model["n_layer"], model["mlp"], model["short_conv"]) == (4, "none", 0)
+        assert attn["pattern"] == [k for mixer in mixers for k in ("baseconv", mixer)] and attn["taps"] == 4
+        assert arm["data"]["filler"] == "random"
+    assert mqa["attn"]["n_kv_head"] == 1 and mqa["model"]["d_model"] == 32
+    assert (based["attn"]["feature_map"], based["attn"]["window"], based["model"]["n_head"]) == ("taylor", 16, 8)
+    model = lm.Transformer(model_config_from(OmegaConf.create(mqa), 512))
+    assert [type(b.attn).__name__ for b in model.blocks] == ["BaseConv", "SoftmaxAttention"] * 2
+    assert all(b.mlp is None for b in model.blocks)
+
+
 @pytest.mark.parametrize(("overrides", "message"), [
     (["frontier.test=[[16,2]]"], r"^frontier.test=\[\[16, 2\]\] has no sequence longer than the longest trained"),
     (["frontier.train=[[16,8]]"], r"^frontier.train entry \[16, 8\]: data.pairs=8 does not fit data.seq_len=16"),
@@ -185,6 +206,9 @@ def test_the_preset_plans_every_kind_at_several_state_sizes_with_two_learning_ra
     (["frontier.knobs.mha=[{width: 30}]"], r"^frontier.knobs.mha width=30: .*head_dim=15"),
     (["frontier.still_learning=-1"], r"^frontier.still_learning=-1 must be"),
     (["frontier.lr=[0.01,0.01]"], r"names a learning rate more than once"),
+    (["frontier.block=based", "frontier.short_conv=1"], r"^frontier.short_conv=1 leaves Based's block no convolution"),
+    (["frontier.block=dense"], r"^frontier.block='dense' is not one of \['based', 'transformer'\]"),
+    (["frontier.filler=noise"], r"^frontier.filler='noise' is not one of \['pad', 'random'\]"),
 ])
 def test_bad_frontier_settings_are_refused_before_training(overrides, message, tmp_path):
     with pytest.raises(ConfigError, match=message):

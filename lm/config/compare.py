@@ -17,12 +17,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from lm.config.settings import Bound, boolean, choice, each, fraction, group, integer, number, positive, setting, store
+from lm.data.recall_task import FILLERS
 from lm.util.checks import as_list
 from lm.util.errors import ConfigError
 
 # recall, language modelling, decoding speed and cache size, then recall against state size, in the study's order
 TASKS = ("mqar", "lm", "speed", "frontier")
 DEFAULT_TASKS = ("mqar", "lm", "speed")  # the frontier is a study of its own: preset=frontier
+BLOCKS = ("based", "transformer")  # frontier.block
 KNOB_MODEL_KEYS = ("width", "n_layer", "n_head")  # a knob that is not one of these (or n_kv_head) is an attn option
 
 
@@ -186,7 +188,8 @@ def default_knobs() -> dict:
     a fixed width sets the head size: linear attention's features (elu: hs; Taylor: 1 + hs + hs^2),
     the delta rule's hs x hs state per head."""
     return {"mha": along("width", [64, 128, 256]), "mqa": along("width", [64, 128, 256]),
-            "gqa": along("n_kv_head", [1, 2, 4]),  # at n_head 4: MQA, GQA and MHA at one width
+            # its 2 K/V heads of 4 at each width: 1 and 4 would be MQA and MHA again
+            "gqa": along("width", [64, 128, 256]),
             "sliding": along("window", [8, 16, 32, 64, 128]),
             "linear": along("n_head", [16, 8, 4]),
             "lowrank": along("rank", [2, 4, 8, 16]),
@@ -211,6 +214,9 @@ class FrontierSettings:
                                     bound=recall_cells(),
                                     factory=lambda: [*based_train_mix(), [512, 128], [1024, 256]])
     vocab_size: int = setting(8192, "keys in the lower half, values in the upper", integer())
+    filler: str = setting("random", "the query region between the queries: random tokens 1..vocab_size-1, keys and "
+                                    "values among them as decoys (Based's Figure 2: zoology's random_non_queries), "
+                                    "or pad (token 0)", choice(FILLERS))
     knobs: dict[str, Any] | None = setting(help="kind -> [{knob: value}, ...]: its state sizes; a knob is width, "
                                                 "n_layer, n_head, n_kv_head or an attn option",
                                            bound=knob_table(), factory=default_knobs)
@@ -220,9 +226,13 @@ class FrontierSettings:
     n_layer: int = setting(2, "layers, where a kind's knob does not set them", integer())
     n_head: int = setting(4, "heads, where a kind's knob does not set them (Based: 1; MQA and GQA need several)",
                           integer())
-    ff_mult: int = setting(3, "d_ff = ff_mult x width (Based's models have no MLP)", integer())
-    short_conv: int = setting(3, "taps of the causal convolution before every attention layer (Based: 3)",
-                              integer(0))
+    block: str = setting("based", "based: Based's block, each mixer layer after a gated short convolution layer "
+                                  "(attn=baseconv, frontier.short_conv taps) and no MLP; transformer: each layer "
+                                  "the mixer and an MLP of ff_mult x width, after model.short_conv",
+                         choice(BLOCKS))
+    ff_mult: int = setting(3, "d_ff = ff_mult x width, with frontier.block=transformer", integer())
+    short_conv: int = setting(3, "taps of the short convolution before every mixer layer (Based: 3); 0: none, "
+                                 "with frontier.block=transformer", integer(0))
     steps: int = setting(22500, "training steps at most (Based: 32 epochs of its 180k examples at batch 256)",
                          integer())
     stop_at_accuracy: float | None = setting(0.99, "an arm stops once its held-out accuracy on the mix passes it; "

@@ -19,6 +19,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError
 
+from lm.config.attn import PER_LAYER
 from lm.config.compare import KNOB_MODEL_KEYS
 from lm.data.recall_task import IGNORE, RecallTask
 from lm.formats.checkpoint import load
@@ -68,6 +69,9 @@ def check_frontier(cfg: DictConfig) -> None:
                 RecallTask(vocab_size=f.vocab_size, seq_len=seq_len, pairs=pairs, examples=1, val_examples=1)
             except ValueError as e:
                 raise ConfigError(f"frontier.{key} entry [{seq_len}, {pairs}]: {e}") from None
+    if f.block == "based" and f.short_conv < 2:
+        raise ConfigError(f"frontier.short_conv={f.short_conv} leaves Based's block no convolution: its gated "
+                          "convolution needs at least 2 taps (frontier.block=transformer runs without one)")
     trained = max(s for s, _ in f.train)
     if not any(s > trained for s, _ in f.test):
         raise ConfigError(f"frontier.test={OmegaConf.to_container(f.test)} has no sequence longer than the "
@@ -93,11 +97,28 @@ def point_config(cfg: DictConfig, entry: Entry, point: dict, lr: float, seed: in
               # seq_len and pairs name the mix's longest cell; data.mix is what trains
               "data": {"vocab_size": f.vocab_size, "seq_len": longest[0], "pairs": longest[1], "mix": train_cells,
                        "examples": examples, "val_examples": f.val_examples, "seed": seed,
-                       "batch_size": f.batch_size, "filler": m.filler, "query_power": m.query_power},
+                       "batch_size": f.batch_size, "filler": f.filler, "query_power": m.query_power},
               "optim": {"lr": lr, "warmup_steps": f.warmup_steps},
               "trainer": {**_trainer(f.steps, f.val_every, None), "stop_at_accuracy": f.stop_at_accuracy}}
     with_knobs = Entry(entry.name, entry.attn, entry.kind, {**entry.options, **attn})
-    return training_config(with_knobs, ["data=mqar"], values)
+    run_cfg = training_config(with_knobs, ["data=mqar"], values)
+    if f.block != "based":
+        return run_cfg
+    return training_config(based_block(run_cfg.attn, f.short_conv), ["data=mqar"],
+                           {**values, "model": {**values["model"], "n_layer": 2 * sizes["n_layer"], "mlp": "none",
+                                                "short_conv": 0}})
+
+
+def based_block(attn: DictConfig, taps: int) -> Entry:
+    """The arm's attention as Based's block lays it out (zoology's Hybrid of [BaseConv, mixer] and no
+    MLP): a gated short convolution layer (attn=baseconv) before each of its mixer layers, in a
+    hybrid of twice the layers that keeps every option of the kind's own layers."""
+    options = OmegaConf.to_container(attn, resolve=True)
+    name, kind, pattern = options.pop("name"), options.pop("kind", None), options.pop("pattern", None)
+    mixers = pattern if kind is None else [kind]  # a hybrid's attn config names its layers' kinds, no kind
+    options = {key: value for key, value in options.items() if value is not None}
+    return Entry(name, PER_LAYER, None, {**options, "pattern": [k for mixer in mixers for k in ("baseconv", mixer)],
+                                         "taps": taps})
 
 
 def frontier_arms(cfg: DictConfig, entry: Entry, seeds: list[int], common: dict, runs: Path) -> list[Arm]:
