@@ -13,8 +13,8 @@ from omegaconf import OmegaConf
 import lm
 from lm.model.config import ConfigError
 from lm.model.generation_cache import GenerationCache
-from lm.training.settings import model_config_from
 from lm.studies.frontier_report import on_plateau, pareto_front, state_points, still_learning
+from lm.training.settings import model_config_from
 
 # Every path of the frontier at toy sizes: three kinds, two state sizes each, one seed, seconds.
 TOY = ["preset=frontier", "kinds=[mha,linear,sliding]", "extra_kinds=[]", "per_kind=null", "seeds=1",
