@@ -166,7 +166,11 @@ def test_the_preset_plans_every_kind_at_several_state_sizes_with_two_learning_ra
     assert data["mix"] == [[64, 4], [128, 8], [256, 16], [256, 32], [256, 64]]
     assert arms[0].settings["tests"][-1] == [512, 128] and arms[0].settings["model"]["max_seq_len"] == 512
     hybrid = next(a for a in arms if a.labels["kind"] == "hybrid-gated_delta")
-    assert hybrid.settings["model"]["n_layer"] == 4
+    assert hybrid.settings["model"]["n_layer"] == 8  # Based's block: a convolution layer before each of 4 mixers
+    assert hybrid.settings["attn"]["pattern"] == ["baseconv", "gated_delta"] * 3 + ["baseconv", "softmax"]
+    mha = next(a for a in arms if a.labels["kind"] == "mha")
+    assert (mha.settings["model"]["n_layer"], mha.settings["model"]["mlp"]) == (2, "none")  # Based's two layers
+    assert arms[0].settings["data"]["filler"] == "random"
     additive = [a for a in arms if a.labels["kind"] == "additive"]
     assert [(a.settings["model"]["d_model"], a.settings["attn"]["n_kv_head"]) for a in additive] == [
         (32, 1), (32, 2), (32, 4)]  # its K/V heads at width 32, the one width its step cost allows
@@ -177,7 +181,8 @@ def test_based_block_puts_a_gated_convolution_before_each_mixer_layer_and_no_mlp
     2i+1 the kind's own layer with its options; the filler random, as the paper's random_non_queries."""
     arms = planned("preset=frontier", "kinds=[mqa]", "extra_kinds=[{name: based, attn: hybrid, pattern: [linear, "
                    "sliding], feature_map: taylor, window: 16}]", "frontier.block=based", "frontier.short_conv=4",
-                   "frontier.lr=[0.01]", "frontier.knobs.mqa=[{width: 32}]", "frontier.knobs.based=[{n_head: 8}]")
+                   "frontier.n_layer=2", "frontier.lr=[0.01]", "frontier.knobs.mqa=[{width: 32}]",
+                   "frontier.knobs.based=[{n_head: 8}]")
     mqa, based = (a.settings for a in arms)
     for arm, mixers in ((mqa, ["softmax"]), (based, ["linear", "sliding"])):
         model, attn = arm["model"], arm["attn"]

@@ -55,45 +55,20 @@ def default_recall_plan(tmp_path_factory):
         return compare.plan(compose("compare", overrides=[f"out={tmp_path_factory.mktemp('plan')}", "tasks=[mqar]"]))
 
 
-@pytest.mark.slow  # plans a whole committed study: hundreds of arms composed and checked
-def test_the_committed_comparisons_recall_arms_are_taken_by_todays_plan(default_recall_plan, tmp_path):
-    """The recall arms of docs/compare/results.json (no corpus, no timing in their settings) continue
-    under today's configs: their settings, with what was added since, are today's plan's."""
-    arms = default_recall_plan
-    results = json.loads((ROOT / "docs" / "compare" / "results.json").read_text())
-    recall = [r for r in results["records"] if r["arm"].startswith("mqar-")]
-    said = import_records(arms, tmp_path / "records", ROOT / "docs" / "compare" / "results.json")
-    assert said.startswith(f"records_from={ROOT / 'docs' / 'compare' / 'results.json'}: {len(recall)} finished arms "
-                           "taken"), said
-    assert len(recall) > 200
-
-
-@pytest.mark.slow  # plans a whole committed study: hundreds of arms composed and checked
-def test_the_new_kinds_recall_arms_are_taken_by_the_default_plan(default_recall_plan, tmp_path):
-    """docs/compare-new-kinds/ holds the default comparison's arms of the kinds added since it was run
-    (mamba2, dsa, kda), committed as they finish: the default study takes every finished recall arm."""
-    arms = default_recall_plan
-    source = ROOT / "docs" / "compare-new-kinds" / "results.json"
-    results = json.loads(source.read_text())
-    recall = [r for r in results["records"] + results.get("waiting", []) if r["arm"].startswith("mqar-")]
-    said = import_records(arms, tmp_path / "records", source)
-    assert recall and said.startswith(f"records_from={source}: {len(recall)} finished arms taken"), said
-
-
-@pytest.mark.slow  # plans a whole committed study: hundreds of arms composed and checked
-def test_the_committed_frontier_arms_are_taken_by_todays_plan(tmp_path):
-    """The finished arms of docs/compare-frontier/results.json (the preset runs for about 10 hours, so
-    its records are committed as they finish) continue under today's preset: the same command with
-    records_from=... reruns none of them."""
+def test_the_committed_frontier_pilot_arms_are_taken_by_todays_plan(tmp_path):
+    """The finished arms of docs/compare-frontier/pilot-block/based/results.json continue under today's
+    preset: the command that made them, with records_from=..., reruns none of them."""
     from lm.studies import compare
 
-    source = ROOT / "docs" / "compare-frontier" / "results.json"
+    source = ROOT / "docs" / "compare-frontier" / "pilot-block" / "based" / "results.json"
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        arms = compare.plan(compose("compare", overrides=["preset=frontier", f"out={tmp_path}"]))
+        arms = compare.plan(compose("compare", overrides=[
+            "preset=frontier", "kinds=[mha]", "extra_kinds=[]", "seeds=2", "frontier.knobs.mha=[{width: 64}]",
+            "frontier.block=based", "frontier.n_layer=1", f"out={tmp_path}"]))
     results = json.loads(source.read_text())
-    finished = results["records"] + results.get("waiting", [])  # waiting: arms of points not yet complete
+    finished = results["records"] + results.get("waiting", [])
     said = import_records(arms, tmp_path / "records", source)
-    assert finished and said.startswith(f"records_from={source}: {len(finished)} finished arms taken"), said
+    assert len(finished) == 4 and said.startswith(f"records_from={source}: 4 finished arms taken"), said
 
 
 def test_an_arm_takes_a_record_written_before_a_setting_was_added(tmp_path):
