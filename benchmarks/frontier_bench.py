@@ -30,7 +30,6 @@ from lm.studies.compare_settings import for_kind
 from lm.studies.engine import quiet_lightning
 from lm.studies.frontier import knob_points, point_config, point_label
 from lm.training.run import train
-from lm.util.errors import ConfigError
 
 TABLE_KINDS = ("mha", "sliding", "linear", "gated_delta", "kda", "mamba2", "mla", "dsa")
 
@@ -68,8 +67,6 @@ def kind_rows(cfg, entry, args: argparse.Namespace) -> list[dict]:
 
 
 def bench_frontier(args: argparse.Namespace) -> dict:
-    if args.steps < 1 or args.warmup < 1:
-        raise ConfigError(f"--steps={args.steps} and --warmup={args.warmup} must each be at least 1")
     torch.set_num_threads(1)
     kinds = args.kinds.split(",")
     with initialize_config_dir(str(CONF_DIR), version_base=None):  # the arms compose conf/train.yaml
@@ -80,13 +77,14 @@ def bench_frontier(args: argparse.Namespace) -> dict:
     return {"rows": rows}
 
 
-def add_frontier_parser(sub) -> argparse.ArgumentParser:
+def add_frontier_parser(sub, count) -> argparse.ArgumentParser:
+    """Its subcommand; `count` is bench.py's argparse type of a count of at least 1."""
     frontier = sub.add_parser("frontier", help="CPU seconds per training step of the frontier's arms, one thread")
     frontier.add_argument("--kinds", default=",".join(TABLE_KINDS), help="comma-separated kinds of the preset")
     frontier.add_argument("--points", choices=("middle", "all"), default="all",
                           help="every state size of a kind, or its middle one")
-    frontier.add_argument("--steps", type=int, default=40, help="measured steps per point")
-    frontier.add_argument("--warmup", type=int, default=10, help="steps of the shorter run")
+    frontier.add_argument("--steps", type=count, default=40, help="measured steps per point")
+    frontier.add_argument("--warmup", type=count, default=10, help="steps of the shorter run")
     frontier.add_argument("override", nargs="*", help="compare.py settings on top of preset=frontier")
     frontier.set_defaults(run=bench_frontier)
     return frontier

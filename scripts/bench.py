@@ -16,19 +16,12 @@ from lm.attention import load_outside_kinds  # noqa: E402
 from lm.util.cli import exit_on_user_error, quiet_known_warnings  # noqa: E402
 from lm.util.errors import ConfigError  # noqa: E402
 
-# where 0 means something: no warm-up steps; first-position latency; no rounds; no chunked-loss rows
-ZERO_TAKES_MEANING = {"warmup", "positions", "rounds", "loss_chunk"}
-
 
 def check_arguments(argv: list[str]) -> None:
-    """Every integer option (or each entry of a list of them) at least 1 (0 where it means something),
-    and attention's --d-model split by --heads into an even head size (RoPE rotates pairs)."""
+    """The parser's own checks (every count at least 1, 0 where it means something, each target a finite
+    number: benchmarks.bench's argument types), and attention's --d-model split by --heads into an even
+    head size (RoPE rotates pairs)."""
     args = build_parser().parse_args(argv)
-    for key, value in vars(args).items():
-        for entry in value if isinstance(value, list) else [value]:
-            minimum = 0 if key in ZERO_TAKES_MEANING else 1
-            if isinstance(entry, int) and not isinstance(entry, bool) and entry < minimum:
-                raise ConfigError(f"--{key.replace('_', '-')} {entry} must be at least {minimum}")
     if args.what == "attention":
         if args.d_model % args.heads:
             raise ConfigError(f"--d-model {args.d_model} is not divisible by --heads {args.heads}")

@@ -294,3 +294,39 @@ def test_bench_int8_scores_a_trained_checkpoint_on_the_built_in_corpus(tmp_path,
         assert 0.8 <= results["agreement"] <= 1
         assert abs(results["loss_fp32"] - results["loss_int8"]) < 0.1
         assert results["weight_bytes_int8"] < results["weight_bytes_fp32"]
+
+
+def all_options() -> list[tuple[str, object]]:
+    """(subcommand, argparse action) of every option of every subcommand."""
+    # argparse keeps a parser's options only in _actions, with no public reader: read here, never changed
+    subcommands = next(a for a in build_parser()._actions if a.dest == "what").choices
+    return [(name, action) for name, sub in subcommands.items() for action in sub._actions if action.option_strings]
+
+
+def numeric_options() -> list[tuple[str, str, object, int]]:
+    """(subcommand, option, its argparse type, values it takes at once) for every option of every
+    subcommand that takes a number."""
+    return [(name, action.option_strings[0], action.type, action.nargs if isinstance(action.nargs, int) else 1)
+            for name, action in all_options() if getattr(action.type, "__name__", "") in ("integer", "number")]
+
+
+def test_no_option_takes_a_bare_int_or_float():
+    """A count or a target through int or float alone would let 0, nan or inf reach the work."""
+    assert [(name, a.option_strings[0]) for name, a in all_options() if a.type in (int, float)] == []
+
+
+REQUIRED = {"int8": ["--ckpt", "x.ckpt"]}
+
+
+@pytest.mark.parametrize(("command", "option", "kind", "values"), numeric_options(),
+                         ids=lambda v: getattr(v, "__name__", str(v)))
+def test_every_count_and_target_is_checked_before_any_work(command, option, kind, values):
+    """The family of `--rounds 0` (minutes of work, then a StatisticsError) and `--targets nan` (a target
+    no run reaches): each numeric option refuses a value its work cannot use in one line naming it."""
+    from benchmarks.bench import COUNT, NONNEGATIVE
+
+    bad = {COUNT: ["0", "-1"], NONNEGATIVE: ["-1"]}.get(kind, ["nan", "inf", "0"])
+    for value in bad:
+        line = rf"^\S+ {command}: argument {option}(/\S+)?: {re.escape(value)} must"
+        with pytest.raises(ConfigError, match=line):
+            build_parser().parse_args([command, *REQUIRED.get(command, []), option, *[value] * values])

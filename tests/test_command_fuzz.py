@@ -296,15 +296,21 @@ def test_a_row_ends_the_same_through_the_whole_command_line(script, args, key, c
 
 
 BENCH = [  # scripts/bench.py (argparse): a size that cannot be measured, named as typed
-    (["attention", "--lengths", "0"], "--lengths 0"), (["attention", "--repeats", "0"], "--repeats 0"),
+    (["attention", "--lengths", "0"], "--lengths: 0 must be at least 1"),
+    (["attention", "--repeats", "0"], "--repeats: 0 must be at least 1"),
     (["attention", "--d-model", "30", "--heads", "4"], "--d-model 30"),
     (["attention", "--d-model", "36", "--heads", "4"], "--d-model 36"),
-    (["generate", "--prompt", "-5"], "--prompt -5"), (["generate", "--new-tokens", "8", "0"], "--new-tokens 0"),
-    (["train", "--steps", "0"], "--steps 0"), (["train", "--warmup", "-1"], "--warmup -1"),
-    (["decode", "--batches", "-2"], "--batches -2"), (["kernels", "--rows", "0"], "--rows 0"),
+    (["generate", "--prompt", "-5"], "--prompt: -5 must be at least 1"),
+    (["generate", "--new-tokens", "8", "0"], "--new-tokens: 0 must be at least 1"),
+    (["train", "--steps", "0"], "--steps: 0 must be at least 1"), (["train", "--warmup", "-1"], "--warmup: -1 must"),
+    (["decode", "--batches", "-2"], "--batches: -2 must"), (["kernels", "--rows", "0"], "--rows: 0 must"),
+    (["kernels", "--rounds", "0"], "--rounds: 0 must be at least 1"), (["decode", "--rounds", "0"], "--rounds: 0"),
+    (["recipe", "--targets", "nan"], "--targets: nan must be a finite number above 0"),
+    (["frontier", "--steps", "0"], "--steps: 0 must be at least 1"),
     (["int8", "--ckpt", "{empty}/none.ckpt"], "none.ckpt"),
     # argparse's own refusals, one line too
-    (["attention", "--lengths", "abc"], "--lengths: invalid int value: 'abc'"), (["nope"], "invalid choice: 'nope'"),
+    (["attention", "--lengths", "abc"], "--lengths: invalid integer value: 'abc'"),
+    (["nope"], "invalid choice: 'nope'"),
     (["serve", "--bogus", "1"], "unrecognized arguments: --bogus 1"),
     (["serve", "--kinds", "linear"], "--int8 holds ['softmax-gqa']: not among --kinds"),
     # serve's llama.cpp rows: a program that is not there, a kind it is not given or cannot run (/bin/sh stands in)

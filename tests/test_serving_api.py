@@ -111,6 +111,27 @@ def test_bad_completions_get_a_400_naming_the_field(server, body, param, words):
     assert words in error["message"]
 
 
+NOT_JSON_NUMBERS = [b'"temperature": Infinity', b'"temperature": -Infinity', b'"top_p": NaN', b'"seed": 1e999',
+                    b'"max_tokens": 2, "stop": [NaN]', b'"extra": {"deep": [1, 2, Infinity]}']
+
+
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+@pytest.mark.parametrize("raw", [
+    *(b'{"model": "tiny", "prompt": "x", ' + field + b"}" for field in NOT_JSON_NUMBERS),
+    b'{"model": "tiny", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}",  # past the parser's recursion limit
+    b"[" * 100_000 + b"]" * 100_000,
+    b'{"model": "tiny", "prompt": "x", "n": ' + b"9" * 5000 + b"}",  # past int's digit limit
+], ids=lambda raw: raw[:40].decode(errors="replace"))
+def test_a_body_json_cannot_hold_is_a_400_in_openai_s_shape_and_the_server_keeps_serving(server, client, route, raw):
+    """Numbers JSON has not (Python's parser reads NaN, Infinity and 1e999 unless told not to), in any
+    field, and nesting past the recursion limit: each a 400 with OpenAI's error object, never a 500."""
+    reply = httpx.post(f"{server[0]}/v1/{route}", content=raw, headers={"content-type": "application/json"})
+    assert reply.status_code == 400, reply.text[:200]
+    error = reply.json()["error"]
+    assert error["type"] == "invalid_request_error" and "not valid JSON" in error["message"]
+    assert client.completions.create(model="tiny", prompt="ok", max_tokens=2).usage.completion_tokens <= 2
+
+
 def test_malformed_bodies_unknown_models_and_routes(server, client):
     url = server[0]
     for raw in (b"{not json", b"[1, 2]", b"\xff\xfe"):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -180,16 +181,37 @@ def usage(prompts: list[list[int]], results: dict[int, Finished]) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+def finite_number(text: str) -> float:
+    """A JSON number as Python reads it, refused where it is not finite (1e999 reads as infinity)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is beyond a float's range")
+    return value
+
+
+def no_constant(name: str):
+    """JSON has no NaN or Infinity; Python's parser accepts them unless told not to, anywhere in a body."""
+    raise ValueError(f"{name} is not a JSON number")
+
+
 async def parse(request: Request, schema: type[BaseModel]) -> BaseModel:
-    """The body as `schema`, or a 400 naming the first field that is wrong."""
+    """The body as `schema`, or a 400 naming the first field that is wrong: bytes that are not JSON,
+    numbers JSON has not (NaN, Infinity, a float past its range) and nesting past Python's recursion
+    limit are refused here, whatever field holds them."""
     try:
-        data = json.loads(await request.body())
-    except (ValueError, UnicodeDecodeError):
-        raise RequestError(400, "the request body is not valid JSON") from None
+        data = json.loads(await request.body(), parse_float=finite_number, parse_constant=no_constant)
+    except UnicodeDecodeError:
+        raise RequestError(400, "the request body is not valid JSON: it is not UTF-8 text") from None
+    except RecursionError:
+        raise RequestError(400, "the request body is not valid JSON here: it is nested too deeply") from None
+    except ValueError as e:
+        raise RequestError(400, f"the request body is not valid JSON: {str(e).splitlines()[0][:120]}") from None
     if not isinstance(data, dict):
         raise RequestError(400, "the request body must be a JSON object")
     try:
         return schema.model_validate(data)
+    except RecursionError:
+        raise RequestError(400, "the request body is nested too deeply") from None
     except ValidationError as e:
         first = e.errors()[0]
         # A union's errors name the member tried after the field ("prompt", "list[int]", 0): the field is
