@@ -22,7 +22,8 @@ TOY = ["preset=frontier", "kinds=[mha,linear,sliding]", "extra_kinds=[]", "per_k
        "frontier.width=16", "frontier.n_head=2", "frontier.knobs.mha=[{width: 16}, {width: 32}]",
        "frontier.knobs.linear=[{n_head: 4}, {n_head: 2}]", "frontier.knobs.sliding=[{window: 4}, {window: 8}]",
        "frontier.steps=6", "frontier.val_every=3", "frontier.batch_size=8", "frontier.examples=64",
-       "frontier.val_examples=16", "frontier.test_examples=16", "frontier.lr=[0.01]", "frontier.warmup_steps=1"]
+       "frontier.val_examples=16", "frontier.test_examples=16", "frontier.lr=[0.01]", "frontier.warmup_steps=1",
+       "frontier.rates_at=grid"]
 
 
 def run_in_process(*overrides: str) -> dict:
@@ -146,9 +147,12 @@ def test_a_point_that_ran_every_step_near_chance_is_marked_on_the_plateau():
     assert not on_plateau(record("mha", "width=32", 0.01, 0, 0.012, flat_at_chance, steps=60), 0.05)
 
 
-def test_the_preset_plans_every_kind_at_several_state_sizes_with_two_learning_rates():
+def test_the_preset_plans_the_rate_grid_at_each_kinds_middle_state_size_first():
     from lm.attention import available_kinds
+    from lm.studies.frontier import knob_points, point_label
 
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="compare", overrides=["preset=frontier"])
     arms = planned("preset=frontier")
     kinds = {a.labels["kind"] for a in arms}
     assert {"mha", "mqa", "gqa", "based", "linear-taylor", "hybrid-gated_delta", "hybrid-linear",
@@ -157,11 +161,15 @@ def test_the_preset_plans_every_kind_at_several_state_sizes_with_two_learning_ra
     assert mixers <= kinds and "baseconv" not in kinds  # every registered mixer, a later one by its width
     for kind in kinds:
         own = [a for a in arms if a.labels["kind"] == kind]
-        assert 3 <= len({a.labels["point"] for a in own}) <= 5, kind
+        points = knob_points(cfg.frontier, kind)
+        assert 3 <= len(points) <= 5, kind  # several state sizes, of which no record yet: the middle one alone
+        assert {a.labels["point"] for a in own} == {point_label(points[len(points) // 2])}, kind
         assert {a.labels["seed"] for a in own} == {0}, kind
-        one_rate = kind in ("kda", "additive")  # per_kind: the two kinds whose CPU step costs 10-20x MHA's
-        assert {a.labels["lr"] for a in own} == ({0.01} if one_rate else {0.003, 0.01}), kind
+        one_rate = kind == "additive"  # per_kind: the kind whose CPU step costs 10-20x MHA's
+        assert {a.labels["lr"] for a in own} == ({0.01} if one_rate else {0.001, 0.00316, 0.01, 0.0316}), kind
         assert {a.settings["trainer"]["max_steps"] for a in own} == {1500}, kind
+        assert {a.settings["optim"]["schedule"] for a in own} == {"constant"}, kind
+        assert {a.settings["data"]["examples"] for a in own} == {48000}, kind  # the same examples under any cap
     data = arms[0].settings["data"]
     assert data["mix"] == [[64, 4], [128, 8], [256, 16], [256, 32], [256, 64]]
     assert arms[0].settings["tests"][-1] == [512, 128] and arms[0].settings["model"]["max_seq_len"] == 512
@@ -173,7 +181,7 @@ def test_the_preset_plans_every_kind_at_several_state_sizes_with_two_learning_ra
     assert arms[0].settings["data"]["filler"] == "random"
     additive = [a for a in arms if a.labels["kind"] == "additive"]
     assert [(a.settings["model"]["d_model"], a.settings["attn"]["n_kv_head"]) for a in additive] == [
-        (32, 1), (32, 2), (32, 4)]  # its K/V heads at width 32, the one width its step cost allows
+        (32, 2)]  # its K/V heads at width 32, the one width its step cost allows: 1, 2, 4
 
 
 def test_based_block_puts_a_gated_convolution_before_each_mixer_layer_and_no_mlp():

@@ -294,9 +294,15 @@ def test_wsd_never_decays_before_warm_up_ends():
 
 def test_a_longer_run_keeps_wsd_stable_where_cosine_jumps():
     """What a changed trainer.max_steps does to a resumed run at step 300 of first 500, then 1000 steps."""
-    for schedule, same in (("wsd", True), ("cosine", False)):
+    for schedule, same in (("wsd", True), ("cosine", False), ("constant", True)):
         before, after = (lr_multiplier(300, schedule, 50, total, 0.1, 0.2) for total in (500, 1000))
         assert (before == after) is same
+
+
+def test_constant_warms_up_then_holds_the_peak_past_any_total():
+    values = [lr_multiplier(s, "constant", 10, 20, 0.1, 0.2) for s in range(200)]
+    assert values[:10] == [(s + 1) / 10 for s in range(10)]
+    assert values[10:] == [1.0] * 190  # past total_steps too: a continued run stays at the peak
 
 
 # ---------------------------------------------------------------------------- settings
@@ -313,7 +319,7 @@ def test_a_run_config_written_before_a_key_existed_takes_its_default():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["optim.schedule=step"], "optim.schedule='step' is not one of ['cosine', 'linear', 'wsd']"),
+    (["optim.schedule=step"], "optim.schedule='step' is not one of ['constant', 'cosine', 'linear', 'wsd']"),
     (["optim.decay_fraction=0"], "optim.decay_fraction=0 must be in (0, 1]"),
     (["optim.decay_fraction=1.5"], "optim.decay_fraction=1.5 must be in (0, 1]"),
     (["optim.fused=maybe"], "optim.fused='maybe' must be true or false"),

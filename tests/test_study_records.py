@@ -64,7 +64,8 @@ def test_the_committed_frontier_pilot_arms_are_taken_by_todays_plan(tmp_path):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         arms = compare.plan(compose("compare", overrides=[
             "preset=frontier", "kinds=[mha]", "extra_kinds=[]", "seeds=2", "frontier.knobs.mha=[{width: 64}]",
-            "frontier.block=based", "frontier.n_layer=1", f"out={tmp_path}"]))
+            "frontier.block=based", "frontier.n_layer=1", "frontier.lr=[0.003, 0.01]", "frontier.rates_at=grid",
+            "frontier.schedule=cosine", f"out={tmp_path}"]))
     results = json.loads(source.read_text())
     finished = results["records"] + results.get("waiting", [])
     said = import_records(arms, tmp_path / "records", source)

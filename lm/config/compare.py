@@ -18,7 +18,7 @@ from typing import Any
 
 from lm.config.settings import Bound, boolean, choice, each, fraction, group, integer, number, positive, setting, store
 from lm.data.recall_task import FILLERS
-from lm.util.checks import as_list
+from lm.util.checks import as_list, require_int
 from lm.util.errors import ConfigError
 
 # recall, language modelling, decoding speed and cache size, then recall against state size, in the study's order
@@ -40,6 +40,13 @@ def learning_rates() -> Bound:
             raise ConfigError(f"{name}={rates} names a learning rate more than once")
 
     return Bound("a positive number, or a list of different ones", check)
+
+
+def check_arm(name: str, value: Any) -> None:
+    """An index or a name; which arms the plan holds is checked once it is made (lm.studies.jobs.only_arm)."""
+    if isinstance(value, str) and value:
+        return
+    require_int(name, value, minimum=0)
 
 
 def recall_cells() -> Bound:
@@ -201,6 +208,10 @@ def default_knobs() -> dict:
             "dsa": along("top_k", [4, 8, 16, 32])}
 
 
+FRONTIER_SCHEDULES = ("constant", "cosine")
+RATES_AT = ("grid", "every", "middle")
+
+
 @dataclass(kw_only=True)
 class FrontierSettings:
     """Recall against decoding-state size (Based's Figure 2, Arora et al. 2024, arXiv 2402.18668;
@@ -233,7 +244,8 @@ class FrontierSettings:
     ff_mult: int = setting(3, "d_ff = ff_mult x width, with frontier.block=transformer", integer())
     short_conv: int = setting(3, "taps of the short convolution before every mixer layer (Based: 3); 0: none, "
                                  "with frontier.block=transformer", integer(0))
-    steps: int = setting(22500, "training steps at most (Based: 32 epochs of its 180k examples at batch 256)",
+    steps: int = setting(22500, "each arm's cap of training steps (Based: 32 epochs of its 180k examples at batch "
+                                "256); raised under schedule=constant, the arms that ran to the old cap continue",
                          integer())
     stop_at_accuracy: float | None = setting(0.99, "an arm stops once its held-out accuracy on the mix passes it; "
                                                    "null: every arm runs all its steps", fraction(nullable=True))
@@ -254,6 +266,17 @@ class FrontierSettings:
                                            "(Based: logspace(-3, -1.5, 4))", bound=learning_rates(),
                                       factory=lambda: [0.001, 0.00316, 0.01, 0.0316])
     warmup_steps: int = setting(500, "linear warm-up steps", integer(0))
+    schedule: str = setting("constant", "the rate after warm-up: constant (held to the last step, so a higher "
+                                        "frontier.steps continues each arm that ran to the old one from its "
+                                        "checkpoint, the same run made longer) or cosine (to optim.min_lr_ratio at "
+                                        "frontier.steps; zoology anneals with cosine to 0 over its epochs)",
+                            choice(FRONTIER_SCHEDULES))
+    rates_at: str = setting("grid", "grid: every frontier.lr rate at every state size on every seed (Based's sweep); "
+                                    "or a search on the first seed, the other seeds then at its best rate: every "
+                                    "(the grid at each state size) or middle (the grid at each kind's middle state "
+                                    "size, and at its others the best rate there with its grid neighbours, once "
+                                    "that has finished); a search's best rate at an edge of the rates it ran adds "
+                                    "one step past it", choice(RATES_AT))
 
 
 def default_extra_kinds() -> list[dict]:
@@ -287,8 +310,9 @@ class CompareSettings:
     seeds: int = setting(2, "seeds per cell: the tables show their mean and spread", integer())
     per_kind: dict[str, Any] | None = setting(help="a kind's own mqar, lm, speed or seeds on top (the tables say "
                                                    "so); null: none", factory=default_per_kind)
-    arm: int | None = setting(None, "an arm's index: run it alone and write its record, as a launcher's job does",
-                              integer(0, nullable=True))
+    arm: int | str | None = setting(None, "an arm's index or name: run it alone and write its record, as a "
+                                          "launcher's job does", Bound("an integer >= 0 or an arm's name",
+                                                                       check_arm, nullable=True))
     report_only: bool = setting(False, "run no arm, render the finished ones (a cell shows once all its arms have)",
                                 boolean())
     records_from: str | None = setting(None, "a study's results.json (docs/compare/results.json): its finished "

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from lm.config.settings import Bound, boolean, choice, integer, number, positive, redefault, setting, store
 from lm.util.checks import require_int, require_unit
 
-SCHEDULES = ("cosine", "wsd", "linear")
+SCHEDULES = ("cosine", "wsd", "linear", "constant")
 ADJUST_LR = ("original", "match_rms_adamw")  # torch.optim.Muon's adjust_lr_fn
 NS_DTYPE = ("auto", "bfloat16", "float32")  # auto: bfloat16 where bf16 matmuls are fast (lm.util.hardware)
 
@@ -30,12 +30,14 @@ class OptimConfig:
     name: str = setting("adamw", "the optimizer: adamw | muon (optim=muon chooses its group)")
     lr: float = setting(2e-3, "peak learning rate, reached when warm-up ends", positive())
     min_lr_ratio: float = setting(0.1, "the learning rate at trainer.max_steps, as a fraction of the peak (every "
-                                       "schedule ends there)", UNIT)
+                                       "schedule but constant ends there)", UNIT)
     warmup_steps: int = setting(50, "linear warm-up from lr / warmup_steps to lr over these optimizer steps",
                                 integer(0))
-    schedule: str = setting("cosine", "after warm-up: cosine, linear (decay over all the steps left) or wsd "
+    schedule: str = setting("cosine", "after warm-up: cosine, linear (decay over all the steps left), wsd "
                                       "(constant at lr, then linear decay over the last decay_fraction of "
-                                      "trainer.max_steps)", choice(SCHEDULES))
+                                      "trainer.max_steps) or constant (lr to the end, whatever trainer.max_steps: "
+                                      "a run continued under a higher max_steps is the same run made longer)",
+                            choice(SCHEDULES))
     decay_fraction: float = setting(0.2, "wsd only: the share of trainer.max_steps its final decay takes",
                                     number(0, 1, open_low=True))
     weight_decay: float = setting(0.1, "decoupled; on matrices only, not on norms or embeddings", DECAY)

@@ -96,7 +96,7 @@ def plan(cfg: DictConfig) -> list[Arm]:
         if "speed" in tasks:
             arms.append(speed_arm(own, entry, common))
         if "frontier" in tasks:
-            arms += frontier_arms(own, entry, seeds, common, runs)
+            arms += frontier_arms(own, entry, seeds, common, runs, resolve_path(cfg.out) / "records")
     return arms
 
 

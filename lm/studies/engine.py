@@ -14,6 +14,11 @@ before it are kept. A signal (Ctrl-C, a scheduler's SIGTERM) stops the study wit
 exit code 128 + the signal: training saves its `last.ckpt` on the way out, the record says the
 arm was interrupted, and the same command continues that arm from its checkpoint when the arm
 has one (`Arm.checkpoint`), or runs it again.
+
+An arm may name the setting that caps its steps (`Arm.cap`) when a run under a higher cap is the
+same run made longer (a schedule and data that do not depend on the cap). Raising the cap then
+keeps every record whose run stopped before its old cap (it would stop at the same step under the
+new one) and continues each that ran to its cap from its checkpoint, instead of running either again.
 """
 
 from __future__ import annotations
@@ -39,6 +44,16 @@ from lm.util.errors import DataError, Interrupted, RunInterrupted, one_line
 from lm.util.files import make_folder, write_atomically
 
 
+@dataclass(frozen=True)
+class StepCap:
+    """The setting that caps an arm's steps, where the run under a higher cap is this run made
+    longer: a record that stopped before its cap stands under any higher one, and one that ran to
+    its cap continues from the arm's checkpoint."""
+
+    setting: str  # flattened, as `flat` names it: "trainer.max_steps"
+    ran_to_cap: Callable[[dict], bool]  # whether a finished record's run took every step its cap allowed
+
+
 @dataclass
 class Arm:
     name: str  # the record's file name: records/<name>.json
@@ -47,6 +62,7 @@ class Arm:
     labels: dict = field(default_factory=dict)  # what the tables group by, known before running
     log: Path | None = None  # where the arm's own output goes; None: the terminal
     checkpoint: Path | None = None  # where an interrupted run of the arm leaves its state, if it leaves one
+    cap: StepCap | None = None  # the setting a record of a lower cap is kept or continued under
 
 
 def recorded_settings(run_cfg: DictConfig) -> dict:
@@ -77,8 +93,9 @@ def is_sealed(record) -> bool:
 @dataclass
 class Stored:
     """What <records>/<name>.json says of an arm: `state` is one of absent, damaged, invalid (sealed,
-    but a value of no meaning: `bad_value`), failed, interrupted, changed, done; `record` is the
-    reusable record when done."""
+    but a value of no meaning: `bad_value`), failed, interrupted, changed, extend (it ran to a cap
+    since raised: `Arm.cap`), done; `record` is the reusable record when done, the record so far
+    when interrupted or to extend."""
 
     state: str
     record: dict | None = None
@@ -119,7 +136,33 @@ def same_settings(recorded: dict, planned: dict) -> bool:
         key in ADDED_SINCE_RECORDS and ADDED_SINCE_RECORDS[key] == after[key] for key in added)
 
 
-def stored_record(path: Path, settings: dict) -> Stored:
+def raised_cap(recorded: dict, planned: dict, cap: StepCap | None) -> tuple[int, int] | None:
+    """(old, new) when the planned settings are the record's with `cap`'s setting raised, else None."""
+    if cap is None:
+        return None
+    old, new = flat(recorded).get(cap.setting), flat(planned).get(cap.setting)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (old, new)) or new <= old:
+        return None
+    return (old, new) if same_settings(recorded, set_flat(planned, cap.setting, old)) else None
+
+
+def kept_under_raised_cap(record: dict, arm: Arm) -> dict | None:
+    """A finished record whose run stopped before a cap the plan has since raised, sealed again under
+    the planned settings: the run under the higher cap is this run, step for step. None otherwise."""
+    planned = as_json_data(arm.settings)
+    if ("error" in record or record.get("interrupted") or raised_cap(record["settings"], planned, arm.cap) is None
+            or arm.cap.ran_to_cap(record)):
+        return None
+    return sealed({**record, "settings": planned})
+
+
+def set_flat(settings: dict, key: str, value) -> dict:
+    """A copy of nested `settings` with the flattened `key` ("trainer.max_steps") set to `value`."""
+    head, _, rest = key.partition(".")
+    return {**settings, head: set_flat(settings[head], rest, value) if rest else value}
+
+
+def stored_record(path: Path, settings: dict, cap: StepCap | None = None) -> Stored:
     try:
         record = json.loads(path.read_text())
     except FileNotFoundError:
@@ -131,8 +174,16 @@ def stored_record(path: Path, settings: dict) -> Stored:
     problem = bad_value(record)
     if problem is not None:
         return Stored("invalid", changes=[problem])
-    if not same_settings(record["settings"], as_json_data(settings)):
-        return Stored("changed", changes=changed_settings(record["settings"], as_json_data(settings)))
+    planned = as_json_data(settings)
+    raised = raised_cap(record["settings"], planned, cap) if "error" not in record else None
+    if raised is not None:
+        if record.get("interrupted"):
+            return Stored("interrupted", record)
+        if cap.ran_to_cap(record):
+            return Stored("extend", record, changes=[f"{cap.setting} {raised[0]} -> {raised[1]}"])
+        return Stored("done", sealed({**record, "settings": planned}))
+    if not same_settings(record["settings"], planned):
+        return Stored("changed", changes=changed_settings(record["settings"], planned))
     if "error" in record:
         return Stored("failed")
     if record.get("interrupted"):
@@ -166,6 +217,8 @@ def rerun_note(stored: Stored, path: Path) -> str | None:
         return "it failed last time; running it again"
     if stored.state == "invalid":
         return f"its record {path.name} is set aside ({stored.changes[0]}); running it again"
+    if stored.state == "extend":
+        return f"it ran to its cap, raised ({stored.changes[0]}), and left no checkpoint; running it again"
     return None
 
 
@@ -237,7 +290,7 @@ def finished_records(arms: list[Arm], records: Path) -> tuple[list[dict], list[A
     can report while its other arms still run, on other machines or later."""
     done, unfinished = [], []
     for arm in arms:
-        stored = stored_record(records / f"{arm.name}.json", arm.settings)
+        stored = stored_record(records / f"{arm.name}.json", arm.settings, arm.cap)
         if stored.state == "done":
             done.append(stored.record)
         else:
@@ -285,13 +338,15 @@ def import_records(arms: list[Arm], records: Path, source: Path,
             set_aside.append(f"{arm.name}: {problem}")
         elif arm.name in taken:
             counts["given twice"] += 1
-        elif not same_settings(record["settings"], as_json_data(arm.settings)):
-            counts["of other settings"] += 1
         elif "error" in record or record.get("interrupted"):
             counts["unfinished"] += 1
+        # (one that ran to a cap since raised continues from a checkpoint, which a results.json does not carry)
+        elif not same_settings((record := kept_under_raised_cap(record, arm) or record)["settings"],
+                               as_json_data(arm.settings)):
+            counts["of other settings"] += 1
         elif times_this_machine(arm) and not ran_on_machine(record, here):
             counts["timed on another machine"] += 1
-        elif stored_record(records / f"{arm.name}.json", arm.settings).state == "done":
+        elif stored_record(records / f"{arm.name}.json", arm.settings, arm.cap).state == "done":
             counts["finished here already"] += 1
         else:
             make_folder(records)
@@ -312,15 +367,19 @@ def _run_each(arms: list[Arm], records: Path, describe: Callable[[dict], str], o
             continue
         prefix = f"[{i:>{len(str(len(arms)))}}/{len(arms)}]"
         path = records / f"{arm.name}.json"
-        stored = stored_record(path, arm.settings)
+        stored = stored_record(path, arm.settings, arm.cap)
         if stored.state == "done":
+            if stored.record["settings"] != json.loads(path.read_text())["settings"]:
+                write_record(path, stored.record)  # kept under a raised cap: the record says the cap it holds for
             print(f"{prefix} {describe(stored.record)}  (done before)", flush=True)
             done.append(stored.record)
             continue
         note = rerun_note(stored, path)
-        resume = stored.state == "interrupted" and arm.checkpoint is not None and arm.checkpoint.is_file()
+        resume = (stored.state in ("interrupted", "extend") and arm.checkpoint is not None
+                  and arm.checkpoint.is_file())
         if resume:
-            note = f"continuing from {arm.checkpoint}, where it was interrupted"
+            note = (f"continuing from {arm.checkpoint}, where it was interrupted" if stored.state == "interrupted"
+                    else f"continuing from {arm.checkpoint}: it ran to its cap, raised ({stored.changes[0]})")
         if note:
             print(f"{prefix} {arm.name}: {note}", flush=True)
         if not resume and arm.checkpoint is not None:

@@ -12,7 +12,6 @@ state. A kind's knob comes from `frontier.knobs` (a kind it does not name sweeps
 
 from __future__ import annotations
 
-import itertools
 from pathlib import Path
 
 import torch
@@ -26,8 +25,8 @@ from lm.formats.checkpoint import load
 from lm.model.generation_cache import GenerationCache
 from lm.studies.compare_arms import Entry, _trainer, check_run, lr_tag, resumed, training_config
 from lm.studies.compare_runs import training_figures, unless_diverged
-from lm.studies.compare_tables import si_bytes
-from lm.studies.engine import Arm, recorded_settings
+from lm.studies.compare_tables import best_lr, diverged, si_bytes
+from lm.studies.engine import Arm, StepCap, finished_records, recorded_settings
 from lm.training.run import train
 from lm.util.checks import as_list
 from lm.util.errors import ConfigError
@@ -72,6 +71,10 @@ def check_frontier(cfg: DictConfig) -> None:
     if f.block == "based" and f.short_conv < 2:
         raise ConfigError(f"frontier.short_conv={f.short_conv} leaves Based's block no convolution: its gated "
                           "convolution needs at least 2 taps (frontier.block=transformer runs without one)")
+    if f.schedule == "constant" and f.examples is None:
+        raise ConfigError("frontier.examples=null makes the examples frontier.steps x batch_size, so a raised cap would "
+                          "train on other examples than the arms it continues: give a count with "
+                          "frontier.schedule=constant")
     trained = max(s for s, _ in f.train)
     if not any(s > trained for s, _ in f.test):
         raise ConfigError(f"frontier.test={OmegaConf.to_container(f.test)} has no sequence longer than the "
@@ -98,7 +101,7 @@ def point_config(cfg: DictConfig, entry: Entry, point: dict, lr: float, seed: in
               "data": {"vocab_size": f.vocab_size, "seq_len": longest[0], "pairs": longest[1], "mix": train_cells,
                        "examples": examples, "val_examples": f.val_examples, "seed": seed,
                        "batch_size": f.batch_size, "filler": f.filler, "query_power": m.query_power},
-              "optim": {"lr": lr, "warmup_steps": f.warmup_steps},
+              "optim": {"lr": lr, "warmup_steps": f.warmup_steps, "schedule": f.schedule},
               "trainer": {**_trainer(f.steps, f.val_every, None), "stop_at_accuracy": f.stop_at_accuracy}}
     with_knobs = Entry(entry.name, entry.attn, entry.kind, {**entry.options, **attn})
     run_cfg = training_config(with_knobs, ["data=mqar"], values)
@@ -121,30 +124,130 @@ def based_block(attn: DictConfig, taps: int) -> Entry:
                                          "taps": taps})
 
 
-def frontier_arms(cfg: DictConfig, entry: Entry, seeds: list[int], common: dict, runs: Path) -> list[Arm]:
-    """Per state size of the kind, one arm per learning rate and seed."""
+def frontier_arms(cfg: DictConfig, entry: Entry, seeds: list[int], common: dict, runs: Path,
+                  records: Path) -> list[Arm]:
+    """The kind's arms: every rate at every point on every seed (`frontier.rates_at=grid`), or as far
+    as its finished records decide them:
+    - the rate search, on the first seed: the whole frontier.lr grid at every state size (`every`),
+      or at the middle one (`middle`) and, once that has finished, the best rate there with its
+      neighbours on the grid at the others; where a point's best rate is at an edge of the rates it
+      ran (and it left the plateau), one step further that way;
+    - once a point's search has finished, its best rate on the other seeds.
+    So a command plans what the records so far call for, and the same command again plans the next."""
+    f = cfg.frontier
+    points, first = knob_points(f, entry.name), seeds[0]
+    ladder = RateLadder(as_list("frontier.lr", f.lr))
+
+    def arm(point: dict, lr: float, seed: int) -> Arm:
+        return frontier_arm(cfg, entry, point, lr, seed, common, runs)
+
+    if f.rates_at == "grid":
+        return [arm(point, lr, seed) for point in points for lr in as_list("frontier.lr", f.lr) for seed in seeds]
+
+    searched = points if f.rates_at == "every" else [points[len(points) // 2]]
+    arms, best = [], {}
+    for point in searched:
+        search, best[point_tag(point)] = rate_search(ladder, ladder.grid, lambda lr, p=point: arm(p, lr, first),
+                                                     records, f.plateau)
+        arms += search
+    middle = best[point_tag(searched[0])] if f.rates_at == "middle" else None
+    for point in points:
+        if point in searched:
+            continue
+        if middle is None:
+            break  # the middle point's search decides these rates: planned once it has finished
+        search, best[point_tag(point)] = rate_search(ladder, ladder.around(middle), lambda lr, p=point: arm(p, lr, first),
+                                                     records, f.plateau)
+        arms += search
+    for point in points:  # the other seeds, where the rate is known
+        lr = best.get(point_tag(point))
+        if lr is not None:
+            arms += [arm(point, lr, seed) for seed in seeds[1:]]
+    return arms
+
+
+class RateLadder:
+    """The learning rates a search may try: the frontier.lr grid and, one log-spaced step (the grid's
+    own ratio) at a time, beyond its ends, each rate there given to 2 significant digits."""
+
+    def __init__(self, grid: list[float]):
+        self.grid = sorted(float(lr) for lr in grid)
+        self.ratio = (self.grid[-1] / self.grid[0]) ** (1 / (len(self.grid) - 1)) if len(self.grid) > 1 else None
+
+    def step(self, lr: float, direction: int) -> float | None:
+        """The next rate from `lr` up (+1) or down (-1): on the grid, or past it; None without a ratio."""
+        if self.ratio is None:
+            return None
+        if lr in self.grid and 0 <= self.grid.index(lr) + direction < len(self.grid):
+            return self.grid[self.grid.index(lr) + direction]
+        return float(f"{lr * self.ratio ** direction:.2g}")
+
+    def around(self, lr: float) -> list[float]:
+        """`lr` and its neighbours."""
+        return sorted({lr, *(r for r in (self.step(lr, -1), self.step(lr, 1)) if r is not None)})
+
+
+def rate_search(ladder: RateLadder, rates: list[float], arm_at, records: Path, plateau: float) -> tuple[list[Arm], float | None]:
+    """The arms of one point's rate search and its best rate (None until they have all finished):
+    `rates`, and one step past the edge where the best of them is, unless it is on the plateau."""
+    arms = {lr: arm_at(lr) for lr in rates}
+    best = best_finished(arms, records)
+    if best is None:
+        return list(arms.values()), None
+    lr, accuracy = best
+    beyond = ladder.step(lr, -1 if lr == min(rates) else 1) if lr in (min(rates), max(rates)) else None
+    if beyond is not None and accuracy > plateau:
+        arms[beyond] = arm_at(beyond)
+        best = best_finished(arms, records)
+    return list(arms.values()), None if best is None else best[0]
+
+
+def best_finished(arms: dict[float, Arm], records: Path) -> tuple[float, float] | None:
+    """(rate, accuracy on the mix) of the best of the rates' arms, once every one has finished."""
+    done, unfinished = finished_records(list(arms.values()), records)
+    if unfinished:
+        return None
+    by_lr = {r["lr"]: [r] for r in done}
+    lr = best_rate(by_lr)
+    return lr, mix_accuracy(by_lr[lr][0])
+
+
+def best_rate(by_lr: dict[float, list[dict]]) -> float:
+    """The rate whose first seed (the one the search ran) reached the highest accuracy on the mix:
+    the other seeds run at the rate it chose, so their mean does not choose again."""
+    return best_lr({lr: [min(rs, key=lambda r: r["seed"])] for lr, rs in by_lr.items()}, mix_accuracy, True)
+
+
+def mix_accuracy(r: dict) -> float:
+    return 0.0 if diverged(r) else r["val_accuracy"]
+
+
+def ran_every_step(r: dict) -> bool:
+    return not diverged(r) and r["steps"] >= r["settings"]["trainer"]["max_steps"]
+
+
+def frontier_arm(cfg: DictConfig, entry: Entry, point: dict, lr: float, seed: int, common: dict, runs: Path) -> Arm:
+    """One point at one rate and seed. Under a constant rate its step cap (frontier.steps) can be
+    raised: the arms that ran to the old one continue from their checkpoints (lm.studies.engine)."""
     f = cfg.frontier
     tests = test_cells(f)
-    arms = []
-    for point, lr, seed in itertools.product(knob_points(f, entry.name), as_list("frontier.lr", f.lr), seeds):
-        name = f"frontier-{entry.name}-{point_tag(point)}-{lr_tag(lr)}-s{seed}"
-        try:  # a knob the kind does not take, or a size its model refuses, named as the table gives it
-            run_cfg = point_config(cfg, entry, point, lr, seed, common, name)
-            check_run(name, run_cfg, recall=True)
-        except ConfigError as e:
-            raise ConfigError(f"frontier.knobs.{entry.name} {point_label(point)}: {e}") from None
-        except ConfigKeyError as e:  # a key the kind's attn schema lacks
-            raise ConfigError(f"frontier.knobs.{entry.name} {point_label(point)}: {e.key} is not an option of "
-                              f"{entry.name}'s attention") from None
-        settings = {**recorded_settings(run_cfg), "tests": [list(t) for t in tests],
-                    "test_examples": f.test_examples}
-        arms.append(Arm(name, settings,
-                        lambda resume=False, c=run_cfg: unless_diverged(
-                            lambda r: frontier_run(r, tests, f.test_examples), resumed(c, resume)),
-                        labels={"task": "frontier", "kind": entry.name, "point": point_label(point), "knobs": point,
-                                "lr": lr, "seed": seed},
-                        log=runs / name / "train.log", checkpoint=runs / name / "last.ckpt"))
-    return arms
+    name = f"frontier-{entry.name}-{point_tag(point)}-{lr_tag(lr)}-s{seed}"
+    try:  # a knob the kind does not take, or a size its model refuses, named as the table gives it
+        run_cfg = point_config(cfg, entry, point, lr, seed, common, name)
+        check_run(name, run_cfg, recall=True)
+    except ConfigError as e:
+        raise ConfigError(f"frontier.knobs.{entry.name} {point_label(point)}: {e}") from None
+    except ConfigKeyError as e:  # a key the kind's attn schema lacks
+        raise ConfigError(f"frontier.knobs.{entry.name} {point_label(point)}: {e.key} is not an option of "
+                          f"{entry.name}'s attention") from None
+    settings = {**recorded_settings(run_cfg), "tests": [list(t) for t in tests], "test_examples": f.test_examples}
+    return Arm(name, settings,
+               lambda resume=False: unless_diverged(lambda r: frontier_run(r, tests, f.test_examples),
+                                                    resumed(run_cfg, resume)),
+               labels={"task": "frontier", "kind": entry.name, "point": point_label(point), "knobs": point,
+                       "lr": lr, "seed": seed},
+               log=runs / name / "train.log", checkpoint=runs / name / "last.ckpt",
+               cap=StepCap("trainer.max_steps", ran_every_step) if f.schedule == "constant" else None)
 
 
 def frontier_run(run_cfg: DictConfig, tests: list[tuple[int, int]], examples: int) -> dict:

@@ -2,9 +2,9 @@
 accuracy against the bytes its decoding state holds at that length, and the Pareto frontier over
 every kind (the points no other point beats with fewer or equal bytes).
 
-A state size's number is the best learning rate's mean over seeds, the rate chosen by the mean
-held-out accuracy on the training mix (one model per point for every test, not the best rate per
-test). A point is marked stopped by the budget when a seed of that rate ran every step and its
+A state size's number is the best learning rate's mean over seeds, the rate chosen by its first
+seed's held-out accuracy on the training mix, as the rate search chose it (one model per point for
+every test, not the best rate per test). A point is marked stopped by the budget when a seed of that rate ran every step and its
 last held-out accuracy still rose by more than `frontier.still_learning` over the one before: a
 fixed-state kind still learning at its last step has not shown its limit. Nor has one that ran every
 step and never left MQAR's plateau (its last accuracy on the mix at most `frontier.plateau`): the
@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lm.studies.compare_tables import best_lr, diverged, mean_and_spread, si_bytes
+from lm.studies.compare_tables import diverged, mean_and_spread, si_bytes
+from lm.studies.frontier import best_rate, ran_every_step
 from lm.studies.plotting import line_style, pyplot
 
 
@@ -33,14 +34,6 @@ class StatePoint:
     on_plateau: bool  # ran every step and never left the plateau near chance
     accuracy: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)  # test -> (mean, spread)
     state_bytes: dict[tuple[int, int], int] = field(default_factory=dict)  # test -> bytes per sequence
-
-
-def mix_accuracy(r: dict) -> float:
-    return 0.0 if diverged(r) else r["val_accuracy"]
-
-
-def ran_every_step(r: dict) -> bool:
-    return not diverged(r) and r["steps"] >= r["settings"]["trainer"]["max_steps"]
 
 
 def still_learning(r: dict, threshold: float) -> bool:
@@ -64,7 +57,7 @@ def state_points(records: list[dict], threshold: float, plateau: float) -> list[
             grouped.setdefault((r["kind"], r["point"]), {}).setdefault(r["lr"], []).append(r)
     points = []
     for (kind, label), by_lr in grouped.items():
-        lr = best_lr(by_lr, mix_accuracy, True)
+        lr = best_rate(by_lr)
         rs = by_lr[lr]
         kept = [r for r in rs if not diverged(r)]
         point = StatePoint(kind, label, lr, len(rs), len(rs) - len(kept),

@@ -3,7 +3,7 @@
 `python scripts/compare.py hydra/launcher=joblib hydra.launcher.n_jobs=2` (any launcher Hydra
 has a plugin for: joblib from `hydra-joblib-launcher`, submitit_slurm from
 `hydra-submitit-launcher`, ...) plans the study as usual, then starts one Hydra multirun of the
-same command with `arm=<i>,<j>,...`: one job per arm whose record is not done yet, which runs
+same command with `arm=<name>,<name>,...`: one job per arm whose record is not done yet, which runs
 that arm alone and writes its record (lm.studies.engine). When the jobs are over, the study
 gathers every record into the report as if it had run them itself. An arm that crashed or was
 interrupted has no finished record, so the same command launches it, and only it, again.
@@ -60,10 +60,15 @@ def unfinished(arms: list[Arm], records: Path) -> list[int]:
 
 
 def only_arm(arms: list[Arm], arm) -> int:
-    """`arm=<i>` of a job, checked: an index of the planned arms."""
+    """`arm=<i>` or `arm=<name>` of a job, checked: the index of one of the planned arms. The jobs are
+    launched by name: a plan that grows with its records (the frontier's rate search) may number an
+    arm differently by the time its job plans."""
+    names = [a.name for a in arms]
+    if isinstance(arm, str) and arm in names:
+        return names.index(arm)
     if isinstance(arm, bool) or not isinstance(arm, int) or not 0 <= arm < len(arms):
-        raise ConfigError(f"arm={arm!r} must be the index of one of the study's {len(arms)} arms "
-                          f"(0 to {len(arms) - 1})")
+        raise ConfigError(f"arm={arm!r} must be the index (0 to {len(arms) - 1}) or the name of one of the "
+                          f"study's {len(arms)} arms")
     return arm
 
 
@@ -76,7 +81,7 @@ def run_as_jobs(arms: list[Arm], records: Path, launcher: str) -> None:
         return
     overrides = HydraConfig.get().overrides
     command = [sys.executable, sys.argv[0], "--multirun", *overrides.task, *overrides.hydra,
-               f"arm={','.join(str(i) for i in pending)}"]
+               f"arm={','.join(arms[i].name for i in pending)}"]
     print(f"running {len(pending)} of {len(arms)} arms as jobs of hydra/launcher={launcher}", flush=True)
     done = subprocess.run(command, check=False)  # each job prints its arm's line; failures are read from the records
     failed = [arms[i].name for i in unfinished(arms, records) if i in pending]

@@ -6,7 +6,7 @@ embeddings. `optim=muon`: Muon (lm.training.muon) for the hidden matrices, the w
 blocks' nn.Linear layers, each fused weight orthogonalised per matrix it holds; AdamW for the rest
 (embeddings, the output head, norms, biases, convolution taps, per-head vectors and scalars), each
 side with its own learning rate and weight decay. Either way one schedule scales every group's
-learning rate: linear warm-up, then `cosine`, `wsd` or `linear` decay to `min_lr_ratio`.
+learning rate: linear warm-up, then `cosine`, `wsd` or `linear` decay to `min_lr_ratio`, or `constant`.
 
 Which parameters are matrices for Muon is declared, not guessed from shapes: a 2-D parameter is an
 nn.Linear weight, or its module names it in `adamw_parameters` (a tuple of its own parameters'
@@ -184,10 +184,13 @@ def lr_multiplier(step: int, schedule: str, warmup_steps: int, total_steps: int,
     - cosine: cosine decay to min_ratio at total_steps;
     - linear: linear decay to min_ratio at total_steps;
     - wsd (warm-up, stable, decay): 1 until the last decay_fraction of total_steps (never before
-      warm-up ends), then linear decay to min_ratio at total_steps.
+      warm-up ends), then linear decay to min_ratio at total_steps;
+    - constant: 1, never depending on total_steps.
     Steps past total_steps stay at min_ratio."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
     start = warmup_steps
     if schedule == "wsd":
         start = max(warmup_steps, total_steps - round(decay_fraction * total_steps))
