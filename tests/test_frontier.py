@@ -147,6 +147,93 @@ def test_a_point_that_ran_every_step_near_chance_is_marked_on_the_plateau():
     assert not on_plateau(record("mha", "width=32", 0.01, 0, 0.012, flat_at_chance, steps=60), 0.05)
 
 
+SEARCH = [*TOY, "kinds=[mha]", "frontier.knobs.mha=[{width: 16}, {width: 24}, {width: 32}]", "seeds=2",
+          "frontier.lr=[0.001, 0.00316, 0.01, 0.0316]", "frontier.rates_at=middle"]
+
+
+def finish(out: Path, arms, mix: dict[tuple[str, float], float]) -> None:
+    """Records, as the engine seals them, for the planned arms `mix` names by (point, rate): their
+    accuracy on the mix."""
+    from lm.studies.engine import as_json_data, write_record
+
+    for a in arms:
+        accuracy = mix.get((a.labels["point"], a.labels["lr"]))
+        if accuracy is not None and a.labels["seed"] == 0:
+            write_record(out / "records" / f"{a.name}.json", as_json_data({
+                "arm": a.name, **a.labels, "steps": 6, "val_loss": 1.0, "val_accuracy": accuracy,
+                "train_seconds": 1.0, "train_tokens_per_s": 1.0, "history": [[6, 1.0, accuracy, 1.0]], "tests": [],
+                "seconds": 1.0, "settings": a.settings}))
+
+
+def plan_of(arms) -> set[tuple[str, float, int]]:
+    return {(a.labels["point"], a.labels["lr"], a.labels["seed"]) for a in arms}
+
+
+def test_the_rate_search_runs_the_grid_at_the_middle_size_then_its_best_and_neighbours_at_the_others(tmp_path):
+    out = tmp_path / "study"
+    grid = [0.001, 0.00316, 0.01, 0.0316]
+    arms = planned(*SEARCH, f"out={out}")
+    assert plan_of(arms) == {("width=24", lr, 0) for lr in grid}  # the others wait for the middle's records
+    finish(out, arms, {("width=24", 0.001): 0.2, ("width=24", 0.00316): 0.9, ("width=24", 0.01): 0.5,
+                       ("width=24", 0.0316): 0.1})
+    arms = planned(*SEARCH, f"out={out}")
+    assert plan_of(arms) == ({("width=24", lr, 0) for lr in grid} | {("width=24", 0.00316, 1)}
+                             | {(p, lr, 0) for p in ("width=16", "width=32") for lr in (0.001, 0.00316, 0.01)})
+    # a best rate at an edge of the rates a point ran goes one step further that way, past the grid too
+    finish(out, arms, {("width=16", 0.001): 0.6, ("width=16", 0.00316): 0.4, ("width=16", 0.01): 0.3,
+                       ("width=32", 0.001): 0.3, ("width=32", 0.00316): 0.8, ("width=32", 0.01): 0.7})
+    arms = planned(*SEARCH, f"out={out}")
+    assert {t for t in plan_of(arms) if t[0] == "width=16"} == {("width=16", lr, 0) for lr in (0.00032, *grid[:3])}
+    assert {t for t in plan_of(arms) if t[0] == "width=32"} == (
+        {("width=32", lr, 0) for lr in grid[:3]} | {("width=32", 0.00316, 1)})
+    finish(out, arms, {("width=16", 0.00032): 0.7})
+    assert ("width=16", 0.00032, 1) in plan_of(planned(*SEARCH, f"out={out}"))
+
+
+def test_a_search_whose_best_rate_stayed_on_the_plateau_goes_no_further(tmp_path):
+    out = tmp_path / "study"
+    arms = planned(*SEARCH, f"out={out}")
+    finish(out, arms, {("width=24", 0.001): 0.01, ("width=24", 0.00316): 0.012, ("width=24", 0.01): 0.015,
+                       ("width=24", 0.0316): 0.02})  # all at chance: their best is noise, not a direction
+    arms = planned(*SEARCH, f"out={out}")
+    assert {t for t in plan_of(arms) if t[0] == "width=24"} == (
+        {("width=24", lr, 0) for lr in (0.001, 0.00316, 0.01, 0.0316)} | {("width=24", 0.0316, 1)})
+    assert {t for t in plan_of(arms) if t[0] == "width=16"} == {("width=16", lr, 0) for lr in (0.01, 0.0316, 0.1)}
+
+
+def test_an_arm_continued_under_a_raised_cap_is_the_run_that_had_the_higher_cap_from_the_start(tmp_path, capsys):
+    """The naive twin of a continuation: one arm run to 4 steps, its cap then raised to 10, against
+    the same arm run to 10 at once (a constant rate after warm-up, the same examples): equal curves,
+    tests and weights."""
+    one = [*TOY, "kinds=[mha]", "frontier.knobs.mha=[{width: 16}]", "frontier.stop_at_accuracy=null",
+           "frontier.val_every=2"]
+    staged, straight = tmp_path / "staged", tmp_path / "straight"
+    first = run_in_process(*one, "frontier.steps=4", f"out={staged}")["records"][0]
+    assert first["steps"] == 4
+    continued = run_in_process(*one, "frontier.steps=10", f"out={staged}")["records"][0]
+    assert "it ran to its cap, raised (trainer.max_steps 4 -> 10)" in capsys.readouterr().out
+    whole = run_in_process(*one, "frontier.steps=10", f"out={straight}")["records"][0]
+    assert continued["steps"] == whole["steps"] == 10
+    assert [row[:3] for row in continued["history"]] == [row[:3] for row in whole["history"]]
+    assert continued["tests"] == whole["tests"] and continued["val_loss"] == whole["val_loss"]
+    name = first["arm"]
+    weights = [torch.load(out / "runs" / name / "last.ckpt", weights_only=True)["state_dict"]
+               for out in (staged, straight)]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+def test_the_rate_ladder_steps_along_the_grid_then_by_its_ratio_beyond_it():
+    from lm.studies.frontier import RateLadder
+
+    ladder = RateLadder([0.01, 0.001, 0.0316, 0.00316])
+    assert ladder.grid == [0.001, 0.00316, 0.01, 0.0316] and ladder.ratio == pytest.approx(10 ** 0.5, rel=1e-3)
+    assert (ladder.step(0.00316, 1), ladder.step(0.00316, -1)) == (0.01, 0.001)
+    assert (ladder.step(0.0316, 1), ladder.step(0.001, -1), ladder.step(0.1, 1)) == (0.1, 0.00032, 0.32)
+    assert ladder.around(0.0316) == [0.01, 0.0316, 0.1]
+    assert RateLadder([0.01]).around(0.01) == [0.01]  # one rate: nothing to step by
+
+
 def test_the_preset_plans_the_rate_grid_at_each_kinds_middle_state_size_first():
     from lm.attention import available_kinds
     from lm.studies.frontier import knob_points, point_label

@@ -17,7 +17,7 @@ from lm.data.mqar import IGNORE
 from lm.model.config import ModelConfig
 from lm.model.transformer import Transformer
 from lm.studies.decode_speed import decode_speed
-from lm.studies.engine import Arm, import_records, machine, ran_on_machine, run_arms, sealed
+from lm.studies.engine import Arm, StepCap, import_records, machine, ran_on_machine, run_arms, sealed
 from lm.studies.report import pyplot, write_results
 from lm.training.scoring import evaluate_loss
 from lm.util.errors import DataError, Interrupted, RunInterrupted
@@ -261,6 +261,61 @@ def test_an_arm_without_its_checkpoint_runs_again_from_the_start_and_a_fresh_run
     changed = [Arm("b", {"x": 3}, lambda resume=False: {"loss": 2.0, "kept": checkpoint.exists()},
                    checkpoint=checkpoint)]
     assert run_arms(changed, tmp_path / "records", describe)[0]["kept"] is False
+
+
+class Capped:
+    """An arm's work under a step cap (settings {"cap": n, "x": ...}): a run that stops at `stop` steps,
+    or at its cap if sooner; continued, it goes on from the steps its checkpoint holds."""
+
+    def __init__(self, checkpoint: Path, stop: int):
+        self.checkpoint, self.stop, self.calls = checkpoint, stop, []
+
+    def arm(self, name: str, cap: int, x: int = 1) -> Arm:
+        def work(resume: bool = False) -> dict:
+            start = int(self.checkpoint.read_text()) if resume else 0
+            self.calls.append((resume, start))
+            steps = min(self.stop, cap)
+            self.checkpoint.parent.mkdir(parents=True, exist_ok=True)
+            self.checkpoint.write_text(str(steps))
+            return {"loss": 1.0 / steps, "steps": steps, "history": []}
+
+        return Arm(name, {"trainer": {"max_steps": cap}, "x": x}, work, checkpoint=self.checkpoint,
+                   cap=StepCap("trainer.max_steps", lambda r: r["steps"] >= r["settings"]["trainer"]["max_steps"]))
+
+
+def test_a_raised_cap_keeps_a_record_that_stopped_before_it_and_continues_one_that_ran_to_it(tmp_path, capsys):
+    early, capped = Capped(tmp_path / "runs" / "a.ckpt", stop=60), Capped(tmp_path / "runs" / "b.ckpt", stop=500)
+    records = tmp_path / "records"
+    run_arms([early.arm("a", 100), capped.arm("b", 100)], records, describe)
+    progress(capsys)
+    again = run_arms([early.arm("a", 300), capped.arm("b", 300)], records, describe)
+    lines = progress(capsys)
+    assert early.calls == [(False, 0)]  # stopped at 60 of 100: the run under 300 is the same run
+    assert lines[0].endswith("(done before)") and again[0]["steps"] == 60
+    assert json.loads((records / "a.json").read_text())["settings"]["trainer"]["max_steps"] == 300
+    assert capped.calls == [(False, 0), (True, 100)]  # ran to 100: continued from its checkpoint's step
+    assert lines[1] == (f"[2/2] b: continuing from {capped.checkpoint}: it ran to its cap, raised "
+                        "(trainer.max_steps 100 -> 300)")
+    assert again[1]["steps"] == 300 and again[1]["settings"]["trainer"]["max_steps"] == 300
+    # a lower cap, or another setting changed beside the cap, is another run: from the start
+    run_arms([capped.arm("b", 200)], records, describe)
+    run_arms([early.arm("a", 400, x=2)], records, describe)
+    assert capped.calls[-1] == (False, 0) and early.calls[-1] == (False, 0)
+    # without its checkpoint, a run that ran to its cap runs again from the start, saying so
+    capped.checkpoint.unlink()
+    run_arms([capped.arm("b", 900)], records, describe)
+    assert capped.calls[-1] == (False, 0) and "left no checkpoint; running it again" in progress(capsys)[-2]
+
+
+def test_records_from_takes_a_record_that_stopped_before_a_cap_since_raised(tmp_path):
+    early, capped = Capped(tmp_path / "a.ckpt", stop=60), Capped(tmp_path / "b.ckpt", stop=500)
+    source = results_of(run_arms([early.arm("a", 100), capped.arm("b", 100)], tmp_path / "there", describe),
+                        tmp_path / "results.json")
+    line = import_records([early.arm("a", 300), capped.arm("b", 300)], tmp_path / "here", source)
+    # the one that ran to its cap needs its checkpoint to continue, which a results file does not carry
+    assert line == f"records_from={source}: 1 finished arms taken; left out: 1 of other settings"
+    taken = json.loads((tmp_path / "here" / "a.json").read_text())
+    assert taken["steps"] == 60 and taken["settings"]["trainer"]["max_steps"] == 300
 
 
 def test_a_failing_arm_is_recorded_stops_the_study_and_runs_again_next_time(tmp_path, capsys):

@@ -65,7 +65,11 @@ class EpochShuffle(torch.utils.data.Sampler):
         return iter(mine[self._skip():].tolist())
 
     def __len__(self) -> int:
-        return self.batches_per_epoch * self.batch_size - self._skip()
+        # The whole epoch's, also when it starts mid-epoch: a resumed Lightning loop counts the batches
+        # the checkpoint had done among the epoch's (its progress restarts at them) and ends the epoch at
+        # this length. Less the skipped part, it would end the epoch that many batches early, dropping
+        # them, and go on to the next.
+        return self.batches_per_epoch * self.batch_size
 
 
 class CellShuffle(EpochShuffle):
