@@ -135,6 +135,24 @@ def test_a_point_takes_its_best_rate_on_the_mix_and_is_marked_when_the_budget_st
     assert not still_learning(records[-1], 0.0)  # stopped early at 0.99: converged, whatever the last rise
 
 
+def test_a_point_is_a_measured_limit_only_with_its_rate_bracketed():
+    from lm.studies.frontier_report import frontier_plot, measured_limit
+
+    flat = [[50, 2.0, 0.80, 1.0], [100, 1.9, 0.80, 2.0]]
+    inside = [record("mha", "width=32", lr, 0, mix, flat) for lr, mix in ((0.001, 0.3), (0.00316, 0.8), (0.01, 0.5))]
+    edge = [record("mha", "width=64", lr, 0, mix, flat) for lr, mix in ((0.001, 0.3), (0.00316, 0.5), (0.01, 0.8))]
+    narrow, wide = state_points(inside + edge, threshold=0.01, plateau=0.05)
+    assert (narrow.lr, narrow.bracketed, measured_limit(narrow)) == (0.00316, True, True)
+    assert (wide.lr, wide.bracketed, measured_limit(wide)) == (0.01, False, False)  # 0.0316 might do better
+    for r in inside + edge:
+        r["settings"]["data"] = {"vocab_size": 512}
+    figure = frontier_plot(inside + edge, 0.01, 0.05)
+    test, summary = figure.axes[:2]
+    assert summary.get_title() == "mean of the 1 tests (bytes at 64)"
+    grey = sorted(line.get_ydata()[0] for line in test.get_lines() if line.get_color() == "grey")
+    assert grey == [pytest.approx(1 / 256), pytest.approx(1 / 4)]  # chance among 256 values; one of 4 pairs'
+
+
 def test_a_point_that_ran_every_step_near_chance_is_marked_on_the_plateau():
     """MQAR is learnt in a jump: a run that ends on the flat stretch before it (no rise at its last
     validation, so not *budget*) has not shown the kind's limit either."""

@@ -32,6 +32,7 @@ class StatePoint:
     diverged: int  # seeds of that rate that diverged (they count as accuracy 0)
     budget_stopped: bool  # still learning at its last step
     on_plateau: bool  # ran every step and never left the plateau near chance
+    bracketed: bool  # its best rate lies between two rates it ran: a rate further out did worse each way
     accuracy: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)  # test -> (mean, spread)
     state_bytes: dict[tuple[int, int], int] = field(default_factory=dict)  # test -> bytes per sequence
 
@@ -61,7 +62,8 @@ def state_points(records: list[dict], threshold: float, plateau: float) -> list[
         rs = by_lr[lr]
         kept = [r for r in rs if not diverged(r)]
         point = StatePoint(kind, label, lr, len(rs), len(rs) - len(kept),
-                           any(still_learning(r, threshold) for r in rs), any(on_plateau(r, plateau) for r in rs))
+                           any(still_learning(r, threshold) for r in rs), any(on_plateau(r, plateau) for r in rs),
+                           min(by_lr) < lr < max(by_lr))
         # the bytes do not depend on the rate or the seed: any finished record of the point says them
         measured = next((r for rates in by_lr.values() for r in rates if not diverged(r)), None)
         if measured is not None:
@@ -109,13 +111,15 @@ def frontier_tables(records: list[dict], settings: dict) -> list[str]:
              + (f", stopping at {f['stop_at_accuracy']} on the mix" if f.get("stop_at_accuracy") else "")
              + f"; tested on {f['test_examples']} fresh examples per cell. State bytes: the model's own "
              "generation cache for one sequence of the test's length (every layer's cache and short convolution). "
-             f"Each point: the best of the learning rates {', '.join(f'{lr:g}' for lr in lrs)} by mean accuracy on "
-             f"the mix, mean ± standard deviation over {seeds} seed{'s' if seeds > 1 else ''}. **front**: on the "
+             f"Each point: the best of the learning rates it ran (of {', '.join(f'{lr:g}' for lr in lrs)}) by its "
+             f"first seed's accuracy on the mix, mean ± standard deviation over up to {seeds} "
+             f"seed{'s' if seeds > 1 else ''} at that rate. **front**: on the "
              "Pareto frontier of its test; *budget*: still learning at its last step (a seed ran every step and "
              "its held-out accuracy still rose), so its accuracy is not the kind's limit; *plateau*: a seed ran "
              f"every step and ended at most {f['plateau']:g} on the mix, still on the flat stretch before MQAR's "
              "jump, so the budget may have stopped it before the jump or the kind may never make it: not a "
-             "measured limit either.", ""]
+             "measured limit either; *edge*: its best rate is the highest or lowest it ran, so a rate further "
+             "out might do better (not bracketed).", ""]
     for cell in test_cells(points):
         shown, front = panel(points, cell)
         lines += [f"#### Sequence {cell[0]}, {cell[1]} pairs", "",
@@ -123,7 +127,7 @@ def frontier_tables(records: list[dict], settings: dict) -> list[str]:
         for i, p in enumerate(shown):
             mean, spread = p.accuracy[cell]
             notes = [n for n, on in (("**front**", i in front), ("*budget*", p.budget_stopped),
-                                     ("*plateau*", p.on_plateau),
+                                     ("*plateau*", p.on_plateau), ("*edge*", not p.bracketed),
                                      (f"{p.diverged} of {p.seeds} diverged", p.diverged)) if on]
             lines.append(f"| {p.kind} | {p.label} | {si_bytes(p.state_bytes[cell])} | {mean:.3f}"
                          + (f" ± {spread:.3f}" if p.seeds > 1 else "") + f" | {p.lr:g} | {', '.join(notes)} |")
@@ -134,38 +138,65 @@ def frontier_tables(records: list[dict], settings: dict) -> list[str]:
     return lines
 
 
+def measured_limit(p: StatePoint) -> bool:
+    """Whether the point's accuracy is the kind's limit at that state: not stopped by the budget while
+    still learning, not still on the plateau, its rate bracketed."""
+    return not (p.budget_stopped or p.on_plateau) and p.bracketed
+
+
+def values_of(records: list[dict]) -> int | None:
+    """How many value tokens the records' task draws answers from (the upper half of the vocabulary)."""
+    vocab = next((r["settings"]["data"]["vocab_size"] for r in records
+                  if r["task"] == "frontier" and "data" in r.get("settings", {})), None)
+    return None if vocab is None else vocab - vocab // 2
+
+
 def frontier_plot(records: list[dict], threshold: float, plateau: float):
-    """One panel per test cell: accuracy against state bytes (log axis), one line per kind through
-    its state sizes, hollow markers where a point is not a measured limit (still learning, or still on
-    the plateau, at the last step), the Pareto frontier as a black step line; None without frontier
-    records."""
+    """One panel per test cell, and a summary panel of each point's mean over the test cells (as
+    Based's Figure 2 averages its sequence lengths), at the longest test's state bytes: accuracy against
+    state bytes (log axis), one line per kind joining its state sizes in order of bytes, hollow markers
+    where a point is not a measured limit (still learning or on the plateau at its last step, or its
+    rate not bracketed), the Pareto frontier as a black step line, chance (one value of all) and one
+    value of the example's own (1 / pairs) as grey lines; None without frontier records."""
     points = state_points(records, threshold, plateau)
     cells = test_cells(points)
     if not cells:
         return None
     plt = pyplot()
-    columns = min(len(cells) + 1, 4)  # one slot more than the tests: the legend's
-    rows = -(-(len(cells) + 1) // columns)
+    columns = min(len(cells) + 2, 4)  # the tests, the summary and the legend's slot
+    rows = -(-(len(cells) + 2) // columns)
     fig, axes = plt.subplots(rows, columns, figsize=(4.6 * columns, 3.9 * rows), sharey=True, squeeze=False)
     kinds = list(dict.fromkeys(p.kind for p in points))
-    for ax, cell in zip(axes.flat, cells, strict=False):
-        shown, front = panel(points, cell)
+    values = values_of(records)
+    longest = cells[-1]
+    summary = [StatePoint(p.kind, p.label, p.lr, p.seeds, p.diverged, p.budget_stopped, p.on_plateau, p.bracketed,
+                          {longest: (sum(p.accuracy[c][0] for c in cells) / len(cells), 0.0)},
+                          {longest: p.state_bytes[longest]})
+               for p in points if all(c in p.state_bytes for c in cells)]
+    panels = [(cell, points, f"sequence {cell[0]}, {cell[1]} pairs", [1 / cell[1]]) for cell in cells]
+    panels.append((longest, summary, f"mean of the {len(cells)} tests (bytes at {longest[0]})",
+                   [sum(1 / c[1] for c in cells) / len(cells)]))
+    for ax, (cell, these, title, one_value) in zip(axes.flat, panels, strict=False):
+        shown, front = panel(these, cell)
         for i, kind in enumerate(kinds):
-            own = [p for p in shown if p.kind == kind]
+            own = sorted((p for p in shown if p.kind == kind), key=lambda p: p.state_bytes[cell])
             if not own:
                 continue
             style = line_style(i)
             x = [p.state_bytes[cell] for p in own]
             y = [p.accuracy[cell][0] for p in own]
             ax.plot(x, y, label=kind, linewidth=1, **style)
-            stopped = [(xi, yi) for p, xi, yi in zip(own, x, y, strict=True) if p.budget_stopped or p.on_plateau]
-            if stopped:  # hollow: the same marker, filled white
-                ax.plot(*zip(*stopped, strict=True), markerfacecolor="white", **{**style, "linestyle": "none"})
+            open_points = [(xi, yi) for p, xi, yi in zip(own, x, y, strict=True) if not measured_limit(p)]
+            if open_points:  # hollow: the same marker, filled white
+                ax.plot(*zip(*open_points, strict=True), markerfacecolor="white", **{**style, "linestyle": "none"})
         edge = [shown[i] for i in sorted(front, key=lambda i: shown[i].state_bytes[cell])]
         ax.plot([p.state_bytes[cell] for p in edge], [p.accuracy[cell][0] for p in edge], color="black",
                 linestyle="--", drawstyle="steps-post", linewidth=1.2, label="Pareto frontier")
+        ax.axhline(one_value[0], color="grey", linestyle=":", linewidth=1, label="one value of its own (1 / pairs)")
+        if values:
+            ax.axhline(1 / values, color="grey", linestyle="-.", linewidth=1, label=f"chance (1 / {values} values)")
         ax.set_xscale("log", base=2)
-        ax.set_title(f"sequence {cell[0]}, {cell[1]} pairs")
+        ax.set_title(title)
         ax.set_xlabel("decoding state per sequence (bytes)")
         ax.set_ylim(-0.02, 1.02)
     for row in axes:
@@ -174,10 +205,11 @@ def frontier_plot(records: list[dict], threshold: float, plateau: float):
     for ax in axes.flat:
         for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
             handles.setdefault(label, handle)
-    spare = list(axes.flat)[len(cells):]
+    spare = list(axes.flat)[len(panels):]
     for ax in spare:
         ax.axis("off")
     spare[0].legend(list(handles.values()), list(handles), loc="center", fontsize="small",
-                    ncol=1 + len(handles) // 12,
-                    title="hollow: not a measured limit\n(still learning, or on the\nplateau, at the last step)")
+                    ncol=1 + len(handles) // 14,
+                    title="hollow: not a measured limit (still\nlearning or on the plateau at the\nlast step, "
+                          "or its rate at an edge)")
     return fig
