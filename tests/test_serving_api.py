@@ -170,6 +170,22 @@ def test_an_api_key_is_checked_and_a_full_queue_answers_429(net, tok):
         assert wait_until_idle(url, engine)
 
 
+def test_a_request_that_could_never_fit_is_a_400_not_a_retry(net, tok):
+    """More completions than the slots and the queue hold together: a 429 would have the client retry
+    forever on an idle server."""
+    with served(net, tok, max_batch=1, max_queue=1) as (url, engine):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        for ask, param in ((dict(prompt=["a", "b", "c"]), "prompt"), (dict(prompt="a", n=3), "n")):
+            with pytest.raises(openai.BadRequestError) as refused:
+                client.completions.create(model="tiny", max_tokens=2, **ask)
+            error = refused.value.body
+            assert error["param"] == param and "asks for 3 completions" in error["message"]
+            assert "at most 2 (1 slots and a queue of 1)" in error["message"]
+        fits = client.completions.create(model="tiny", prompt=["a", "b"], max_tokens=2, temperature=0)
+        assert len(fits.choices) == 2  # two fit: one runs, one waits, and the server kept serving
+        assert wait_until_idle(url, engine)
+
+
 def wait_until_idle(url, engine) -> bool:
     """Whether /health reports no request running or waiting within 10 s (the engine frees a row at its
     next step after the client leaves)."""

@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException
 from lm.data.tokenizer import EOT
 from lm.generation.decode import Sampling, stop_strings
 from lm.serving.chat import ChatTemplate
-from lm.serving.engine import Busy, Completion, Engine, Event, Failed, Finished, Piece, Ticket
+from lm.serving.engine import Busy, Completion, Engine, Event, Failed, Finished, NeverFits, Piece, Ticket
 from lm.serving.requests import ChatRequest, CompletionRequest, Sampled
 from lm.util.checks import require_seed
 from lm.util.errors import GenerationError
@@ -167,6 +167,9 @@ class Server:
     def submit(self, completions: list[Completion], inbox: Inbox) -> list[Ticket]:
         try:
             return self.engine.submit(completions, inbox.sink_for)
+        except NeverFits as e:  # a 429 would have the client retry forever
+            several_prompts = len({tuple(c.prompt) for c in completions}) > 1
+            raise RequestError(400, str(e), "prompt" if several_prompts else "n") from None
         except Busy as e:
             if self.engine.stopping:
                 raise RequestError(503, str(e), kind="server_error", code="shutting_down") from None

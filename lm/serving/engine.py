@@ -87,6 +87,10 @@ class Busy(Exception):
     """Every row is taken and the waiting queue is full."""
 
 
+class NeverFits(ValueError):
+    """More completions in one request than the rows and the queue hold together: waiting frees nothing."""
+
+
 class Ticket:
     """A submitted request: what it asks for, where its events go, and a way to withdraw it."""
 
@@ -159,13 +163,18 @@ class Engine:
     def submit(self, completions: Sequence[Completion], sink_for: Callable[[int], Callable[[Event], None]]
                ) -> list[Ticket]:
         """Queue the completions as one unit (all or none); `sink_for(i)` receives completion i's events.
-        Raises Busy when they do not fit beside the rows taken and the requests already waiting."""
+        Raises Busy when they do not fit beside the rows taken and the requests already waiting, and
+        NeverFits when they would not fit on an idle server either."""
         for c in completions:
             why = self.room(len(c.prompt), c.max_tokens)
             if why:
                 raise ValueError(why)
             if not c.prompt:
                 raise ValueError("the prompt is empty: give at least one token")
+        if len(completions) > self.max_batch + self.max_queue:
+            raise NeverFits(f"the request asks for {len(completions)} completions (prompts x n) at once, and this "
+                            f"server holds at most {self.max_batch + self.max_queue} ({self.max_batch} slots and a "
+                            f"queue of {self.max_queue}): send fewer prompts or a smaller n")
         tickets = [Ticket(c, sink_for(i)) for i, c in enumerate(completions)]
         with self.lock:
             if self.stopping:
