@@ -327,6 +327,9 @@ def test_based_block_puts_a_gated_convolution_before_each_mixer_layer_and_no_mlp
     (["frontier.block=based", "frontier.short_conv=1"], r"^frontier.short_conv=1 leaves Based's block no convolution"),
     (["frontier.block=dense"], r"^frontier.block='dense' is not one of \['based', 'transformer'\]"),
     (["frontier.filler=noise"], r"^frontier.filler='noise' is not one of \['pad', 'random'\]"),
+    (["frontier.schedule=constant", "frontier.examples=null"], r"^frontier.examples=null makes the examples "),
+    (["frontier.rates_at=best"], r"^frontier.rates_at='best' is not one of \['every', 'grid', 'middle'\]"),
+    (["frontier.schedule=wsd"], r"^frontier.schedule='wsd' is not one of \['constant', 'cosine'\]"),
 ])
 def test_bad_frontier_settings_are_refused_before_training(overrides, message, tmp_path):
     with pytest.raises(ConfigError, match=message):
