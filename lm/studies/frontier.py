@@ -25,8 +25,9 @@ from lm.formats.checkpoint import load
 from lm.model.generation_cache import GenerationCache
 from lm.studies.compare_arms import Entry, _trainer, check_run, lr_tag, resumed, training_config
 from lm.studies.compare_runs import training_figures, unless_diverged
-from lm.studies.compare_tables import best_lr, diverged, si_bytes
+from lm.studies.compare_tables import si_bytes
 from lm.studies.engine import Arm, StepCap, finished_records, recorded_settings
+from lm.studies.frontier_report import best_rate, mix_accuracy, ran_every_step
 from lm.training.run import train
 from lm.util.checks import as_list
 from lm.util.errors import ConfigError
@@ -72,8 +73,8 @@ def check_frontier(cfg: DictConfig) -> None:
         raise ConfigError(f"frontier.short_conv={f.short_conv} leaves Based's block no convolution: its gated "
                           "convolution needs at least 2 taps (frontier.block=transformer runs without one)")
     if f.schedule == "constant" and f.examples is None:
-        raise ConfigError("frontier.examples=null makes the examples frontier.steps x batch_size, so a raised cap would "
-                          "train on other examples than the arms it continues: give a count with "
+        raise ConfigError("frontier.examples=null makes the examples frontier.steps x batch_size, so a raised cap "
+                          "would train on other examples than the arms it continues: give a count with "
                           "frontier.schedule=constant")
     trained = max(s for s, _ in f.train)
     if not any(s > trained for s, _ in f.test):
@@ -156,8 +157,8 @@ def frontier_arms(cfg: DictConfig, entry: Entry, seeds: list[int], common: dict,
             continue
         if middle is None:
             break  # the middle point's search decides these rates: planned once it has finished
-        search, best[point_tag(point)] = rate_search(ladder, ladder.around(middle), lambda lr, p=point: arm(p, lr, first),
-                                                     records, f.plateau)
+        search, best[point_tag(point)] = rate_search(ladder, ladder.around(middle),
+                                                     lambda lr, p=point: arm(p, lr, first), records, f.plateau)
         arms += search
     for point in points:  # the other seeds, where the rate is known
         lr = best.get(point_tag(point))
@@ -187,7 +188,8 @@ class RateLadder:
         return sorted({lr, *(r for r in (self.step(lr, -1), self.step(lr, 1)) if r is not None)})
 
 
-def rate_search(ladder: RateLadder, rates: list[float], arm_at, records: Path, plateau: float) -> tuple[list[Arm], float | None]:
+def rate_search(ladder: RateLadder, rates: list[float], arm_at, records: Path,
+                plateau: float) -> tuple[list[Arm], float | None]:
     """The arms of one point's rate search and its best rate (None until they have all finished):
     `rates`, and one step past the edge where the best of them is, unless it is on the plateau."""
     arms = {lr: arm_at(lr) for lr in rates}
@@ -210,20 +212,6 @@ def best_finished(arms: dict[float, Arm], records: Path) -> tuple[float, float] 
     by_lr = {r["lr"]: [r] for r in done}
     lr = best_rate(by_lr)
     return lr, mix_accuracy(by_lr[lr][0])
-
-
-def best_rate(by_lr: dict[float, list[dict]]) -> float:
-    """The rate whose first seed (the one the search ran) reached the highest accuracy on the mix:
-    the other seeds run at the rate it chose, so their mean does not choose again."""
-    return best_lr({lr: [min(rs, key=lambda r: r["seed"])] for lr, rs in by_lr.items()}, mix_accuracy, True)
-
-
-def mix_accuracy(r: dict) -> float:
-    return 0.0 if diverged(r) else r["val_accuracy"]
-
-
-def ran_every_step(r: dict) -> bool:
-    return not diverged(r) and r["steps"] >= r["settings"]["trainer"]["max_steps"]
 
 
 def frontier_arm(cfg: DictConfig, entry: Entry, point: dict, lr: float, seed: int, common: dict, runs: Path) -> Arm:

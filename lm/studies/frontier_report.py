@@ -4,20 +4,20 @@ every kind (the points no other point beats with fewer or equal bytes).
 
 A state size's number is the best learning rate's mean over seeds, the rate chosen by its first
 seed's held-out accuracy on the training mix, as the rate search chose it (one model per point for
-every test, not the best rate per test). A point is marked stopped by the budget when a seed of that rate ran every step and its
-last held-out accuracy still rose by more than `frontier.still_learning` over the one before: a
-fixed-state kind still learning at its last step has not shown its limit. Nor has one that ran every
-step and never left MQAR's plateau (its last accuracy on the mix at most `frontier.plateau`): the
-task is learnt in a jump after a flat stretch near chance, so the budget may have ended before the
-jump, or the kind may never make it; those points are marked too, and neither reading is claimed.
+every test, not the best rate per test). A point is marked stopped by the budget when a seed of that
+rate ran every step and its last held-out accuracy still rose by more than `frontier.still_learning`
+over the one before: a fixed-state kind still learning at its last step has not shown its limit.
+Nor has one that ran every step and never left MQAR's plateau (its last accuracy on the mix at most
+`frontier.plateau`): the task is learnt in a jump after a flat stretch near chance, so the budget
+may have ended before the jump, or the kind may never make it; those points are marked too, and
+neither reading is claimed. Nor has one whose best rate is the highest or lowest it ran (*edge*).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lm.studies.compare_tables import diverged, mean_and_spread, si_bytes
-from lm.studies.frontier import best_rate, ran_every_step
+from lm.studies.compare_tables import best_lr, diverged, mean_and_spread, si_bytes
 from lm.studies.plotting import line_style, pyplot
 
 
@@ -35,6 +35,20 @@ class StatePoint:
     bracketed: bool  # its best rate lies between two rates it ran: a rate further out did worse each way
     accuracy: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)  # test -> (mean, spread)
     state_bytes: dict[tuple[int, int], int] = field(default_factory=dict)  # test -> bytes per sequence
+
+
+def mix_accuracy(r: dict) -> float:
+    return 0.0 if diverged(r) else r["val_accuracy"]
+
+
+def ran_every_step(r: dict) -> bool:
+    return not diverged(r) and r["steps"] >= r["settings"]["trainer"]["max_steps"]
+
+
+def best_rate(by_lr: dict[float, list[dict]]) -> float:
+    """The rate whose first seed (the one the rate search ran) reached the highest accuracy on the
+    mix: the other seeds run at the rate it chose, so their mean does not choose again."""
+    return best_lr({lr: [min(rs, key=lambda r: r["seed"])] for lr, rs in by_lr.items()}, mix_accuracy, True)
 
 
 def still_learning(r: dict, threshold: float) -> bool:
