@@ -241,6 +241,13 @@ def test_an_arm_continued_under_a_raised_cap_is_the_run_that_had_the_higher_cap_
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
 
 
+def test_the_default_frontier_trains_on_based_s_counts_per_cell(tmp_path):
+    arms = planned("tasks=[frontier]", "kinds=[mha]", "extra_kinds=[]", f"out={tmp_path}")
+    data = arms[0].settings["data"]
+    assert data["mix"] == [[64, 4], [128, 8], [256, 16], [256, 32], [256, 64]]
+    assert data["mix_examples"] == [100000, 20000, 20000, 20000, 20000] and data["examples"] == 180000
+
+
 def test_the_rate_ladder_steps_along_the_grid_then_by_its_ratio_beyond_it():
     from lm.studies.frontier import RateLadder
 
@@ -275,6 +282,7 @@ def test_the_preset_plans_the_rate_grid_at_each_kinds_middle_state_size_first():
         assert {a.settings["trainer"]["max_steps"] for a in own} == {1500}, kind
         assert {a.settings["optim"]["schedule"] for a in own} == {"constant"}, kind
         assert {a.settings["data"]["examples"] for a in own} == {48000}, kind  # the same examples under any cap
+        assert {a.settings["data"]["mix_examples"] for a in own} == {None}, kind  # shared equally
     data = arms[0].settings["data"]
     assert data["mix"] == [[64, 4], [128, 8], [256, 16], [256, 32], [256, 64]]
     assert arms[0].settings["tests"][-1] == [512, 128] and arms[0].settings["model"]["max_seq_len"] == 512
@@ -328,6 +336,9 @@ def test_based_block_puts_a_gated_convolution_before_each_mixer_layer_and_no_mlp
     (["frontier.block=dense"], r"^frontier.block='dense' is not one of \['based', 'transformer'\]"),
     (["frontier.filler=noise"], r"^frontier.filler='noise' is not one of \['pad', 'random'\]"),
     (["frontier.schedule=constant", "frontier.examples=null"], r"^frontier.examples=null makes the examples "),
+    (["frontier.train_examples=[100, 20, 20]"], r"^frontier.train_examples=\[100, 20, 20\] gives 3 counts for the "
+                                                r"2 cells of frontier.train: one per cell, in its order$"),
+    (["frontier.train_examples=[100, 0]"], r"^frontier.train_examples entry=0 must be an integer >= 1$"),
     (["frontier.rates_at=best"], r"^frontier.rates_at='best' is not one of \['every', 'grid', 'middle'\]"),
     (["frontier.schedule=wsd"], r"^frontier.schedule='wsd' is not one of \['constant', 'cosine'\]"),
 ])

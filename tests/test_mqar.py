@@ -1,6 +1,7 @@
 """The MQAR recall task: examples, answer-only scoring, training and loading with data=mqar."""
 
 import copy
+import math
 
 import numpy as np
 import pytest
@@ -263,6 +264,32 @@ def test_cell_batches_shard_by_rank_and_resume_at_the_batch_reached():
     resumed.set_epoch(1)  # start_batch past the first epoch: the second epoch from its fourth batch
     whole.set_epoch(1)
     assert list(resumed) == list(whole)[3 * 4:]
+
+
+def test_a_mix_gives_each_cell_its_own_count_where_mix_examples_says_so():
+    """Based's Figure 2 trains on 100k examples at (64, 4) and 20k at each other cell: a batch then
+    comes from the first cell five times as often."""
+    data = {**MIX_DATA, "mix_examples": [80, 16, 24]}
+    tasks = mix_tasks(data, [[16, 2], [32, 4], [24, 3]])
+    assert [t.examples for t in tasks] == [80, 16, 24]
+    assert len({t.val_examples for t in tasks}) == 1  # validation stays shared equally
+    module = RecallDataModule(tasks, batch_size=8)
+    module.setup("fit")
+    assert module.train_set.sizes == [80, 16, 24]
+    order = CellShuffle(module.train_set.sizes, 0, 8).epoch_order().view(-1, 8)  # (batches, B)
+    cells = [int(b[0] >= 80) + int(b[0] >= 96) for b in order]  # which cell each batch's rows come from
+    assert [cells.count(c) for c in range(3)] == [10, 2, 3]
+    assert mix_tasks(MIX_DATA, [[16, 2], [32, 4]])[0].examples == math.ceil(MIX_DATA["examples"] / 2)
+
+
+@pytest.mark.parametrize(("counts", "message"), [
+    ([80, 16], r"^data.mix_examples=\[80, 16\] must be a list of one count per data.mix cell \(3\)$"),
+    (80, r"^data.mix_examples=80 must be a list of one count per data.mix cell \(3\)$"),
+    ([80, 0, 24], r"^data.mix_examples entry 0 for \[32, 4\]: data.examples=0 must be"),
+])
+def test_mix_examples_that_do_not_fit_the_mix_are_refused_in_one_line(counts, message):
+    with pytest.raises(DataError, match=message):
+        mix_tasks({**MIX_DATA, "mix_examples": counts}, [[16, 2], [32, 4], [24, 3]])
 
 
 def test_validation_batches_never_mix_cells_and_cover_each_rank_s_share_once():

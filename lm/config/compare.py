@@ -49,6 +49,11 @@ def check_arm(name: str, value: Any) -> None:
     require_int(name, value, minimum=0)
 
 
+def check_counts(name: str, value: Any) -> None:
+    for count in as_list(name, value):
+        require_int(f"{name} entry", count)
+
+
 def recall_cells() -> Bound:
     """A list of [seq_len, pairs]: MQAR tasks, each a sequence length and a number of key-value pairs."""
 
@@ -257,9 +262,15 @@ class FrontierSettings:
                                    "still on MQAR's plateau (it is learnt in a jump), not a measured limit",
                              fraction())
     batch_size: int = setting(256, "examples per step, the mix shuffled together", integer())
-    examples: int | None = setting(180000, "training examples, shared equally by the mix's cells (Based: 100k "
-                                           "at 64 / 4 pairs, 20k at each other); null: steps x batch_size fresh "
-                                           "ones", integer(nullable=True))
+    train_examples: list[int] | None = setting(help="training examples of each frontier.train cell, in its order "
+                                                    "(Based: 100k at 64 / 4 pairs, 20k at each other); null: "
+                                                    "frontier.examples shared equally",
+                                               bound=Bound("null or a list of integers >= 1", check_counts,
+                                                           nullable=True),
+                                               factory=lambda: [100000, 20000, 20000, 20000, 20000])
+    examples: int | None = setting(180000, "training examples shared equally by the mix's cells, where "
+                                           "frontier.train_examples is null; null: steps x batch_size fresh ones",
+                                   integer(nullable=True))
     val_examples: int = setting(1000, "held-out examples of the mix, validated during training", integer())
     test_examples: int = setting(1000, "examples per test cell", integer())
     lr: float | list[float] = setting(help="swept per point: every rate recorded, the best on the mix reported "

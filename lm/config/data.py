@@ -73,6 +73,9 @@ class RecallSettings(DataSettings):
     mix: list | None = setting(None, "[[seq_len, pairs], ...]: train and validate on these together, each batch "
                                      "from one of them at its own length (Based's Figure 2), examples and "
                                      "val_examples shared equally; null: seq_len and pairs")
+    mix_examples: list | None = setting(None, "training examples of each data.mix cell, in its order (Based's "
+                                              "Figure 2: 100k at [64, 4], 20k at each other); null: data.examples "
+                                              "shared equally")
     examples: int = recall_setting("examples", "training examples, reshuffled every epoch")
     val_examples: int = recall_setting("val_examples", "a fixed held-out set (its own random stream)")
     filler: str = recall_setting("filler", "the query region between queries: pad (token 0, Zoology's Figure 2) or "

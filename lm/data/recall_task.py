@@ -150,14 +150,29 @@ def distinct_draws(rng: np.random.Generator, n: int, high: int, k: int) -> np.nd
 
 
 def mix_tasks(data_cfg, mix: list) -> list[RecallTask]:
-    """One RecallTask per (seq_len, pairs) of `data.mix`, sharing data.examples and data.val_examples
-    equally (rounded up) and every other setting of the data config."""
+    """One RecallTask per (seq_len, pairs) of `data.mix`, each with its data.mix_examples count where
+    that is given, else an equal share of data.examples (rounded up); data.val_examples shared
+    equally, and every other setting of the data config."""
     shared = {name: data_cfg[name] for name in ("vocab_size", "seed", "filler", "query_power") if name in data_cfg}
+    counts = data_cfg.get("mix_examples")
+    if counts is None:
+        counts = [math.ceil(data_cfg["examples"] / len(mix))] * len(mix)
+    elif isinstance(counts, (str, bytes)) or not hasattr(counts, "__len__") or len(counts) != len(mix):
+        raise DataError(f"data.mix_examples={_plain(counts)!r} must be a list of one count per data.mix cell "
+                        f"({len(mix)})")
     tasks = []
-    for entry in mix:
+    for entry, examples in zip(mix, counts, strict=True):
         if isinstance(entry, (str, bytes)) or not hasattr(entry, "__len__") or len(entry) != 2:
             raise DataError(f"data.mix entry {entry!r} must be [seq_len, pairs]")
         seq_len, pairs = list(entry)
-        tasks.append(RecallTask(seq_len=seq_len, pairs=pairs, examples=math.ceil(data_cfg["examples"] / len(mix)),
-                                val_examples=math.ceil(data_cfg["val_examples"] / len(mix)), **shared))
+        try:
+            tasks.append(RecallTask(seq_len=seq_len, pairs=pairs, examples=examples,
+                                    val_examples=math.ceil(data_cfg["val_examples"] / len(mix)), **shared))
+        except ValueError as e:  # a count out of its bound, named as the mix's
+            raise DataError(f"data.mix_examples entry {_plain(examples)!r} for [{seq_len}, {pairs}]: {e}") from None
     return tasks
+
+
+def _plain(value):
+    """An OmegaConf list or value as plain Python, for a message."""
+    return list(value) if hasattr(value, "__len__") and not isinstance(value, (str, bytes)) else value

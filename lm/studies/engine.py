@@ -117,6 +117,7 @@ ADDED_SINCE_RECORDS = {
     "resume": False,  # an uptraining arm's settings hold it since uptrain.py continues interrupted runs
     "trainer.skip_nonfinite": False,  # an uptraining arm's settings hold it since uptrain.py takes it
     "data.mix": None,  # a recall arm's data holds it since the frontier trains on a mix of lengths
+    "data.mix_examples": None,  # ... and this since a mix's cells may hold their own counts (Based's 100k and 20k)
     "model.mlp": "swiglu",  # every model was SwiGLU before model.mlp=relu2 ...
     "model.zero_init_out": False,  # ... and initialised its output projections as GPT-2 does
     "model.norm_eps": 1e-5,  # ModelConfig's, before the model group declared it (lm/config/model.py)

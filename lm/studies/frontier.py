@@ -72,7 +72,10 @@ def check_frontier(cfg: DictConfig) -> None:
     if f.block == "based" and f.short_conv < 2:
         raise ConfigError(f"frontier.short_conv={f.short_conv} leaves Based's block no convolution: its gated "
                           "convolution needs at least 2 taps (frontier.block=transformer runs without one)")
-    if f.schedule == "constant" and f.examples is None:
+    if f.train_examples is not None and len(f.train_examples) != len(f.train):
+        raise ConfigError(f"frontier.train_examples={list(f.train_examples)} gives {len(f.train_examples)} counts for "
+                          f"the {len(f.train)} cells of frontier.train: one per cell, in its order")
+    if f.schedule == "constant" and f.examples is None and f.train_examples is None:
         raise ConfigError("frontier.examples=null makes the examples frontier.steps x batch_size, so a raised cap "
                           "would train on other examples than the arms it continues: give a count with "
                           "frontier.schedule=constant")
@@ -100,7 +103,10 @@ def point_config(cfg: DictConfig, entry: Entry, point: dict, lr: float, seed: in
                         "short_conv": f.short_conv},
               # seq_len and pairs name the mix's longest cell; data.mix is what trains
               "data": {"vocab_size": f.vocab_size, "seq_len": longest[0], "pairs": longest[1], "mix": train_cells,
-                       "examples": examples, "val_examples": f.val_examples, "seed": seed,
+                       "mix_examples": None if f.train_examples is None else [int(n) for n in f.train_examples],
+                       # where the cells hold their own counts, data.examples is their total (the mix reads the counts)
+                       "examples": examples if f.train_examples is None else sum(f.train_examples),
+                       "val_examples": f.val_examples, "seed": seed,
                        "batch_size": f.batch_size, "filler": f.filler, "query_power": m.query_power},
               "optim": {"lr": lr, "warmup_steps": f.warmup_steps, "schedule": f.schedule},
               "trainer": {**_trainer(f.steps, f.val_every, None), "stop_at_accuracy": f.stop_at_accuracy}}
