@@ -1,5 +1,6 @@
 """Cached decoding against the plain forward: same logits, same greedy tokens, for every kind."""
 
+import copy
 import itertools
 import math
 
@@ -41,6 +42,38 @@ def test_cached_logits_match_the_full_forward(name):
         pieces = [model(idx[:, a:b], cache=cache) for a, b in ((0, 13), (13, 14), (14, 30))]
         pieces += [model(idx[:, t:t + 1], cache=cache) for t in range(30, 40)]
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-4, rtol=1e-4)
+
+
+def rounded_twin(model: Transformer) -> Transformer:
+    """The float model with every nn.Linear weight replaced by its int8 rounding times its scale: what
+    an int8 model computes, written with the plain float layers."""
+    from lm.generation.quantize import quantize_per_channel
+
+    twin = copy.deepcopy(model)
+    for module in twin.modules():
+        if isinstance(module, torch.nn.Linear):
+            q, scales = quantize_per_channel(module.weight)
+            # a new tensor: a head tied to the embedding is rounded, the embedding it shared stays float
+            module.weight = torch.nn.Parameter(q.float() * scales[:, None])
+    return twin
+
+
+@pytest.mark.parametrize("name", list(KINDS) + WITH_CONV)
+def test_int8_weights_decode_every_kind_as_its_rounded_float_twin(name):
+    """Every kind quantizes at its settings (KDA's gate bias too): the int8 model's cached decoding
+    gives the logits of the float model whose weights are the rounded ones. How far rounding moves a
+    kind's logits is the kind's own sensitivity, not the kernel's (lm.generation.quantize)."""
+    from lm import quantize_int8
+
+    model = make_model(name)
+    quantized = quantize_int8(model, "dequant")
+    idx = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = rounded_twin(model)(idx)  # (2, 24, V)
+        cache = GenerationCache(quantized, pad=torch.zeros(2, dtype=torch.long), max_len=24)
+        pieces = [quantized(idx[:, :11], cache=cache)]
+        pieces += [quantized(idx[:, t:t + 1], cache=cache) for t in range(11, 24)]
+    torch.testing.assert_close(torch.cat(pieces, dim=1), expected, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("name", list(KINDS) + WITH_CONV)
