@@ -116,7 +116,8 @@ def machine_name(machine: dict) -> str:
 def machine_line(results: dict) -> str:
     """Where the report was rendered and, since arms may run elsewhere (jobs, records_from), where
     each of them ran, as far as their records say."""
-    records = results["records"]
+    waiting = results.get("waiting") or []  # finished arms of entries whose other arms have not: their time counts
+    records = results["records"] + waiting
     minutes = sum(r["seconds"] for r in records) / 60
     ran_on = [r.get("ran_on", {}) for r in records]
     named = [machine_name(m) for m in ran_on if "cpu" in m]
@@ -127,7 +128,9 @@ def machine_line(results: dict) -> str:
         arms_machines = (" Its arms ran on: " + "; ".join(f"{name}: {n} arms" for name, n in counts.items())
                          + (f"; {unnamed} arms recorded before records named their machine" if unnamed else "") + ".")
     return (f"Machine: {machine_name(results['machine'])}; its arms took {minutes:.1f} min of training and measuring "
-            "in all (summed over the records, also those a repeated command reused)." + arms_machines)
+            "in all (summed over the records, also those a repeated command reused"
+            + (f", and the {len(waiting)} finished arms of entries still waiting for others" if waiting else "")
+            + ")." + arms_machines)
 
 
 def planned_cells(m: dict) -> set[tuple]:
