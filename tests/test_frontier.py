@@ -219,22 +219,24 @@ def test_a_search_whose_best_rate_stayed_on_the_plateau_goes_no_further(tmp_path
     assert {t for t in plan_of(arms) if t[0] == "width=16"} == {("width=16", lr, 0) for lr in (0.01, 0.0316, 0.1)}
 
 
-def test_an_arm_continued_under_a_raised_cap_is_the_run_that_had_the_higher_cap_from_the_start(tmp_path, capsys):
-    """The naive twin of a continuation: one arm run to 4 steps, its cap then raised to 10, against
-    the same arm run to 10 at once (a constant rate after warm-up, the same examples): equal curves,
-    tests and weights."""
+@pytest.mark.parametrize(("first", "then", "val_every"), [(4, 10, 2), (8, 12, 4)])  # mid-epoch; the epoch's end
+def test_an_arm_continued_under_a_raised_cap_is_the_run_that_had_the_higher_cap_from_the_start(
+        first, then, val_every, tmp_path, capsys):
+    """The naive twin of a continuation: one arm run to `first` steps (of an 8-batch epoch), its cap
+    then raised, against the same arm run to the higher cap at once (a constant rate after warm-up,
+    the same examples): equal curves, tests and weights."""
     one = [*TOY, "kinds=[mha]", "frontier.knobs.mha=[{width: 16}]", "frontier.stop_at_accuracy=null",
-           "frontier.val_every=2"]
+           f"frontier.val_every={val_every}"]
     staged, straight = tmp_path / "staged", tmp_path / "straight"
-    first = run_in_process(*one, "frontier.steps=4", f"out={staged}")["records"][0]
-    assert first["steps"] == 4
-    continued = run_in_process(*one, "frontier.steps=10", f"out={staged}")["records"][0]
-    assert "it ran to its cap, raised (trainer.max_steps 4 -> 10)" in capsys.readouterr().out
-    whole = run_in_process(*one, "frontier.steps=10", f"out={straight}")["records"][0]
-    assert continued["steps"] == whole["steps"] == 10
+    first_record = run_in_process(*one, f"frontier.steps={first}", f"out={staged}")["records"][0]
+    assert first_record["steps"] == first
+    continued = run_in_process(*one, f"frontier.steps={then}", f"out={staged}")["records"][0]
+    assert f"it ran to its cap, raised (trainer.max_steps {first} -> {then})" in capsys.readouterr().out
+    whole = run_in_process(*one, f"frontier.steps={then}", f"out={straight}")["records"][0]
+    assert continued["steps"] == whole["steps"] == then
     assert [row[:3] for row in continued["history"]] == [row[:3] for row in whole["history"]]
     assert continued["tests"] == whole["tests"] and continued["val_loss"] == whole["val_loss"]
-    name = first["arm"]
+    name = first_record["arm"]
     weights = [torch.load(out / "runs" / name / "last.ckpt", weights_only=True)["state_dict"]
                for out in (staged, straight)]
     assert weights[0].keys() == weights[1].keys()
@@ -248,6 +250,26 @@ def test_the_default_frontier_trains_on_based_s_counts_per_cell(tmp_path):
     assert data["mix_examples"] == [100000, 20000, 20000, 20000, 20000] and data["examples"] == 180000
 
 
+def test_a_search_whose_every_rate_diverged_goes_one_step_lower(tmp_path):
+    from lm.studies.engine import as_json_data, write_record
+
+    out = tmp_path / "study"
+    for a in planned(*SEARCH, f"out={out}"):
+        write_record(out / "records" / f"{a.name}.json", as_json_data({"arm": a.name, **a.labels, "diverged": "nan",
+                                                                       "seconds": 1.0, "settings": a.settings}))
+    plan = plan_of(planned(*SEARCH, f"out={out}"))
+    assert ("width=24", 0.00032, 0) in plan and not any(t[0] != "width=24" for t in plan)  # the rest waits for it
+
+
+def test_an_arm_that_passed_its_stop_at_the_cap_did_not_run_to_it():
+    from lm.studies.frontier_report import ran_every_step
+
+    at_cap = {"steps": 1500, "val_accuracy": 0.995, "settings": {"trainer": {"max_steps": 1500,
+                                                                             "stop_at_accuracy": 0.99}}}
+    assert not ran_every_step(at_cap)  # it stopped for its accuracy: a higher cap would have stopped it there too
+    assert ran_every_step({**at_cap, "val_accuracy": 0.5})
+
+
 def test_the_rate_ladder_steps_along_the_grid_then_by_its_ratio_beyond_it():
     from lm.studies.frontier import RateLadder
 
@@ -256,6 +278,7 @@ def test_the_rate_ladder_steps_along_the_grid_then_by_its_ratio_beyond_it():
     assert (ladder.step(0.00316, 1), ladder.step(0.00316, -1)) == (0.01, 0.001)
     assert (ladder.step(0.0316, 1), ladder.step(0.001, -1), ladder.step(0.1, 1)) == (0.1, 0.00032, 0.32)
     assert ladder.around(0.0316) == [0.01, 0.0316, 0.1]
+    assert ladder.around(0.1) == [0.0316, 0.1, 0.32]  # back onto the grid, not 0.032
     assert RateLadder([0.01]).around(0.01) == [0.01]  # one rate: nothing to step by
 
 
@@ -341,6 +364,7 @@ def test_based_block_puts_a_gated_convolution_before_each_mixer_layer_and_no_mlp
     (["frontier.train_examples=[100, 0]"], r"^frontier.train_examples entry=0 must be an integer >= 1$"),
     (["frontier.rates_at=best"], r"^frontier.rates_at='best' is not one of \['every', 'grid', 'middle'\]"),
     (["frontier.schedule=wsd"], r"^frontier.schedule='wsd' is not one of \['constant', 'cosine'\]"),
+    (["frontier.steps=7"], r"^frontier.steps=7 is not a multiple of frontier.val_every=3: an arm that ran to its cap "),
 ])
 def test_bad_frontier_settings_are_refused_before_training(overrides, message, tmp_path):
     with pytest.raises(ConfigError, match=message):

@@ -316,6 +316,8 @@ def test_records_from_takes_a_record_that_stopped_before_a_cap_since_raised(tmp_
     assert line == f"records_from={source}: 1 finished arms taken; left out: 1 of other settings"
     taken = json.loads((tmp_path / "here" / "a.json").read_text())
     assert taken["steps"] == 60 and taken["settings"]["trainer"]["max_steps"] == 300
+    # a checkpoint left here by another run of the arm is dropped with the taking: never continued as this record's
+    assert not early.checkpoint.exists() and capped.checkpoint.exists()
 
 
 def test_a_failing_arm_is_recorded_stops_the_study_and_runs_again_next_time(tmp_path, capsys):

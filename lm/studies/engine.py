@@ -352,6 +352,8 @@ def import_records(arms: list[Arm], records: Path, source: Path,
         else:
             make_folder(records)
             write_record(records / f"{arm.name}.json", record)
+            if arm.checkpoint is not None:  # another run's state: never to be continued as this record's
+                arm.checkpoint.unlink(missing_ok=True)
             taken.add(arm.name)
             counts["taken"] += 1
     left = ", ".join(f"{n} {why}" for why, n in counts.items() if n and why != "taken")

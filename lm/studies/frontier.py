@@ -25,7 +25,7 @@ from lm.formats.checkpoint import load
 from lm.model.generation_cache import GenerationCache
 from lm.studies.compare_arms import Entry, _trainer, check_run, lr_tag, resumed, training_config
 from lm.studies.compare_runs import training_figures, unless_diverged
-from lm.studies.compare_tables import si_bytes
+from lm.studies.compare_tables import diverged, si_bytes
 from lm.studies.engine import Arm, StepCap, finished_records, recorded_settings
 from lm.studies.frontier_report import best_rate, mix_accuracy, ran_every_step
 from lm.training.run import train
@@ -75,6 +75,10 @@ def check_frontier(cfg: DictConfig) -> None:
     if f.train_examples is not None and len(f.train_examples) != len(f.train):
         raise ConfigError(f"frontier.train_examples={list(f.train_examples)} gives {len(f.train_examples)} counts for "
                           f"the {len(f.train)} cells of frontier.train: one per cell, in its order")
+    if f.schedule == "constant" and f.steps % f.val_every:
+        raise ConfigError(f"frontier.steps={f.steps} is not a multiple of frontier.val_every={f.val_every}: an "
+                          "arm that ran to its cap continues from the checkpoint of its last validation, so the cap "
+                          "must fall on one")
     if f.schedule == "constant" and f.examples is None and f.train_examples is None:
         raise ConfigError("frontier.examples=null makes the examples frontier.steps x batch_size, so a raised cap "
                           "would train on other examples than the arms it continues: give a count with "
@@ -187,7 +191,9 @@ class RateLadder:
             return None
         if lr in self.grid and 0 <= self.grid.index(lr) + direction < len(self.grid):
             return self.grid[self.grid.index(lr) + direction]
-        return float(f"{lr * self.ratio ** direction:.2g}")
+        step = lr * self.ratio ** direction
+        # back onto the grid where the step lands on it (0.1 down is 0.0316, not 0.032)
+        return next((g for g in self.grid if abs(g - step) <= 0.02 * g), float(f"{step:.2g}"))
 
     def around(self, lr: float) -> list[float]:
         """`lr` and its neighbours."""
@@ -197,27 +203,34 @@ class RateLadder:
 def rate_search(ladder: RateLadder, rates: list[float], arm_at, records: Path,
                 plateau: float) -> tuple[list[Arm], float | None]:
     """The arms of one point's rate search and its best rate (None until they have all finished):
-    `rates`, and one step past the edge where the best of them is, unless it is on the plateau."""
+    `rates`, and one step past the edge where the best of them is, unless it is on the plateau; where
+    every rate diverged, one step below the lowest."""
     arms = {lr: arm_at(lr) for lr in rates}
     best = best_finished(arms, records)
     if best is None:
         return list(arms.values()), None
-    lr, accuracy = best
-    beyond = ladder.step(lr, -1 if lr == min(rates) else 1) if lr in (min(rates), max(rates)) else None
-    if beyond is not None and accuracy > plateau:
+    lr, accuracy, all_diverged = best
+    if all_diverged:
+        beyond = ladder.step(min(rates), -1)
+    elif lr in (min(rates), max(rates)) and accuracy > plateau:
+        beyond = ladder.step(lr, -1 if lr == min(rates) else 1)
+    else:
+        beyond = None
+    if beyond is not None and beyond not in arms:
         arms[beyond] = arm_at(beyond)
         best = best_finished(arms, records)
     return list(arms.values()), None if best is None else best[0]
 
 
-def best_finished(arms: dict[float, Arm], records: Path) -> tuple[float, float] | None:
-    """(rate, accuracy on the mix) of the best of the rates' arms, once every one has finished."""
+def best_finished(arms: dict[float, Arm], records: Path) -> tuple[float, float, bool] | None:
+    """(rate, accuracy on the mix, whether every rate diverged) of the best of the rates' arms, once
+    every one has finished."""
     done, unfinished = finished_records(list(arms.values()), records)
     if unfinished:
         return None
     by_lr = {r["lr"]: [r] for r in done}
     lr = best_rate(by_lr)
-    return lr, mix_accuracy(by_lr[lr][0])
+    return lr, mix_accuracy(by_lr[lr][0]), all(diverged(r) for r in done)
 
 
 def frontier_arm(cfg: DictConfig, entry: Entry, point: dict, lr: float, seed: int, common: dict, runs: Path) -> Arm:

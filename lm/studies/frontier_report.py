@@ -42,7 +42,12 @@ def mix_accuracy(r: dict) -> float:
 
 
 def ran_every_step(r: dict) -> bool:
-    return not diverged(r) and r["steps"] >= r["settings"]["trainer"]["max_steps"]
+    """Whether the run took every step its cap allowed without stopping for its accuracy (a run that
+    passed trainer.stop_at_accuracy at the cap's own validation stopped for it)."""
+    trainer = r["settings"]["trainer"]
+    stop = trainer.get("stop_at_accuracy")
+    return (not diverged(r) and r["steps"] >= trainer["max_steps"]
+            and not (stop is not None and r["val_accuracy"] >= stop))
 
 
 def best_rate(by_lr: dict[float, list[dict]]) -> float:
