@@ -147,12 +147,12 @@ def raised_cap(recorded: dict, planned: dict, cap: StepCap | None) -> tuple[int,
     return (old, new) if same_settings(recorded, set_flat(planned, cap.setting, old)) else None
 
 
-def kept_under_raised_cap(record: dict, arm: Arm) -> dict | None:
+def kept_under_raised_cap(record: dict, planned: dict, cap: StepCap | None) -> dict | None:
     """A finished record whose run stopped before a cap the plan has since raised, sealed again under
-    the planned settings: the run under the higher cap is this run, step for step. None otherwise."""
-    planned = as_json_data(arm.settings)
-    if ("error" in record or record.get("interrupted") or raised_cap(record["settings"], planned, arm.cap) is None
-            or arm.cap.ran_to_cap(record)):
+    the planned settings (JSON data): the run under the higher cap is this run, step for step. None
+    otherwise."""
+    if ("error" in record or record.get("interrupted") or raised_cap(record["settings"], planned, cap) is None
+            or cap.ran_to_cap(record)):
         return None
     return sealed({**record, "settings": planned})
 
@@ -182,7 +182,7 @@ def stored_record(path: Path, settings: dict, cap: StepCap | None = None) -> Sto
             return Stored("interrupted", record)
         if cap.ran_to_cap(record):
             return Stored("extend", record, changes=[f"{cap.setting} {raised[0]} -> {raised[1]}"])
-        return Stored("done", sealed({**record, "settings": planned}))
+        return Stored("done", kept_under_raised_cap(record, planned, cap))
     if not same_settings(record["settings"], planned):
         return Stored("changed", changes=changed_settings(record["settings"], planned))
     if "error" in record:
@@ -331,6 +331,7 @@ def import_records(arms: list[Arm], records: Path, source: Path,
             counts["edited or damaged"] += 1
             continue
         arm = planned.get(record.get("arm")) if isinstance(record.get("arm"), str) else None
+        wanted = as_json_data(arm.settings) if arm is not None else None  # its settings as a record holds them
         problem = bad_value(record) if arm is not None else None
         if arm is None:
             counts["not in this study"] += 1
@@ -342,8 +343,8 @@ def import_records(arms: list[Arm], records: Path, source: Path,
         elif "error" in record or record.get("interrupted"):
             counts["unfinished"] += 1
         # (one that ran to a cap since raised continues from a checkpoint, which a results.json does not carry)
-        elif not same_settings((record := kept_under_raised_cap(record, arm) or record)["settings"],
-                               as_json_data(arm.settings)):
+        elif not same_settings((record := kept_under_raised_cap(record, wanted, arm.cap) or record)["settings"],
+                               wanted):
             counts["of other settings"] += 1
         elif times_this_machine(arm) and not ran_on_machine(record, here):
             counts["timed on another machine"] += 1
