@@ -25,6 +25,7 @@ import torch
 from hydra import initialize_config_dir
 
 from lm.config.compose import CONF_DIR, composed
+from lm.config.train import TrainRun
 from lm.studies.compare_arms import study_entries
 from lm.studies.compare_settings import for_kind
 from lm.studies.engine import quiet_lightning
@@ -43,7 +44,7 @@ def trained_cpu_seconds(run_cfg, steps: int, folder: str) -> float:
     run_cfg.checkpoint_dir = folder
     started = time.process_time()
     with quiet_lightning(), contextlib.redirect_stdout(io.StringIO()):
-        train(run_cfg)
+        train(TrainRun.from_config(run_cfg))
     return time.process_time() - started
 
 

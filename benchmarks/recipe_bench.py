@@ -63,11 +63,12 @@ class Contender:
 
     def configure(self) -> Contender:
         """The run's config, composed and checked: both recipes are, before either builds anything."""
+        from lm.config.train import TrainRun
         from lm.training.settings import check_run_settings
 
-        self.cfg = compose(self.name, self.overrides)
+        self.cfg = TrainRun.from_config(compose(self.name, self.overrides))
         check_run_settings(self.cfg)
-        self.max_steps = int(self.cfg.trainer.max_steps)
+        self.max_steps = self.cfg.trainer.max_steps
         return self
 
     def build(self, held_out: list[str] | int) -> Contender:
@@ -77,7 +78,6 @@ class Contender:
         from lm.evaluation.perplexity import token_stream
         from lm.model.transformer import Transformer
         from lm.training.module import LitLM
-        from lm.training.optim import optim_config
         from lm.training.scoring import Scorer
         from lm.training.settings import model_config_from
         from lm.training.setup import pick_precision
@@ -87,9 +87,9 @@ class Contender:
         data.prepare_data()
         data.setup("fit")
         torch.manual_seed(cfg.seed)
-        self.model = Transformer(model_config_from(cfg, data.tokenizer.get_vocab_size())).train()
+        self.model = Transformer(model_config_from(cfg.model, cfg.attn, data.tokenizer.get_vocab_size())).train()
         self.scorer = Scorer(self.model, cfg.loss_chunk, cfg.compile)
-        module = LitLM(self.model, optim_config(cfg.optim), total_steps=self.max_steps)
+        module = LitLM(self.model, cfg.optim, total_steps=self.max_steps)
         optimizers = module.configure_optimizers()
         self.optimizer, self.schedule = optimizers["optimizer"], optimizers["lr_scheduler"]["scheduler"]
         self.clip = cfg.trainer.gradient_clip_val

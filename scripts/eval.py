@@ -13,9 +13,11 @@ from lm.util.cli import exit_on_user_error, run_script
 @hydra.main(config_path="../conf", config_name="eval", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     with exit_on_user_error():
+        from lm.config.eval import EvalRun
+        from lm.config.settings import typed
         from lm.evaluation.perplexity import evaluate
 
-        evaluate(cfg)
+        evaluate(typed(EvalRun, cfg))  # the one place the composed config becomes typed settings
 
 
 if __name__ == "__main__":

@@ -8,8 +8,8 @@ from omegaconf import DictConfig
 import lm.config  # noqa: F401  the settings' schemas, also where hydra.searchpath=... replaces conf's
 from lm.config.attn import load_attention_kinds
 from lm.config.export import ExportSettings
-from lm.config.settings import check_settings
 from lm.util.cli import exit_on_user_error, run_script
+from lm.util.settings import check_settings
 
 
 @hydra.main(config_path="../conf", config_name="export", version_base="1.3")

@@ -12,10 +12,11 @@ from lm.util.cli import exit_on_user_error, run_script
 
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    from lm.config.train import TrainRun
     from lm.training.run import train
 
     with exit_on_user_error():
-        train(cfg)
+        train(TrainRun.from_config(cfg))  # the one place the composed config becomes typed settings
 
 
 if __name__ == "__main__":

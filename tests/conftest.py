@@ -120,6 +120,7 @@ def shared_token_cache(corpus: Path) -> Path:
 
 def train_small_run(folder: Path, corpus: Path, *overrides: str) -> Path:
     """Train a few steps on the small corpus, writing under `folder`; the path of its last.ckpt."""
+    from lm.config.train import TrainRun
     from lm.training.run import train
 
     cfg = compose_config("train", [
@@ -130,15 +131,17 @@ def train_small_run(folder: Path, corpus: Path, *overrides: str) -> Path:
     with open_dict(cfg):
         cfg.checkpoint_dir = str(folder / "checkpoints")
         cfg.data.cache_dir = str(shared_token_cache(corpus))
-    return Path(train(cfg)["last"])
+    return Path(train(TrainRun.from_config(cfg))["last"])
 
 
 @pytest.fixture
 def train_config(tmp_path, small_corpus):
-    """A factory: the training config over the small corpus, writing only under tmp_path (and the
+    """A factory: the training run (a TrainRun) over the small corpus, writing only under tmp_path (and the
     corpus's shared token cache)."""
 
-    def make(*overrides: str) -> DictConfig:
+    from lm.config.train import TrainRun
+
+    def make(*overrides: str) -> TrainRun:
         cfg = compose_config("train", [
             "data=text", f"data.paths=[{small_corpus}]", "data.vocab_size=512", "data.batch_size=4",
             # AdamW: the learning rates and bounds of the tests that use this were set for it; the
@@ -150,7 +153,7 @@ def train_config(tmp_path, small_corpus):
         with open_dict(cfg):
             cfg.checkpoint_dir = str(tmp_path / "checkpoints")
             cfg.data.cache_dir = str(shared_token_cache(small_corpus))
-        return cfg
+        return TrainRun.from_config(cfg)
 
     return make
 

@@ -19,7 +19,7 @@ import lm
 from lm.attention import available_kinds
 from lm.attention.base import spec_class
 from lm.model.config import ConfigError
-from lm.training.run import model_config_from
+from lm.training.run import model_config_of
 from lm.util.errors import DataError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,7 +54,7 @@ def check_figures(r: dict, runs: Path | None = None, stopped_early: bool = False
             assert t["batch"] == max(1, s["speed"]["train_tokens"] // t["context"])
             assert t["tokens_per_s"] == pytest.approx(t["batch"] * t["context"] / t["step_s"])
             assert 0 < t["step_s"] < r["seconds"]
-        config = model_config_from(OmegaConf.create({"model": s["model"], "attn": s["attn"]}), s["vocab_size"])
+        config = model_config_of(OmegaConf.create({"model": s["model"], "attn": s["attn"]}), s["vocab_size"])
         assert r["params"] == lm.Transformer(config).num_params()
         return
     assert s["run_name"] == r["arm"] and (r["steps"] <= s["trainer"]["max_steps"] if stopped_early

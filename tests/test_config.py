@@ -156,20 +156,19 @@ def test_train_script_rejects_bad_config_in_one_line(override, message, tmp_path
 ])
 def test_the_model_shapes_qk_norm_reaches_every_layer_whose_kind_has_it(overrides, expected):
     from lm.config.compose import compose_train
-    from lm.training.settings import model_config_from
+    from lm.training.settings import model_config_of
 
-    config = model_config_from(compose_train(overrides), vocab_size=64)
+    config = model_config_of(compose_train(overrides), vocab_size=64)
     assert [getattr(spec, "qk_norm", None) for spec in config.attention] == expected
 
 
 def test_model_qk_norm_is_refused_in_one_line_when_not_a_boolean():
     from lm.config.compose import compose_train
-    from lm.training.settings import check_run_settings, model_config_from
+    from lm.config.train import TrainRun
 
     cfg = compose_train(["model.qk_norm=3"])
     with pytest.raises(ConfigError, match="model.qk_norm=3 must be true or false"):
-        check_run_settings(cfg)
-        model_config_from(cfg, vocab_size=64)
+        TrainRun.from_config(cfg)
 
 
 @pytest.mark.parametrize("config_name, overrides", [

@@ -6,13 +6,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf, open_dict
 
 from lm import ConfigError, ModelConfig, Transformer
+from lm.config.uptrain import UptrainOptions
 from lm.data.mqar import IGNORE
 from lm.formats.checkpoint import read_checkpoint
 from lm.training.module import LitLM, OptimConfig
 from lm.training.run import distillation_settings, train
+from lm.util.settings import built
 
 SMALL = dict(vocab_size=61, n_layer=2, d_model=32, n_head=4, d_ff=48, max_seq_len=32)
 
@@ -92,8 +93,7 @@ def test_gradients_reach_the_student_only_and_the_teacher_is_no_part_of_the_modu
 def test_a_tiny_run_with_a_teacher_logs_the_kl_and_saves_no_teacher(train_config):
     cfg = train_config("trainer.max_steps=2", "trainer.val_every_n_steps=2", "trainer.limit_val_batches=1",
                        "trainer.log_every_n_steps=1", "sample.max_new_tokens=0")
-    with open_dict(cfg):
-        cfg.uptrain = {"distill": 0.5, "temperature": 2.0}
+    cfg.uptrain = UptrainOptions(distill=0.5, temperature=2.0)
     teacher = Transformer(ModelConfig(vocab_size=512, n_layer=1, d_model=32, n_head=2, d_ff=32, max_seq_len=32))
     before = {name: p.clone() for name, p in teacher.state_dict().items()}
     result = train(cfg, teacher=teacher)
@@ -129,21 +129,19 @@ def metrics(run_dir):
 ])
 def test_bad_distillation_settings_fail_in_one_line(uptrain, message):
     with pytest.raises(ConfigError, match=message):
-        distillation_settings(OmegaConf.create({"uptrain": uptrain}), small_model(1))
+        distillation_settings(built(UptrainOptions, uptrain, "uptrain."), small_model(1))
 
 
 def test_settings_default_to_no_distillation():
-    assert distillation_settings(OmegaConf.create({"seed": 0}), None) == (0.0, 1.0)
-    assert distillation_settings(OmegaConf.create({"uptrain": {"init": "mean"}}), None) == (0.0, 1.0)
-    assert distillation_settings(OmegaConf.create({"uptrain": {"distill": 2, "temperature": 3}}),
-                                 small_model(1)) == (2.0, 3.0)
+    assert distillation_settings(None, None) == (0.0, 1.0)  # not an uptraining
+    assert distillation_settings(UptrainOptions(init="mean"), None) == (0.0, 1.0)
+    assert distillation_settings(UptrainOptions(distill=2, temperature=3), small_model(1)) == (2.0, 3.0)
 
 
 def test_distilling_without_a_teacher_is_refused_before_any_data_work(train_config, tmp_path):
     cfg = train_config()
-    with open_dict(cfg):
-        cfg.uptrain = {"distill": 0.5}
-        cfg.data.cache_dir = str(tmp_path / "cache")
+    cfg.uptrain = UptrainOptions(distill=0.5)
+    cfg.data.cache_dir = str(tmp_path / "cache")
     message = r"^uptrain.distill=0.5 needs a teacher \(the parent model\); none was given$"
     with pytest.raises(ConfigError, match=message):
         train(cfg)

@@ -119,10 +119,12 @@ def check_composed(script: str, cfg, plan: bool = False) -> None:
     """The checks each script makes before it does any work; a comparison's plan (every arm composed
     and checked, seconds to tens of seconds for the default study) only with `plan`."""
     if script == "train":
+        from lm.config.train import TrainRun
         from lm.training.run import check_run_settings, model_config_from
 
-        check_run_settings(cfg)
-        model_config_from(cfg, vocab_size=256)
+        run = TrainRun.from_config(cfg)
+        check_run_settings(run)
+        model_config_from(run.model, run.attn, vocab_size=256)
     elif script == "generate":
         from lm.generation.text import check_run_settings
 

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 
 import lm
+from lm.config.eval import EvalRun
+from lm.config.settings import typed
 from lm.data.tokenizer import EOT
 from lm.evaluation.perplexity import score, token_stream
 
@@ -101,7 +103,7 @@ def test_eval_settings_are_refused_before_the_checkpoint_loads(override, message
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="eval", overrides=[f"ckpt={tmp_path / 'none.ckpt'}", override])
     with pytest.raises(ConfigError) as error:  # the checkpoint does not exist: the check came first
-        evaluate(cfg)
+        evaluate(typed(EvalRun, cfg))
     assert str(error.value) == message
 
 
@@ -132,15 +134,16 @@ def test_a_non_finite_loss_is_refused_and_nothing_is_written(tmp_path, monkeypat
         cfg = compose(config_name="eval", overrides=[f"ckpt={FIXTURE}", "data=text", f"data.paths=[{corpus}]",
                                                      "split=all", f"out={tmp_path / 'x.json'}", "progress_bar=false"])
     with pytest.raises(DataError, match="is inf: the model's outputs overflow"):
-        evaluation.evaluate(cfg)
+        evaluation.evaluate(typed(EvalRun, cfg))
     assert not (tmp_path / "x.json").exists()
 
 
-def eval_config(*overrides: str):
+def eval_config(*overrides: str) -> EvalRun:
+    """scripts/eval.py's settings, as the script builds them from its command line."""
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose(config_name="eval", overrides=list(overrides))
+        return typed(EvalRun, compose(config_name="eval", overrides=list(overrides)))
 
 
 @pytest.mark.parametrize("data, message", [

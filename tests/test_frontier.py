@@ -14,7 +14,7 @@ import lm
 from lm.model.config import ConfigError
 from lm.model.generation_cache import GenerationCache
 from lm.studies.frontier_report import on_plateau, pareto_front, state_points, still_learning
-from lm.training.settings import model_config_from
+from lm.training.settings import model_config_of
 
 # Every path of the frontier at toy sizes: three kinds, two state sizes each, one seed, seconds.
 TOY = ["preset=frontier", "kinds=[mha,linear,sliding]", "extra_kinds=[]", "per_kind=null", "seeds=1",
@@ -335,7 +335,7 @@ def test_based_block_puts_a_gated_convolution_before_each_mixer_layer_and_no_mlp
         assert arm["data"]["filler"] == "random"
     assert mqa["attn"]["n_kv_head"] == 1 and mqa["model"]["d_model"] == 32
     assert (based["attn"]["feature_map"], based["attn"]["window"], based["model"]["n_head"]) == ("taylor", 16, 8)
-    model = lm.Transformer(model_config_from(OmegaConf.create(mqa), 512))
+    model = lm.Transformer(model_config_of(OmegaConf.create(mqa), 512))
     assert [type(b.attn).__name__ for b in model.blocks] == ["BaseConv", "SoftmaxAttention"] * 2
     assert all(b.mlp is None for b in model.blocks)
 

@@ -118,20 +118,20 @@ def test_a_run_config_written_before_the_setting_builds_its_module_with_the_defa
     # an uptraining continues its source run's stored config, which older checkpoints wrote without it
     from types import SimpleNamespace
 
-    from omegaconf import open_dict
-
     from lm.config.compose import compose_train
-    from lm.config.train import TrainSettings
+    from lm.config.settings import plain
+    from lm.config.train import TrainRun, TrainSettings
     from lm.training.setup import lightning_module
     from lm.training.start import Start
 
-    cfg = compose_train(["logger=none"])
-    with open_dict(cfg):
-        del cfg["loss_chunk"]
+    stored = plain(compose_train(["logger=none"]))
+    del stored["loss_chunk"]
+    run = TrainRun.from_config(stored)
+    assert run.loss_chunk == TrainSettings().loss_chunk == 512
     model = tiny_model()
     data = SimpleNamespace(tokenizer=SimpleNamespace(to_str=lambda: "{}"))
-    lit = lightning_module(cfg, model, data, Start(model.config, vocab_from_tokenizer=True), {})
-    assert lit._score.loss_chunk == TrainSettings.loss_chunk == 512
+    lit = lightning_module(run, model, data, Start(model.config, vocab_from_tokenizer=True), {})
+    assert lit._score.loss_chunk == 512
 
 
 def test_a_reduction_other_than_sum_or_mean_is_refused():

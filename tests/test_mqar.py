@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import torch
 from conftest import compose_config
-from omegaconf import OmegaConf, open_dict
+from omegaconf import open_dict
 
 from lm import ModelConfig, Transformer, load
+from lm.config.data import RecallSettings
 from lm.data.mqar import IGNORE, RecallDataModule, RecallTask, mix_tasks, number_tokenizer
 from lm.data.windows import CellShuffle
 from lm.training.scoring import Scorer, scored_batch
@@ -143,6 +144,7 @@ def test_the_number_tokenizer_round_trips():
 
 
 def test_train_on_mqar_logs_accuracy_and_the_checkpoint_loads(tmp_path):
+    from lm.config.train import TrainRun
     from lm.training.run import train
 
     cfg = compose_config("train", [
@@ -153,7 +155,7 @@ def test_train_on_mqar_logs_accuracy_and_the_checkpoint_loads(tmp_path):
     ])
     with open_dict(cfg):
         cfg.checkpoint_dir = str(tmp_path)
-    result = train(cfg)
+    result = train(TrainRun.from_config(cfg))
     assert 0.0 <= result["val_accuracy"] <= 1.0 and "sample" not in result  # recall data prints no text sample
     assert [h[0] for h in result["val_history"]] == [2, 4]
     assert result["val_history"][-1][3] > 0 and result["train_tokens_per_s"] > 0
@@ -164,13 +166,14 @@ def test_train_on_mqar_logs_accuracy_and_the_checkpoint_loads(tmp_path):
 
 
 def test_a_sequence_longer_than_the_model_is_refused_before_training(tmp_path):
+    from lm.config.train import TrainRun
     from lm.training.run import train
 
     cfg = compose_config("train", ["data=mqar", "data.seq_len=64", "model.max_seq_len=32", "logger=none"])
     with open_dict(cfg):
         cfg.checkpoint_dir = str(tmp_path)
     with pytest.raises(DataError, match="data.seq_len=64 is longer than the model's context model.max_seq_len=32"):
-        train(cfg)
+        train(TrainRun.from_config(cfg))
 
 
 @pytest.mark.parametrize(("threshold", "steps"), [(None, [4, 8, 12]), (0.999, [4, 8, 12]), (1e-9, [4])])
@@ -178,6 +181,7 @@ def test_training_stops_once_accuracy_passes_the_threshold(tmp_path, threshold, 
     """trainer.stop_at_accuracy ends the run at the first validation above it (Zoology stops at 0.99):
     at 1e-9 the first (after 4 steps at a high learning rate, some answers are values, right by
     chance), at 0.999 none."""
+    from lm.config.train import TrainRun
     from lm.training.run import train
 
     cfg = compose_config("train", [
@@ -189,7 +193,7 @@ def test_training_stops_once_accuracy_passes_the_threshold(tmp_path, threshold, 
     ])
     with open_dict(cfg):
         cfg.checkpoint_dir = str(tmp_path)
-    result = train(cfg)
+    result = train(TrainRun.from_config(cfg))
     assert [h[0] for h in result["val_history"]] == steps and result["steps"] == steps[-1], result["val_history"]
     if threshold == 1e-9:
         assert result["val_accuracy"] > threshold
@@ -197,6 +201,7 @@ def test_training_stops_once_accuracy_passes_the_threshold(tmp_path, threshold, 
 
 
 def test_a_threshold_that_is_not_an_accuracy_is_one_line(tmp_path):
+    from lm.config.train import TrainRun
     from lm.model.config import ConfigError
     from lm.training.run import train
 
@@ -204,23 +209,27 @@ def test_a_threshold_that_is_not_an_accuracy_is_one_line(tmp_path):
     with open_dict(cfg):
         cfg.checkpoint_dir = str(tmp_path)
     with pytest.raises(ConfigError, match=r"trainer.stop_at_accuracy=1.5 must be a number between 0 and 1"):
-        train(cfg)
+        train(TrainRun.from_config(cfg))
 
 
 MIX_DATA = {"vocab_size": 32, "seed": 0, "filler": "pad", "query_power": 0.01, "examples": 40, "val_examples": 10,
             "batch_size": 4, "num_workers": 0}
 
 
+def mix_settings(**changes) -> RecallSettings:
+    """data=mqar's settings, typed as a run holds them, with MIX_DATA's values and `changes`."""
+    return RecallSettings(source="mqar", **{**MIX_DATA, **changes})
+
+
 def mix_module(cells=((16, 2), (32, 4), (24, 3))) -> RecallDataModule:
-    data = OmegaConf.create({**MIX_DATA, "mix": [list(c) for c in cells]})
-    module = RecallDataModule.from_config(data, max_seq_len=32)
+    module = RecallDataModule.from_settings(mix_settings(mix=[list(c) for c in cells]), max_seq_len=32)
     module.setup()
     return module
 
 
 def test_a_mix_keeps_each_cell_at_its_own_length():
     module = mix_module()
-    tasks = mix_tasks(MIX_DATA, [[16, 2], [32, 4], [24, 3]])
+    tasks = mix_tasks(mix_settings(), [[16, 2], [32, 4], [24, 3]])
     assert module.train_set.sizes == [14, 14, 14]  # 40 examples shared equally, rounded up
     for cell, task in enumerate(tasks):
         inputs, targets = task.generate("train")  # the reference: each cell's task alone
@@ -269,8 +278,7 @@ def test_cell_batches_shard_by_rank_and_resume_at_the_batch_reached():
 def test_a_mix_gives_each_cell_its_own_count_where_mix_examples_says_so():
     """Based's Figure 2 trains on 100k examples at (64, 4) and 20k at each other cell: a batch then
     comes from the first cell five times as often."""
-    data = {**MIX_DATA, "mix_examples": [80, 16, 24]}
-    tasks = mix_tasks(data, [[16, 2], [32, 4], [24, 3]])
+    tasks = mix_tasks(mix_settings(mix_examples=[80, 16, 24]), [[16, 2], [32, 4], [24, 3]])
     assert [t.examples for t in tasks] == [80, 16, 24]
     assert len({t.val_examples for t in tasks}) == 1  # validation stays shared equally
     module = RecallDataModule(tasks, batch_size=8)
@@ -279,7 +287,7 @@ def test_a_mix_gives_each_cell_its_own_count_where_mix_examples_says_so():
     order = CellShuffle(module.train_set.sizes, 0, 8).epoch_order().view(-1, 8)  # (batches, B)
     cells = [int(b[0] >= 80) + int(b[0] >= 96) for b in order]  # which cell each batch's rows come from
     assert [cells.count(c) for c in range(3)] == [10, 2, 3]
-    assert mix_tasks(MIX_DATA, [[16, 2], [32, 4]])[0].examples == math.ceil(MIX_DATA["examples"] / 2)
+    assert mix_tasks(mix_settings(), [[16, 2], [32, 4]])[0].examples == math.ceil(MIX_DATA["examples"] / 2)
 
 
 @pytest.mark.parametrize(("counts", "message"), [
@@ -289,7 +297,7 @@ def test_a_mix_gives_each_cell_its_own_count_where_mix_examples_says_so():
 ])
 def test_mix_examples_that_do_not_fit_the_mix_are_refused_in_one_line(counts, message):
     with pytest.raises(DataError, match=message):
-        mix_tasks({**MIX_DATA, "mix_examples": counts}, [[16, 2], [32, 4], [24, 3]])
+        mix_tasks(mix_settings(mix_examples=counts), [[16, 2], [32, 4], [24, 3]])
 
 
 def test_validation_batches_never_mix_cells_and_cover_each_rank_s_share_once():
@@ -305,9 +313,9 @@ def test_validation_batches_never_mix_cells_and_cover_each_rank_s_share_once():
 
 
 def test_a_cell_smaller_than_a_batch_is_one_line():
-    data = OmegaConf.create({**MIX_DATA, "examples": 9, "mix": [[16, 2], [32, 4], [24, 3]]})
+    data = mix_settings(examples=9, mix=[[16, 2], [32, 4], [24, 3]])
     with pytest.raises(DataError, match=r"^data.batch_size=4 is larger than each cell's share of data.examples \(3\)"):
-        RecallDataModule.from_config(data, max_seq_len=32)
+        RecallDataModule.from_settings(data, max_seq_len=32)
 
 
 @pytest.mark.parametrize("loss_chunk", [0, 5])

@@ -20,6 +20,7 @@ from lm.attention.additive import AdditiveAttention
 from lm.attention.gated_delta import DeltaRuleLayer
 from lm.attention.mla import LatentAttention
 from lm.attention.projections import GroupedQKV, qkv_rows
+from lm.config.train import TrainRun
 from lm.model.config import ModelConfig
 from lm.model.transformer import Transformer
 from lm.training.muon import MuonAdamW, SplitMuon, newton_schulz
@@ -344,8 +345,8 @@ def test_a_run_config_written_before_a_key_existed_takes_its_default():
 def test_each_bad_optim_setting_is_one_line_naming_the_key(overrides, message):
     cfg = compose_config("train", overrides)
     if message is None:
-        check_run_settings(cfg)
+        check_run_settings(TrainRun.from_config(cfg))
         return
     with pytest.raises(ConfigError) as error:
-        check_run_settings(cfg)
+        check_run_settings(TrainRun.from_config(cfg))
     assert str(error.value) == message

@@ -17,7 +17,7 @@ from lm import ConfigError, Transformer, generate
 from lm.data.tokenizer import train_tokenizer
 from lm.formats.hf import export_hf
 from lm.model.generation_cache import GenerationCache
-from lm.training.settings import model_config_from
+from lm.training.settings import model_config_of
 
 ROOT = Path(__file__).resolve().parents[1]
 ATTN_CONFIGS = sorted(p.stem for p in (ROOT / "conf" / "attn").glob("*.yaml"))
@@ -28,7 +28,7 @@ GLOBAL_KINDS = {"softmax", "mla"}  # every other kind here is local: a window or
 
 def model_config(name: str, *overrides: str):
     """The model `python scripts/train.py model=tiny attn=<name> [overrides]` builds."""
-    return model_config_from(compose_config("train", ["model=tiny", f"attn={name}", *overrides]), VOCAB)
+    return model_config_of(compose_config("train", ["model=tiny", f"attn={name}", *overrides]), VOCAB)
 
 
 def tiny_model(name: str) -> Transformer:
@@ -92,7 +92,7 @@ def test_each_preset_builds_at_every_depth_with_local_and_global_layers(name):
     cfg = compose_config("train", ["model=tiny", f"attn={name}"])
     for n_layer in range(2, 10):
         cfg.model.n_layer = n_layer  # as model.n_layer=<n> on the command line sets it, without composing again
-        kinds = [spec.kind for spec in model_config_from(cfg, VOCAB).attention]
+        kinds = [spec.kind for spec in model_config_of(cfg, VOCAB).attention]
         assert len(kinds) == n_layer and kinds[0] not in GLOBAL_KINDS
         if name == "gpt_oss":
             assert kinds == (["sliding", "softmax"] * n_layer)[:n_layer]
@@ -108,7 +108,7 @@ def test_each_preset_trains_and_its_checkpoint_decodes_as_it_recomputes(name, tr
     result = train(train_config(f"attn={name}", "trainer.max_steps=2", "trainer.val_every_n_steps=2"))
     assert result["steps"] == 2 and result["val_loss"] < 6.5  # ln 512 = 6.24 at initialisation
     model, _ = lm.load(result["last"])
-    assert model.config.attention == model_config_from(compose_config("train", [f"attn={name}", *TINY_MODEL]),
+    assert model.config.attention == model_config_of(compose_config("train", [f"attn={name}", *TINY_MODEL]),
                                                        VOCAB).attention
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [3, 4]]
     assert generate(model, prompts, 20) == generate(model, prompts, 20, use_cache=False)
@@ -161,7 +161,7 @@ def test_the_open_model_presets_export_to_their_transformers_class_with_its_logi
     torch.manual_seed(0)
     cfg = compose_config("train", ["model=tiny", f"attn={name}", "model.norm_eps=1e-6", "model.d_model=48"])
     tokenizer = train_tokenizer(iter(["def f(x): return x + 1\n" * 20]), 300)
-    model = Transformer(model_config_from(cfg, tokenizer.get_vocab_size())).eval()
+    model = Transformer(model_config_of(cfg, tokenizer.get_vocab_size())).eval()
     export_hf(model, tokenizer, tmp_path / "out")
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert type(theirs).__name__ == architecture

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY_MODEL
-from omegaconf import open_dict
 
 import lm
 from lm.formats.checkpoint import read_checkpoint
@@ -256,11 +255,10 @@ def test_a_folder_that_cannot_be_written_is_one_line_before_training(train_confi
     blocked = tmp_path / "blocked"
     blocked.write_text("a file, not a folder")
     cfg = train_config()
-    with open_dict(cfg):
-        if where == "checkpoint_dir":
-            cfg.checkpoint_dir = str(blocked / "checkpoints")
-        else:
-            cfg.data.cache_dir = str(blocked / "cache")
+    if where == "checkpoint_dir":
+        cfg.checkpoint_dir = str(blocked / "checkpoints")
+    else:
+        cfg.data.cache_dir = str(blocked / "cache")
     with pytest.raises(error, match=re.escape(message.format(blocked=blocked))):
         train(cfg)
     assert blocked.read_text() == "a file, not a folder"

@@ -29,12 +29,13 @@ from lm.config.export import ExportSettings
 from lm.config.generate import GenerateSettings
 from lm.config.import_hf import ImportHFSettings
 from lm.config.model import ModelSettings
-from lm.config.settings import SCHEMAS, check_settings, defaults, described, each, integer, is_group
-from lm.config.train import TrainSettings, check_train_settings
+from lm.config.settings import SCHEMAS
+from lm.config.train import CheckpointSettings, TrainRun, TrainSettings
 from lm.config.trainer import TrainerSettings
 from lm.config.uptrain import UptrainSettings, UptrainStudySettings
 from lm.util.cli import run_script
 from lm.util.errors import ConfigError
+from lm.util.settings import built, check_settings, defaults, described, each, integer, is_group
 
 ROOT = Path(__file__).resolve().parents[1]
 ATTN_CONFIGS = sorted((ROOT / "conf" / "attn").glob("*.yaml"))
@@ -323,10 +324,8 @@ def test_a_groups_option_holds_only_what_it_changes(path):
     ("data.vocab_size=0", "data.vocab_size=0 must be an integer >= 1"),
 ])
 def test_a_group_setting_out_of_its_bound_is_one_line_naming_it_as_typed(override, line):
-    from lm.training.settings import check_run_settings
-
     with pytest.raises(ConfigError) as refused:
-        check_run_settings(compose_config("train", [override]))
+        TrainRun.from_config(compose_config("train", [override]))
     assert str(refused.value).startswith(line)
 
 
@@ -354,11 +353,12 @@ def test_train_composes_its_own_keys_from_the_dataclass():
 ])
 def test_a_train_setting_out_of_its_bound_is_one_line_naming_it_as_typed(override, line):
     with pytest.raises(ConfigError) as refused:
-        check_train_settings(compose_config("train", [override]))
+        TrainRun.from_config(compose_config("train", [override]))
     assert str(refused.value) == line
 
 
 def test_a_run_config_written_before_a_setting_existed_takes_its_default():
-    check_train_settings(OmegaConf.create({"run_name": "old", "seed": 0}))  # no checkpoint, sample, compile ...
+    old = built(TrainSettings, {"run_name": "old", "seed": 0})  # no checkpoint, sample, compile ...
+    assert old.checkpoint == CheckpointSettings() and old.loss_chunk == TrainSettings().loss_chunk
     with pytest.raises(ConfigError, match=r"^checkpoint.every_n_steps=0 "):
-        check_train_settings(OmegaConf.create({"checkpoint": {"every_n_steps": 0}}))
+        built(TrainSettings, {"checkpoint": {"every_n_steps": 0}})

@@ -25,6 +25,8 @@ are loaded, and their schemas stored, by load_attention_kinds, which every scrip
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -65,6 +67,40 @@ def attn_schema(kind: str) -> type:
     return dataclasses.make_dataclass(f"AttnOptions_{kind}".replace("-", "_"), fields)
 
 
+# The keys every `attn` config has beside its kinds' options.
+HEAD_KEYS = ("name", "kind", "pattern", "n_kv_head", "global_every", "last_kind")
+
+
+@dataclass(kw_only=True)
+class AttnSettings:
+    """A run's `attn` group, typed: which kind each layer is, and the kinds' options as given. The
+    options' own types and bounds are their specs' (lm.attention), which check them as the layers'
+    specs are made (lm.attention.layout.layer_specs)."""
+
+    name: str | None = None
+    kind: str | None = None  # one kind for every layer ...
+    pattern: list | None = None  # ... or kinds of the first layers, repeated
+    n_kv_head: int | None = None  # K/V heads of every layer; null: one per query head
+    global_every: int | None = None  # k: every k-th layer is full softmax attention
+    last_kind: str | None = None  # the last layer's kind, whatever the rest gave it
+    options: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if (self.kind is None) == (self.pattern is None):
+            raise ConfigError(f"give attn.kind (one kind for every layer) or attn.pattern (kinds, repeated over the "
+                              f"layers), not {'both' if self.kind else 'neither'}")
+
+    @classmethod
+    def from_dict(cls, values: Mapping) -> AttnSettings:
+        """The group as composed or stored: its head keys, every other key an option."""
+        values = dict(values)
+        return cls(**{key: values.pop(key) for key in HEAD_KEYS if key in values}, options=values)
+
+    def to_dict(self) -> dict:
+        """As composed: the head keys beside the options, so a stored run config reads as the command line."""
+        return {**{key: getattr(self, key) for key in HEAD_KEYS}, **self.options}
+
+
 def register_attn_schemas() -> list[str]:
     """Store every registered kind's schema (and PER_LAYER's) in Hydra's ConfigStore, the built-in
     kinds loaded first; returns the names stored. Call it again after registering a kind later in the
@@ -90,4 +126,5 @@ def load_attention_kinds() -> list[str]:
     return added
 
 
-__all__ = ["GROUP", "PER_LAYER", "attn_schema", "load_attention_kinds", "register_attn_schemas"]
+__all__ = ["AttnSettings", "GROUP", "HEAD_KEYS", "PER_LAYER", "attn_schema", "load_attention_kinds",
+           "register_attn_schemas"]

@@ -16,10 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from lm.config.settings import Bound, boolean, choice, each, fraction, group, integer, number, positive, setting, store
+from lm.config.settings import store
 from lm.data.recall_task import FILLERS
 from lm.util.checks import as_list, require_int
 from lm.util.errors import ConfigError
+from lm.util.settings import Bound, boolean, choice, each, fraction, group, integer, number, positive, setting
 
 # recall, language modelling, decoding speed and cache size, then recall against state size, in the study's order
 TASKS = ("mqar", "lm", "speed", "frontier")

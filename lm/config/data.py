@@ -2,21 +2,24 @@
 declared once here (the recall task's defaults and bounds are RecallTask's, lm.data.mqar).
 
 conf/data/*.yaml compose their source's schema (`- /data/settings@_here_: corpus`) and state only
-what they change; `check_data_settings` checks a composed or stored `data` config before any data
-is read, naming each setting as typed (`data.batch_size`).
+what they change; `data_settings` makes a composed or stored `data` config the source's settings,
+checked before any data is read, each setting named as typed (`data.batch_size`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lm.config.settings import boolean, check_settings, fraction, integer, library_setting, redefault, setting, store
+from lm.config.settings import plain, store
+from lm.data.corpora import unknown_source
 from lm.data.recall_task import RecallTask
+from lm.util.settings import Checked, boolean, built, fraction, integer, library_setting, redefault, setting
 
 
 @dataclass(kw_only=True)
-class DataSettings:
+class DataSettings(Checked):
     """What every source takes."""
 
     source: str = setting(help="pystdlib | pystdlib_tests | text | hf | mqar: each data=<option> names its own")
@@ -89,15 +92,23 @@ SOURCES: dict[str, type[DataSettings]] = {"pystdlib": CorpusSettings, "pystdlib_
                                           "text": CorpusSettings, "hf": HubSettings, "mqar": RecallSettings}
 
 
-def check_data_settings(data_cfg) -> None:
-    """One line naming the first `data.<key>` out of its bound, for the source the config names (a
-    source that is none of them gets what every source takes checked, and is refused by name where
-    the corpus is built, lm.data.corpora)."""
-    check_settings(data_cfg, SOURCES.get(data_cfg.get("source"), DataSettings), "data.")
+def data_source(values: Mapping) -> type[DataSettings]:
+    """The settings class of the source `values["source"]` names; one line naming the sources for
+    any other."""
+    source = values.get("source")
+    if source not in SOURCES:
+        raise unknown_source(source)
+    return SOURCES[source]
+
+
+def data_settings(values: Mapping) -> DataSettings:
+    """A `data` group as composed or stored, typed and checked, each setting named as typed (`data.batch_size`)."""
+    values = plain(values)
+    return built(data_source(values), values, "data.")
 
 
 for _name, _cls in {"corpus": CorpusSettings, "hf": HubSettings, "mqar": RecallSettings}.items():
     store(_name, _cls, group="data/settings")
 
 __all__ = ["CorpusSettings", "DataSettings", "HubSettings", "RecallSettings", "SOURCES", "TextSettings",
-           "check_data_settings"]
+           "data_settings", "data_source"]

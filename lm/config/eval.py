@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lm.config.settings import boolean, choice, integer, setting, store
+from lm.config.data import CorpusSettings, DataSettings, data_source
+from lm.config.settings import store
+from lm.util.settings import Checked, boolean, choice, group, integer, setting
 
 # val: the documents training held out (the same hash of the document id, lm.data.corpora); train: the
 # others; all: every document.
@@ -17,7 +19,7 @@ SPLITS = ("val", "train", "all")
 
 
 @dataclass(kw_only=True)
-class EvalSettings:
+class EvalSettings(Checked):
     ckpt: str = setting(help="a training checkpoint, an exported folder, or a transformers Llama/Mistral folder")
     split: str = setting("val", "the documents training held out (val), the others (train) or every one (all)",
                          choice(SPLITS))
@@ -27,6 +29,13 @@ class EvalSettings:
     progress_bar: bool = setting(True, "a progress bar over the batches on stderr", boolean())
 
 
+@dataclass(kw_only=True)
+class EvalRun(EvalSettings):
+    """What scripts/eval.py runs: its settings and the `data` group, the corpus as training reads it."""
+
+    data: DataSettings = group(CorpusSettings, "the corpus (data=<option>)", choose=data_source)
+
+
 store("eval_settings", EvalSettings)
 
-__all__ = ["SPLITS", "EvalSettings"]
+__all__ = ["SPLITS", "EvalRun", "EvalSettings"]

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lm.config.settings import choice, setting, store
+from lm.config.settings import store
+from lm.util.settings import choice, setting
 
 FORMATS = ("safetensors", "hf", "gguf")
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lm.config.settings import setting, store
+from lm.config.settings import store
+from lm.util.settings import setting
 
 
 @dataclass(kw_only=True)

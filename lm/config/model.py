@@ -1,6 +1,7 @@
-"""The `model` group's settings: the shape a run builds, each setting's meaning declared here and its
-default taken from ModelConfig (lm.model.config), which also owns the bounds: a model built in code
-and one trained from the command line check the same way.
+"""The `model` group's settings: the shape a run builds. Each is ModelConfig's own field (lm.model.config),
+with its default and meaning, and ModelConfig owns the bounds: a model built in code and one trained
+from the command line check the same way. The group adds the shape's name and its QK-norm choice;
+the vocabulary is the tokenizer's and the K/V heads and kinds are the `attn` group's.
 
 conf/model/*.yaml compose them (`- /model/settings@_here_: model`) and state only the shape they
 name (layers, width, heads); training turns them into a ModelConfig with the `attn` group's layers
@@ -9,41 +10,27 @@ name (layers, width, heads); training turns them into a ModelConfig with the `at
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import dataclasses
 
-from lm.config.settings import boolean, library_setting, setting, store
+from lm.config.settings import store
 from lm.model.config import ModelConfig
+from lm.util.settings import Checked, boolean, library_setting, setting
 
+# ModelConfig's fields that another part of a run sets: the tokenizer (vocab_size), the attn group (the rest).
+NOT_THE_SHAPES = ("vocab_size", "n_kv_head", "attention")
 
-def model_setting(name: str, help: str) -> Any:
-    """A setting whose default is ModelConfig's own and whose bound ModelConfig checks."""
-    return library_setting(ModelConfig, name, help)
-
-
-@dataclass(kw_only=True)
-class ModelSettings:
-    name: str = setting("custom", "the shape's name, in the run's default name (run_name: <attn>-<model>)")
-    n_layer: int = model_setting("n_layer", "transformer blocks")
-    d_model: int = model_setting("d_model", "the residual stream's width")
-    n_head: int = model_setting("n_head", "query heads (the attn group's n_kv_head sets the K/V heads)")
-    d_ff: int = model_setting("d_ff", "the MLP's hidden width")
-    max_seq_len: int = model_setting("max_seq_len", "the longest sequence: the training windows and the context")
-    tie_embeddings: bool = model_setting("tie_embeddings", "the output head shares the token embedding's weights")
-    short_conv: int = model_setting("short_conv", "taps of a causal convolution before each attention layer "
-                                                  "(lm/model/short_conv.py); 0: none")
-    mlp: str = model_setting("mlp", "swiglu, relu2 (down(relu(up x)^2), one matrix fewer: widen d_ff 3/2 for "
-                                    "equal size), or none (blocks of their mixer alone, as Based's recall models)")
-    zero_init_out: bool = model_setting("zero_init_out", "the blocks' output projections start at zero (each block "
-                                                         "starts as the identity)")
-    qk_norm: bool | None = setting(None, "QK-norm (RMS-normalised queries and keys) in every layer whose attention "
-                                         "kind has it, unless attn.qk_norm says otherwise; null: each kind's own "
-                                         "choice", boolean(nullable=True))
-    norm_eps: float = model_setting("norm_eps", "the epsilon of every RMSNorm (the blocks', the final one, QK-norm); "
-                                                "1e-6 makes attn=qwen3_next and attn=kimi_linear exportable to "
-                                                "Qwen3-Next and Kimi Linear")
-
+# ModelSettings: the shape's name, every field of ModelConfig but NOT_THE_SHAPES' (its default and meaning), and
+# the shape's QK-norm choice, which reaches the specs of the kinds that have it (lm.training.settings).
+ModelSettings = dataclasses.make_dataclass("ModelSettings", [
+    ("name", str, setting("custom", "the shape's name, in the run's default name (run_name: <attn>-<model>)")),
+    *[(f.name, f.type, library_setting(ModelConfig, f.name, f.metadata["help"]))
+      for f in dataclasses.fields(ModelConfig) if f.name not in NOT_THE_SHAPES],
+    ("qk_norm", "bool | None", setting(None, "QK-norm (RMS-normalised queries and keys) in every layer whose attention "
+                                             "kind has it, unless attn.qk_norm says otherwise; null: each kind's own "
+                                             "choice", boolean(nullable=True))),
+], bases=(Checked,), kw_only=True)
+ModelSettings.__module__ = __name__  # where it is declared, for pickling and for reading its repr
 
 store("model", ModelSettings, group="model/settings")
 
-__all__ = ["ModelSettings"]
+__all__ = ["NOT_THE_SHAPES", "ModelSettings"]

@@ -8,10 +8,14 @@ before a setting existed takes its default here (an old run meant adamw with a c
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from lm.config.settings import Bound, boolean, choice, integer, number, positive, redefault, setting, store
-from lm.util.checks import require_int, require_unit
+from lm.config.settings import store
+from lm.util.checks import require_choice, require_int, require_unit
+from lm.util.errors import ConfigError
+from lm.util.settings import Bound, Checked, boolean, choice, integer, number, positive, redefault, setting
 
 SCHEDULES = ("cosine", "wsd", "linear", "constant")
 ADJUST_LR = ("original", "match_rms_adamw")  # torch.optim.Muon's adjust_lr_fn
@@ -24,7 +28,7 @@ NS_STEPS = Bound("an integer from 1 to 99", lambda n, v: require_int(n, v, minim
 
 
 @dataclass
-class OptimConfig:
+class OptimConfig(Checked):
     """`optim=adamw`: AdamW for every parameter, then a learning-rate schedule over trainer.max_steps."""
 
     name: str = setting("adamw", "the optimizer: adamw | muon (optim=muon chooses its group)")
@@ -79,7 +83,23 @@ class MuonConfig(OptimConfig):
 
 CONFIGS: dict[str, type[OptimConfig]] = {"adamw": OptimConfig, "muon": MuonConfig}
 
+
+def optimizer_class(settings: Mapping) -> type[OptimConfig]:
+    """The config class of the optimizer `settings["name"]` names; a key it does not take is one
+    ConfigError line naming what it takes. A run config stored before `optim.name` existed names
+    none: those runs trained with AdamW."""
+    name = settings.get("name", "adamw")
+    require_choice("optim.name", name, CONFIGS)
+    keys = [f.name for f in dataclasses.fields(CONFIGS[name])]
+    for key in settings:
+        if key not in keys:
+            raise ConfigError(f"optim.{key} is not a setting of optim={name}; it takes {', '.join(keys)}")
+    own = set(keys) - {f.name for f in dataclasses.fields(OptimConfig)}
+    if own and not own & set(settings):  # optim.name=muon typed over adamw's group: its lr is AdamW's
+        raise ConfigError(f"optim.name={name} takes its settings from its group: choose it with optim={name}")
+    return CONFIGS[name]
+
 for _name, _cls in CONFIGS.items():
     store(_name, _cls, group="optim/settings")
 
-__all__ = ["ADJUST_LR", "CONFIGS", "NS_DTYPE", "SCHEDULES", "MuonConfig", "OptimConfig"]
+__all__ = ["ADJUST_LR", "CONFIGS", "NS_DTYPE", "SCHEDULES", "MuonConfig", "OptimConfig", "optimizer_class"]

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lm.config.settings import Bound, boolean, choice, integer, setting, store
+from lm.config.settings import store
 from lm.generation.compiled import COMPILE_MODES
 from lm.util.checks import require_choice, require_int
+from lm.util.settings import Bound, boolean, choice, integer, setting
 
 PORT = Bound("an integer in [0, 65535] (0: any free port)", lambda n, v: require_int(n, v, 0, 65535))
 INT8 = Bound("null or int8", lambda n, v: require_choice(n, v, ("int8",)), nullable=True)

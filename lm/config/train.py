@@ -1,28 +1,41 @@
-"""scripts/train.py's own settings, the keys beside its groups (attn, model, data, trainer, logger,
-optim): each one's default, meaning and bound, declared once here.
+"""scripts/train.py's settings: its own keys beside its groups (TrainSettings: each one's default,
+meaning and bound, declared once here), and the whole run they make with the groups (TrainRun).
 
-conf/train.yaml composes them first (`train_settings`), its groups and overrides on top; training
-checks them before any data or model work (lm.training.settings.check_run_settings calls
-`check_train_settings`). A run config stored before a setting existed takes its default.
+conf/train.yaml composes TrainSettings first (`train_settings`), its groups and overrides on top;
+the script turns the composed config into a TrainRun at its edge (`TrainRun.from_config`), which
+checks every setting as it is built, and `lm.training.train` takes that. A run config stored
+before a setting existed takes its default.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from omegaconf import DictConfig
 
-from lm.config.settings import boolean, check_settings, group, integer, number, setting, store, training_seed
+from lm.config.attn import AttnSettings
+from lm.config.data import DataSettings, data_source
+from lm.config.model import ModelSettings
+from lm.config.optim import MuonConfig, OptimConfig, optimizer_class
+from lm.config.settings import plain, store
+from lm.config.trainer import TrainerSettings
+from lm.config.uptrain import Uptraining
+from lm.util.errors import ConfigError
+from lm.util.settings import Checked, boolean, built, choice, group, integer, number, setting, training_seed
+
+RUN_NAME = "${attn.name}-${model.name}"  # the default run name: the attention's and the shape's
 
 
 @dataclass(kw_only=True)
-class CheckpointSettings:
+class CheckpointSettings(Checked):
     every_n_steps: int | None = setting(100, "last.ckpt every n optimizer steps as well as at each validation "
                                              "(null: only there)", integer(1, nullable=True))
 
 
 @dataclass(kw_only=True)
-class SampleSettings:
+class SampleSettings(Checked):
     prompt: str = setting("def ", "the text the sample continues")
     max_new_tokens: int = setting(48, "tokens to add (0: no sample)", integer(0))
     temperature: float = setting(0.8, "0 is greedy", number(0))
@@ -31,8 +44,8 @@ class SampleSettings:
 
 
 @dataclass(kw_only=True)
-class TrainSettings:
-    run_name: str = setting("${attn.name}-${model.name}", "checkpoints/<run_name>/; resume=true continues it")
+class TrainSettings(Checked):
+    run_name: str = setting(RUN_NAME, "checkpoints/<run_name>/; resume=true continues it")
     seed: int | None = setting(0, "of the weights' initialisation and the data's order", training_seed())
     resume: bool = setting(False, "continue checkpoints/<run_name>/last.ckpt", boolean())
     ckpt_path: str | None = setting(None, "or continue from this checkpoint")
@@ -58,11 +71,58 @@ class TrainSettings:
 ADAMW_RECIPE = ("model=tiny", "optim=adamw", "trainer.max_steps=500", "loss_chunk=0")
 
 
-def check_train_settings(cfg: DictConfig) -> None:
-    """Every setting of TrainSettings, one line naming the first that is out of its bound."""
-    check_settings(cfg, TrainSettings)
+LOGGERS = ("wandb", "csv", "none")
+
+
+@dataclass(kw_only=True)
+class LoggerSettings(Checked):
+    """The `logger` group (conf/logger/*.yaml)."""
+
+    kind: str = setting("wandb", "wandb (offline unless WANDB_MODE or WANDB_API_KEY say otherwise) | csv | none",
+                        choice(LOGGERS))
+    project: str = setting("lm", "wandb's project")
+
+
+def uptrain_group(values: Mapping) -> type:
+    return Uptraining
+
+
+@dataclass(kw_only=True)
+class TrainRun(TrainSettings):
+    """One training run, every setting typed and checked: TrainSettings with the groups conf/train.yaml
+    composes. `attn` says which kind each layer is, with the kinds' options (lm.config.attn); `uptrain` is
+    set by uptraining (lm.training.uptraining), which continues a converted model with this run."""
+
+    attn: AttnSettings
+    model: ModelSettings = group(ModelSettings, "the shape (model=<option>)")
+    data: DataSettings = group(DataSettings, "the data (data=<option>)", choose=data_source)
+    trainer: TrainerSettings = group(TrainerSettings, "Lightning's Trainer and what training adds to it")
+    optim: OptimConfig = group(MuonConfig, "the optimizer and its schedule (optim=<option>)", choose=optimizer_class)
+    logger: LoggerSettings = group(LoggerSettings)
+    uptrain: Uptraining | None = field(default=None, metadata={"help": "the conversion a run continues",
+                                                                   "bound": None, "choose": uptrain_group})
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.run_name == RUN_NAME:  # a run built in Python: the default as composing would resolve it
+            self.run_name = f"{self.attn.name}-{self.model.name}"
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig | Mapping) -> TrainRun:
+        """The run a composed (or stored) config describes, resolved and checked: a script's edge."""
+        values = dict(plain(cfg))
+        attn = values.pop("attn", None)
+        if not isinstance(attn, Mapping):
+            raise ConfigError("a training run needs its attn group (attn=<option>)")
+        return built(cls, {**values, "attn": AttnSettings.from_dict(attn)})
+
+    def to_dict(self) -> dict:
+        """Every setting as plain data, groups as the command line spells them: what a checkpoint and
+        the logger record of the run."""
+        return {**dataclasses.asdict(self), "attn": self.attn.to_dict()}
 
 
 store("train_settings", TrainSettings)
 
-__all__ = ["ADAMW_RECIPE", "CheckpointSettings", "SampleSettings", "TrainSettings", "check_train_settings"]
+__all__ = ["ADAMW_RECIPE", "CheckpointSettings", "LOGGERS", "LoggerSettings", "RUN_NAME", "SampleSettings",
+           "TrainRun", "TrainSettings"]

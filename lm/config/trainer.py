@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from lm.config.settings import Bound, boolean, fraction, integer, number, setting, store
+from lm.config.settings import store
 from lm.util.checks import require_choice
+from lm.util.settings import Bound, Checked, boolean, fraction, integer, number, setting
 
 PRECISIONS = ("auto", "32-true", "32", "16-mixed", "bf16-mixed", "bf16-true", "16-true", "64-true")
 # `trainer.precision=32` arrives as an int: judged as typed on the command line, where it is the text 32.
@@ -21,7 +22,7 @@ PRECISION = Bound(" | ".join(PRECISIONS), lambda n, v: require_choice(n, str(v),
 
 
 @dataclass(kw_only=True)
-class TrainerSettings:
+class TrainerSettings(Checked):
     accelerator: str = setting("auto", "cpu | gpu | auto (a GPU where CUDA is present)")
     devices: Any = setting(1, "devices per machine (processes, with strategy=ddp), or auto")
     strategy: str = setting("auto", "auto | ddp | fsdp (trainer=ddp and trainer=fsdp choose them)")

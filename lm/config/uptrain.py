@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lm.config.settings import boolean, choice, each, group, integer, number, positive, setting, store, training_seed
+from lm.config.settings import store
 from lm.formats.convert import INITS
+from lm.util.settings import Checked, boolean, choice, each, group, integer, number, positive, setting, training_seed
 
 
 @dataclass(kw_only=True)
-class UptrainOptions:
+class UptrainOptions(Checked):
     init: str = setting("mean", "how each group's K/V heads are formed (GQA/MQA; aligned: heads rotated to agree, "
                                 "then mean)", choice(INITS))
     distill: float = setting(0.0, "w > 0 adds w T^2 KL(parent || model) to the loss; 0: no distillation", number(0))
@@ -34,6 +35,14 @@ class UptrainOptions:
                                             integer(1, nullable=True))
     limit_val_batches: int | None = setting(None, "validation batches; null: the source run's",
                                             integer(1, nullable=True))
+
+
+@dataclass(kw_only=True)
+class Uptraining(UptrainOptions):
+    """What a training run records of the uptraining it is (lm.config.train.TrainRun.uptrain): the
+    options and the checkpoint they converted."""
+
+    source: str | None = setting(None, "the checkpoint converted (ckpt=)")
 
 
 @dataclass(kw_only=True)
@@ -81,4 +90,4 @@ class UptrainStudySettings:
 store("uptrain_settings", UptrainSettings)
 store("uptrain_study_settings", UptrainStudySettings)
 
-__all__ = ["StudyGrid", "UptrainOptions", "UptrainSettings", "UptrainStudySettings", "UptrainTrainer"]
+__all__ = ["StudyGrid", "UptrainOptions", "Uptraining", "UptrainSettings", "UptrainStudySettings", "UptrainTrainer"]

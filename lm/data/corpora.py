@@ -146,23 +146,27 @@ def hf_corpus(name: str, config_name: str | None, split: str, text_field: str,
     return Corpus(f"hf:{name}", fingerprint, documents)
 
 
-def build_corpus(data_cfg) -> Corpus:
-    """The corpus a `data` config group describes."""
-    source = data_cfg.get("source")
+def build_corpus(data) -> Corpus:
+    """The corpus a run's `data` settings describe (lm.config.data: a source's settings)."""
+    source = data.source
     if source in ("pystdlib", "pystdlib_tests"):
-        if data_cfg.get("paths"):
+        if data.paths:
             raise DataError(f"data.paths is set but data={source}; train on your files with data=text data.paths=[...]")
         return pystdlib_corpus(test_suites=source == "pystdlib_tests")
     if source == "text":
-        return text_corpus(list(data_cfg.get("paths") or []))
+        return text_corpus(list(data.paths or []))
     if source == "hf":
-        return hf_corpus(data_cfg["name"], data_cfg["config_name"], data_cfg["split"], data_cfg["text_field"],
-                         data_cfg["streaming"], data_cfg["data_files"], data_cfg["max_docs"])
+        return hf_corpus(data.name, data.config_name, data.split, data.text_field, data.streaming, data.data_files,
+                         data.max_docs)
     if source == "mqar":  # training builds its recall examples before reaching here (lm.data.modules)
         raise DataError("data=mqar is a generated recall task, not a text corpus: only training reads it "
                         "(train.py data=mqar reports val/accuracy)")
-    raise DataError(f"data.source={source!r} is not one of 'pystdlib', 'pystdlib_tests', 'text', 'hf' "
-                    "(or 'mqar' for training)")
+    raise unknown_source(source)
+
+
+def unknown_source(source) -> DataError:
+    return DataError(f"data.source={source!r} is not one of 'pystdlib', 'pystdlib_tests', 'text', 'hf' "
+                     "(or 'mqar' for training)")
 
 
 # ------------------------------------------------------------------ split and tokenizer

@@ -28,12 +28,11 @@ class TokenDataModule(ShuffledDataModule):
         self.cache: TokenCache | None = None
 
     @classmethod
-    def from_config(cls, data_cfg, seq_len: int, seed: int = 0, tokenizer_json: str | None = None) -> TokenDataModule:
-        """The data module a `data` config group (or a run config's `data` dict) describes."""
-        return cls(build_corpus(data_cfg), resolve_path(data_cfg["cache_dir"]), seq_len=seq_len,
-                   batch_size=data_cfg["batch_size"], vocab_size=data_cfg["vocab_size"],
-                   val_fraction=data_cfg["val_fraction"], seed=seed, num_workers=data_cfg["num_workers"],
-                   tokenizer_json=tokenizer_json)
+    def from_settings(cls, data, seq_len: int, seed: int = 0, tokenizer_json: str | None = None) -> TokenDataModule:
+        """The data module a text corpus's settings describe (lm.config.data.TextSettings)."""
+        return cls(build_corpus(data), resolve_path(data.cache_dir), seq_len=seq_len, batch_size=data.batch_size,
+                   vocab_size=data.vocab_size, val_fraction=data.val_fraction, seed=seed,
+                   num_workers=data.num_workers, tokenizer_json=tokenizer_json)
 
     def prepare_data(self) -> None:
         self.cache = build_token_cache(self.corpus, self.cache_dir, self.vocab_size, self.val_fraction,
@@ -50,8 +49,9 @@ class TokenDataModule(ShuffledDataModule):
                             f"training sequences of the corpus")
 
 
-def make_data_module(data_cfg, seq_len: int, seed: int = 0, tokenizer_json: str | None = None) -> ShuffledDataModule:
-    """The data module a `data` config group names: a corpus of text, or generated recall examples."""
-    if data_cfg.get("source") == "mqar":
-        return RecallDataModule.from_config(data_cfg, seq_len)
-    return TokenDataModule.from_config(data_cfg, seq_len, seed, tokenizer_json)
+def make_data_module(data, seq_len: int, seed: int = 0, tokenizer_json: str | None = None) -> ShuffledDataModule:
+    """The data module a run's `data` settings name (lm.config.data): a corpus of text, or generated
+    recall examples."""
+    if data.source == "mqar":
+        return RecallDataModule.from_settings(data, seq_len)
+    return TokenDataModule.from_settings(data, seq_len, seed, tokenizer_json)

@@ -75,19 +75,20 @@ class RecallDataModule(ShuffledDataModule):
         self.tokenizer = number_tokenizer(tasks[0].vocab_size)
 
     @classmethod
-    def from_config(cls, data_cfg, max_seq_len: int) -> RecallDataModule:
-        mix = data_cfg.get("mix")
-        if mix:
-            task = mix_tasks(data_cfg, list(mix))
+    def from_settings(cls, data, max_seq_len: int) -> RecallDataModule:
+        """The module `data=mqar`'s settings describe (lm.config.data.RecallSettings)."""
+        if data.mix:
+            task = mix_tasks(data, list(data.mix))
             longest = max(t.seq_len for t in task)
         else:
-            fields = ("vocab_size", "seq_len", "pairs", "examples", "val_examples", "seed", "filler", "query_power")
-            task = RecallTask(**{name: data_cfg[name] for name in fields if name in data_cfg})
+            task = RecallTask(vocab_size=data.vocab_size, seq_len=data.seq_len, pairs=data.pairs,
+                              examples=data.examples, val_examples=data.val_examples, seed=data.seed,
+                              filler=data.filler, query_power=data.query_power)
             longest = task.seq_len
         if longest > max_seq_len:
             raise DataError(f"data.seq_len={longest} is longer than the model's context "
                             f"model.max_seq_len={max_seq_len}")
-        return cls(task, data_cfg["batch_size"], data_cfg["num_workers"])
+        return cls(task, data.batch_size, data.num_workers)
 
     def train_sampler(self, start_batch: int, rank: int, world: int):
         if len(self.train_set.sizes) == 1:  # one task: the plain epoch shuffle

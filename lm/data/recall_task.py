@@ -149,14 +149,14 @@ def distinct_draws(rng: np.random.Generator, n: int, high: int, k: int) -> np.nd
         draws[repeats] = rng.integers(0, high, size=(int(repeats.sum()), k))
 
 
-def mix_tasks(data_cfg, mix: list) -> list[RecallTask]:
+def mix_tasks(data, mix: list) -> list[RecallTask]:
     """One RecallTask per (seq_len, pairs) of `data.mix`, each with its data.mix_examples count where
     that is given, else an equal share of data.examples (rounded up); data.val_examples shared
-    equally, and every other setting of the data config."""
-    shared = {name: data_cfg[name] for name in ("vocab_size", "seed", "filler", "query_power") if name in data_cfg}
-    counts = data_cfg.get("mix_examples")
+    equally, and every other setting of `data` (lm.config.data.RecallSettings)."""
+    shared = dict(vocab_size=data.vocab_size, seed=data.seed, filler=data.filler, query_power=data.query_power)
+    counts = data.mix_examples
     if counts is None:
-        counts = [math.ceil(data_cfg["examples"] / len(mix))] * len(mix)
+        counts = [math.ceil(data.examples / len(mix))] * len(mix)
     elif isinstance(counts, (str, bytes)) or not hasattr(counts, "__len__") or len(counts) != len(mix):
         raise DataError(f"data.mix_examples={_plain(counts)!r} must be a list of one count per data.mix cell "
                         f"({len(mix)})")
@@ -167,7 +167,7 @@ def mix_tasks(data_cfg, mix: list) -> list[RecallTask]:
         seq_len, pairs = list(entry)
         try:
             tasks.append(RecallTask(seq_len=seq_len, pairs=pairs, examples=examples,
-                                    val_examples=math.ceil(data_cfg["val_examples"] / len(mix)), **shared))
+                                    val_examples=math.ceil(data.val_examples / len(mix)), **shared))
         except ValueError as e:  # a count out of its bound, named as the mix's
             raise DataError(f"data.mix_examples entry {_plain(examples)!r} for [{seq_len}, {pairs}]: {e}") from None
     return tasks

@@ -29,8 +29,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from tqdm.auto import tqdm
 
-from lm.config.eval import SPLITS, EvalSettings
-from lm.config.settings import check_settings
+from lm.config.eval import SPLITS, EvalRun
 from lm.data.corpora import Corpus, is_validation
 from lm.data.recall_task import IGNORE
 from lm.data.tokenizer import EOT
@@ -128,36 +127,34 @@ def default_record_path(ckpt: Path, corpus_name: str, split: str) -> Path:
     return resolved.parent / name
 
 
-def evaluate(cfg) -> dict:
-    """What scripts/eval.py runs: load, score, print one line, write the JSON record."""
+def evaluate(run: EvalRun) -> dict:
+    """What scripts/eval.py runs (its settings checked as they were built): load, score, print one line,
+    write the JSON record."""
     import json
 
-    from lm.config.data import check_data_settings
     from lm.data.corpora import build_corpus
     from lm.formats.checkpoint import load
     from lm.util.checks import check_device
     from lm.util.files import write_atomically
     from lm.util.paths import resolve_path
 
-    check_settings(cfg, EvalSettings)
-    if cfg.data.source == "mqar":
+    if run.data.source == "mqar":
         raise DataError("data=mqar has no text to score: eval.py scores a text corpus (data=pystdlib, text or hf); "
                         "recall on data=mqar is measured by training (train.py data=mqar reports val/accuracy) and "
                         "by compare.py")
-    check_data_settings(cfg.data)
-    val_fraction = cfg.data.val_fraction
-    check_device(cfg.device)
-    corpus = build_corpus(cfg.data)  # lists the files only: a data.paths mistake is refused before loading
-    path = resolve_path(cfg.ckpt)
-    model, tokenizer = load(path, device=cfg.device)
-    texts = split_documents(corpus, cfg.split, float(val_fraction))
-    result = score(model, *token_stream(texts, tokenizer), batch_size=cfg.batch_size, progress=cfg.progress_bar)
+    val_fraction = run.data.val_fraction
+    check_device(run.device)
+    corpus = build_corpus(run.data)  # lists the files only: a data.paths mistake is refused before loading
+    path = resolve_path(run.ckpt)
+    model, tokenizer = load(path, device=run.device)
+    texts = split_documents(corpus, run.split, float(val_fraction))
+    result = score(model, *token_stream(texts, tokenizer), batch_size=run.batch_size, progress=run.progress_bar)
     if not math.isfinite(result.loss):  # weights that overflow in fp32: no number to report
         raise DataError(f"the loss on {corpus.name} is {result.loss}: the model's outputs overflow, so there is "
                         "no perplexity to write")
-    record = {"checkpoint": str(path), "corpus": corpus.name, "split": cfg.split, **result.record()}
-    out = resolve_path(cfg.out) if cfg.out else default_record_path(path, corpus.name, cfg.split)
+    record = {"checkpoint": str(path), "corpus": corpus.name, "split": run.split, **result.record()}
+    out = resolve_path(run.out) if run.out else default_record_path(path, corpus.name, run.split)
     write_atomically(out, lambda tmp: tmp.write_text(json.dumps(record, indent=2) + "\n"))
-    print(f"{corpus.name} {cfg.split}: {result.tokens:,} tokens, {result.bytes:,} bytes, loss {result.loss:.4f}, "
+    print(f"{corpus.name} {run.split}: {result.tokens:,} tokens, {result.bytes:,} bytes, loss {result.loss:.4f}, "
           f"perplexity {result.perplexity:.2f}, {result.bits_per_byte:.4f} bits per byte -> {out}")
     return record

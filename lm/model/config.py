@@ -16,6 +16,11 @@ from lm.util.checks import require_bool, require_int, require_positive
 from lm.util.errors import ConfigError
 
 
+def about(default: Any, help: str) -> Any:
+    """A field of ModelConfig: its default and what it means (the `model` group's --help reads it)."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
 @dataclass
 class ModelConfig:
     """Shape of a Llama-style decoder-only transformer.
@@ -26,21 +31,25 @@ class ModelConfig:
     it is stored as n_layer specs.
     """
 
-    vocab_size: int = 8192
-    n_layer: int = 6
-    d_model: int = 384
-    n_head: int = 6
-    n_kv_head: int | None = None
-    d_ff: int = 1024
-    max_seq_len: int = 256
-    attention: Any = "softmax"
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = True
-    init_std: float = 0.02
-    short_conv: int = 0  # taps of the causal convolution before each attention layer; 0: none (lm.model.short_conv)
-    mlp: str = "swiglu"  # swiglu, relu2 (lm.model.layers.MLPS) or none: no MLP in the blocks
-    zero_init_out: bool = False  # residual output projections start at zero: each block starts as the identity
+    vocab_size: int = about(8192, "tokens the embedding and the head know (a run takes its tokenizer's)")
+    n_layer: int = about(6, "transformer blocks")
+    d_model: int = about(384, "the residual stream's width")
+    n_head: int = about(6, "query heads (n_kv_head sets the K/V heads)")
+    n_kv_head: int | None = about(None, "K/V heads of every layer; None: n_head")
+    d_ff: int = about(1024, "the MLP's hidden width")
+    max_seq_len: int = about(256, "the longest sequence: the training windows and the context")
+    attention: Any = about("softmax", "a kind's name, one spec for every layer, or one spec (or name) per layer")
+    rope_theta: float = about(10000.0, "RoPE's base: the longest wavelength of the rotary positions")
+    norm_eps: float = about(1e-5, "the epsilon of every RMSNorm (the blocks', the final one, QK-norm); 1e-6 makes "
+                                  "attn=qwen3_next and attn=kimi_linear exportable to Qwen3-Next and Kimi Linear")
+    tie_embeddings: bool = about(True, "the output head shares the token embedding's weights")
+    init_std: float = about(0.02, "the standard deviation of the weights' normal initialisation")
+    short_conv: int = about(0, "taps of a causal convolution before each attention layer (lm/model/short_conv.py); "
+                               "0: none")
+    mlp: str = about("swiglu", "swiglu, relu2 (down(relu(up x)^2), one matrix fewer: widen d_ff 3/2 for equal "
+                               "size), or none (blocks of their mixer alone, as Based's recall models)")
+    zero_init_out: bool = about(False, "the blocks' output projections start at zero (each block starts as the "
+                                       "identity)")
     attention_options: dataclasses.InitVar[dict | None] = None  # format 1 only: refused with the new spelling
 
     def __post_init__(self, attention_options: dict | None) -> None:

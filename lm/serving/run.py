@@ -14,7 +14,6 @@ from omegaconf import DictConfig
 
 from lm.attention import load_outside_kinds
 from lm.config.serve import ServeSettings
-from lm.config.settings import check_settings
 from lm.data.tokenizer import EOT
 from lm.formats.checkpoint import checkpoint_file, load
 from lm.generation.compiled import check_compile_mode, check_fits
@@ -25,6 +24,7 @@ from lm.util.checks import check_device
 from lm.util.cli import quiet_known_warnings
 from lm.util.errors import ConfigError
 from lm.util.paths import resolve_path
+from lm.util.settings import check_settings
 
 API_KEY_VARIABLE = "LM_API_KEY"
 

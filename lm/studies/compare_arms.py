@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lm.attention import available_kinds, spec_class
 from lm.config.compose import composed, search_path
-from lm.config.train import ADAMW_RECIPE
+from lm.config.train import ADAMW_RECIPE, TrainRun
 from lm.data.recall_task import RecallTask, mix_tasks
 from lm.studies.compare_runs import language_run, recall_run, speed_figures, unless_diverged
 from lm.studies.compare_settings import recall_lengths, speed_settings
@@ -195,10 +195,11 @@ def _trainer(steps: int, val_every: int, val_batches: int | None) -> dict:
 def check_run(name: str, run_cfg: DictConfig, recall: bool) -> None:
     """The errors training would meet, raised now, naming the arm."""
     try:
-        model_config_from(run_cfg, run_cfg.data.vocab_size)
+        run = TrainRun.from_config(run_cfg)
+        model_config_from(run.model, run.attn, run.data.vocab_size)
         if recall:
-            d = run_cfg.data
-            if d.get("mix"):
+            d = run.data
+            if d.mix:
                 mix_tasks(d, list(d.mix))
             else:
                 RecallTask(vocab_size=d.vocab_size, seq_len=d.seq_len, pairs=d.pairs, examples=d.examples,

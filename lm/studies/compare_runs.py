@@ -10,6 +10,7 @@ import time
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from lm.config.train import TrainRun
 from lm.data.corpora import build_corpus
 from lm.evaluation.perplexity import score, split_documents, token_stream
 from lm.formats.checkpoint import load
@@ -17,7 +18,7 @@ from lm.model.transformer import Transformer
 from lm.studies.decode_speed import decode_speed
 from lm.studies.train_step import train_step_fn
 from lm.training.run import train
-from lm.training.settings import model_config_from
+from lm.training.settings import model_config_of
 from lm.util.errors import TrainingError
 
 
@@ -33,7 +34,7 @@ def unless_diverged(run, run_cfg: DictConfig) -> dict:
 
 
 def recall_run(run_cfg: DictConfig) -> dict:
-    return training_figures(train(run_cfg))
+    return training_figures(train(TrainRun.from_config(run_cfg)))
 
 
 def training_figures(result: dict) -> dict:
@@ -44,7 +45,7 @@ def training_figures(result: dict) -> dict:
 
 def language_run(run_cfg: DictConfig) -> dict:
     """Train, then loss and bits per byte over the whole validation split and the parameter count."""
-    result = train(run_cfg)
+    result = train(TrainRun.from_config(run_cfg))
     model, tokenizer = load(result["last"])
     texts = split_documents(build_corpus(run_cfg.data), "val", float(run_cfg.data.val_fraction))
     scored = score(model, *token_stream(texts, tokenizer), progress=False)
@@ -69,7 +70,7 @@ def speed_figures(run_cfg: DictConfig, speed: dict) -> dict:
               for batch, context in measured]
     training = [fresh_model_training(run_cfg, vocab_size, context, speed["train_tokens"], speed["train_steps"])
                 for context in speed["train_contexts"]]
-    params = Transformer(model_config_from(run_cfg, vocab_size)).num_params()
+    params = Transformer(model_config_of(run_cfg, vocab_size)).num_params()
     return {"params": params, "decode": decode, "decode_left_out": [list(r) for r in left_out], "train": training}
 
 
@@ -77,7 +78,7 @@ def fresh_model(run_cfg: DictConfig, vocab_size: int, context: int) -> Transform
     """The run's shape, its context stretched to `context`, freshly initialised with seed 0."""
     long = OmegaConf.merge(run_cfg, {"model": {"max_seq_len": context}})
     torch.manual_seed(0)
-    return Transformer(model_config_from(long, vocab_size))
+    return Transformer(model_config_of(long, vocab_size))
 
 
 def fresh_model_decoding(run_cfg: DictConfig, vocab_size: int, context: int, new_tokens: int, batch: int = 1,

@@ -8,11 +8,11 @@ from __future__ import annotations
 from omegaconf import DictConfig, OmegaConf
 
 from lm.config.compare import TASKS, CompareSettings
-from lm.config.data import check_data_settings
-from lm.config.settings import check_settings
+from lm.config.data import data_settings
 from lm.data.recall_task import FILLERS
 from lm.util.checks import as_list, require_choice
 from lm.util.errors import ConfigError
+from lm.util.settings import check_settings
 
 
 def study_tasks(cfg: DictConfig) -> list[str]:
@@ -33,7 +33,7 @@ def check_study_settings(cfg: DictConfig) -> None:
         raise ConfigError("data=mqar: the study's `data` is the language-modelling corpus (pystdlib, text or hf); "
                           "the recall runs are set under mqar.*")
     check_settings(cfg, CompareSettings)
-    check_data_settings(cfg.data)
+    data_settings(cfg.data)
     require_choice("mqar.filler", cfg.mqar.filler, FILLERS)
     recall_lengths(cfg.mqar)
     speed = cfg.speed

@@ -122,6 +122,8 @@ ADDED_SINCE_RECORDS = {
     "model.zero_init_out": False,  # ... and initialised its output projections as GPT-2 does
     "model.norm_eps": 1e-5,  # ModelConfig's, before the model group declared it (lm/config/model.py)
     "model.qk_norm": None,  # the shape's QK-norm switch, since model=nano turned it on; null: each kind's own
+    "model.rope_theta": 10000.0,  # ModelConfig's, before the model group took every field of it ...
+    "model.init_std": 0.02,  # ... (lm/config/model.py)
     "loss_chunk": 0,  # every run made its whole logits at once before lm.model.linear_cross_entropy
 }
 

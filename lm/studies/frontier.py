@@ -20,6 +20,7 @@ from omegaconf.errors import ConfigKeyError
 
 from lm.config.attn import PER_LAYER
 from lm.config.compare import KNOB_MODEL_KEYS
+from lm.config.train import TrainRun
 from lm.data.recall_task import IGNORE, RecallTask
 from lm.formats.checkpoint import load
 from lm.model.generation_cache import GenerationCache
@@ -259,7 +260,7 @@ def frontier_arm(cfg: DictConfig, entry: Entry, point: dict, lr: float, seed: in
 
 def frontier_run(run_cfg: DictConfig, tests: list[tuple[int, int]], examples: int) -> dict:
     """Train on the mix, then each test cell's accuracy and the state bytes at its length."""
-    result = train(run_cfg)
+    result = train(TrainRun.from_config(run_cfg))
     model, _ = load(result["last"])
     d = run_cfg.data
     measured = []

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from lm.config.settings import check_settings, defaults
+from lm.config.data import data_settings
+from lm.config.train import TrainRun
 from lm.config.uptrain import UptrainOptions, UptrainStudySettings
 from lm.data.modules import TokenDataModule
 from lm.formats.checkpoint import load, model_state_dict, read_checkpoint, stored_model_config
@@ -44,6 +45,7 @@ from lm.training.uptraining import (
 from lm.util.checks import as_list
 from lm.util.errors import ConfigError
 from lm.util.paths import resolve_path
+from lm.util.settings import check_settings, defaults
 
 PROMPT_TOKENS = 32  # of the first validation sequence, at most a quarter of the context: the decoding prompt
 
@@ -66,7 +68,7 @@ class Measuring:
 
     @functools.cached_property
     def data(self) -> TokenDataModule:
-        data = TokenDataModule.from_config(OmegaConf.create(self.source_run["data"]),
+        data = TokenDataModule.from_settings(data_settings(self.source_run["data"]),
                                            self.source_run["model"]["max_seq_len"], tokenizer_json=self.tokenizer_json)
         data.setup()
         return data
@@ -141,10 +143,11 @@ def plan(cfg: DictConfig) -> list[Arm]:
             run = continued_run_config(source_run, cfg, steps, kv_heads, f"study-{name}")
             with open_dict(run):
                 run.checkpoint_dir = str(runs)
-                run.uptrain = {"init": "scratch", "steps": steps}
+                run.uptrain = {"init": "scratch", "steps": steps}  # what the arm's record names it
+            scratch = TrainRun.from_config({**OmegaConf.to_container(run, resolve=True), "uptrain": None})
             arms.append(Arm(name, {**recorded_settings(run), **measured_with},
-                            lambda r=run: trained_figures(train(r, tokenizer_json=tokenizer_json, validate_first=True),
-                                                          measuring),
+                            lambda r=scratch: trained_figures(train(r, tokenizer_json=tokenizer_json,
+                                                                    validate_first=True), measuring),
                             labels={"kv_heads": kv_heads, "target": variant_name(kv_heads), "init": "scratch",
                                     "fraction": fraction},
                             log=runs / f"study-{name}" / "train.log"))

@@ -18,7 +18,6 @@ subclasses; the model's own layers (lm.model) are declared here, beside the plac
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -27,37 +26,26 @@ import torch
 from torch import nn
 
 from lm.attention.base import WeightDeclarations
-from lm.config.optim import CONFIGS, MuonConfig, OptimConfig
-from lm.config.settings import check_settings
+from lm.config.optim import MuonConfig, OptimConfig, optimizer_class
 from lm.model.layers import SwiGLU
 from lm.model.short_conv import ShortConv
 from lm.model.transformer import Transformer
 from lm.training.muon import MuonAdamW, SplitMuon
-from lm.util.checks import require_choice
 from lm.util.distributed import say
 from lm.util.errors import ConfigError
 from lm.util.hardware import multiplies_bf16
+from lm.util.settings import built
 
 
 def optim_config(settings: Mapping) -> OptimConfig:
-    """The config of the optimizer `settings["name"]` names (adamw where it names none); a key the
-    optimizer does not take is one ConfigError line naming what it takes."""
-    name = settings.get("name", "adamw")
-    require_choice("optim.name", name, CONFIGS)
-    keys = [f.name for f in dataclasses.fields(CONFIGS[name])]
-    for key in settings:
-        if key not in keys:
-            raise ConfigError(f"optim.{key} is not a setting of optim={name}; it takes {', '.join(keys)}")
-    own = set(keys) - {f.name for f in dataclasses.fields(OptimConfig)}
-    if own and not own & set(settings):  # optim.name=muon typed over adamw's group: its lr is AdamW's
-        raise ConfigError(f"optim.name={name} takes its settings from its group: choose it with optim={name}")
-    return CONFIGS[name](**settings)
+    """The config of the optimizer `settings["name"]` names (lm.config.optim.optimizer_class), each
+    setting checked against its bound and named as typed (`optim.lr`)."""
+    return built(optimizer_class(settings), settings, "optim.")
 
 
 def check_optim_settings(o: OptimConfig, strategy: str | None = None) -> None:
-    """One ConfigError line naming the key, for any value the run cannot train with: each setting's
-    bound (lm.config.optim), then what depends on the trainer."""
-    check_settings(dataclasses.asdict(o), type(o), "optim.")
+    """One ConfigError line naming the key, for what the optimizer cannot train with under this trainer
+    (each setting's own bound its config checked as it was built: lm.config.optim)."""
     if isinstance(o, MuonConfig) and "fsdp" in str(strategy).lower():
         raise ConfigError(f"optim=muon cannot train under trainer.strategy={strategy}: Newton-Schulz needs each "
                           "whole matrix and FSDP shards them across devices; use trainer=ddp")

@@ -1,4 +1,4 @@
-"""The pieces `train(cfg)` puts together: the data module, the LightningModule around the model, and
+"""The pieces `train(run)` puts together: the data module, the LightningModule around the model, and
 the Lightning Trainer with its checkpoint writers, logger, strategy and precision."""
 
 from __future__ import annotations
@@ -11,29 +11,25 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from omegaconf import DictConfig, OmegaConf
 
-from lm.config.settings import setting_value
-from lm.config.train import TrainSettings
+from lm.config.train import LOGGERS, TrainRun
 from lm.config.trainer import TrainerSettings
 from lm.data.modules import make_data_module
 from lm.model.transformer import Transformer
 from lm.training.interrupt import StopOnSignal
 from lm.training.module import AtomicCheckpointIO, LitLM
-from lm.training.optim import optim_config
 from lm.training.start import Start
 from lm.util.distributed import is_main_process, say
-from lm.util.errors import ConfigError
 from lm.util.files import write_atomically
 from lm.util.hardware import cpu_multiplies_bf16
 
 # ---------------------------------------------------------------------------- data and module
 
 
-def prepared_data(cfg: DictConfig, start: Start, run_dir: Path):
+def prepared_data(run: TrainRun, start: Start, run_dir: Path):
     """The data module, set up for fitting with the start's tokenizer (None: one trained on the
     corpus), that tokenizer saved in the run folder beside the checkpoints."""
-    data = make_data_module(cfg.data, cfg.model.max_seq_len, cfg.seed, start.tokenizer_json)
+    data = make_data_module(run.data, run.model.max_seq_len, run.seed, start.tokenizer_json)
     data.prepare_data()
     data.setup("fit")
     if start.entry.get("corpus_fingerprint") not in (None, corpus_fingerprint(data)):
@@ -49,14 +45,12 @@ def corpus_fingerprint(data) -> str | None:
     return getattr(getattr(data, "corpus", None), "fingerprint", None)
 
 
-def lightning_module(cfg: DictConfig, model: Transformer, data, start: Start, distillation: dict) -> LitLM:
+def lightning_module(run: TrainRun, model: Transformer, data, start: Start, distillation: dict) -> LitLM:
     """LitLM around `model`, with what its checkpoints record (tokenizer, run config, provenance, corpus)."""
-    return LitLM(model, optim_config(cfg.optim), total_steps=cfg.trainer.max_steps,
-                 tokenizer_json=data.tokenizer.to_str(), run_config=OmegaConf.to_container(cfg, resolve=True),
-                 compile=cfg.compile, provenance=start.provenance, corpus_fingerprint=corpus_fingerprint(data),
-                 # a run config written before the setting (an uptraining's source run) takes its default
-                 loss_chunk=setting_value(cfg, TrainSettings, "loss_chunk"),
-                 skip_nonfinite=setting_value(cfg.trainer, TrainerSettings, "skip_nonfinite"), **distillation)
+    return LitLM(model, run.optim, total_steps=run.trainer.max_steps, tokenizer_json=data.tokenizer.to_str(),
+                 run_config=run.to_dict(), compile=run.compile, provenance=start.provenance,
+                 corpus_fingerprint=corpus_fingerprint(data), loss_chunk=run.loss_chunk,
+                 skip_nonfinite=run.trainer.skip_nonfinite, **distillation)
 
 
 # ---------------------------------------------------------------------------- the trainer
@@ -70,8 +64,8 @@ class Saves:
     stop: StopOnSignal
 
 
-def make_trainer(cfg: DictConfig, run_dir: Path, precision: str, wandb_run_id: str | None) -> tuple[L.Trainer, Saves]:
-    t = cfg.trainer
+def make_trainer(run: TrainRun, run_dir: Path, precision: str, wandb_run_id: str | None) -> tuple[L.Trainer, Saves]:
+    t = run.trainer
     saves = Saves(best=ModelCheckpoint(dirpath=run_dir, filename="best", monitor="val/loss", mode="min", save_top_k=1,
                                        enable_version_counter=False),
                   stop=StopOnSignal(run_dir / "last.ckpt"))
@@ -81,9 +75,9 @@ def make_trainer(cfg: DictConfig, run_dir: Path, precision: str, wandb_run_id: s
         check_val_every_n_epoch=None, limit_val_batches=t.limit_val_batches,
         gradient_clip_val=t.gradient_clip_val, accumulate_grad_batches=t.accumulate_grad_batches,
         log_every_n_steps=t.log_every_n_steps, num_sanity_val_steps=0,
-        logger=make_logger(cfg, run_dir, wandb_run_id),
+        logger=make_logger(run, run_dir, wandb_run_id),
         plugins=[AtomicCheckpointIO()],
-        callbacks=[*checkpoint_writers(cfg, run_dir, saves), *progress_bar(t)], enable_progress_bar=t.progress_bar,
+        callbacks=[*checkpoint_writers(run, run_dir, saves), *progress_bar(t)], enable_progress_bar=t.progress_bar,
         enable_model_summary=False,
         default_root_dir=str(run_dir),
         use_distributed_sampler=False,  # the data module shards by rank itself (lm.data.windows.EpochShuffle)
@@ -91,32 +85,32 @@ def make_trainer(cfg: DictConfig, run_dir: Path, precision: str, wandb_run_id: s
     return trainer, saves
 
 
-def checkpoint_writers(cfg: DictConfig, run_dir: Path, saves: Saves) -> list:
+def checkpoint_writers(run: TrainRun, run_dir: Path, saves: Saves) -> list:
     """best.ckpt, last.ckpt at each validation, last.ckpt on a signal, and every
     `checkpoint.every_n_steps` steps. Two writers of last.ckpt besides the signal's: Lightning's
     `save_last` only refreshes it when the best one changes, and one ModelCheckpoint saves either
     per n steps or per validation, not both."""
     last = ModelCheckpoint(dirpath=run_dir, filename="last", monitor=None, save_top_k=1, enable_version_counter=False)
-    writers = [saves.best, last, saves.stop, *early_stop(cfg.trainer)]
-    every = (cfg.get("checkpoint") or {}).get("every_n_steps")
+    writers = [saves.best, last, saves.stop, *early_stop(run.trainer)]
+    every = run.checkpoint.every_n_steps
     if every:
         writers.append(ModelCheckpoint(dirpath=run_dir, filename="last", monitor=None, save_top_k=1,
                                        enable_version_counter=False, every_n_train_steps=every))
     return writers
 
 
-def pick_precision(trainer_cfg: DictConfig) -> str:
+def pick_precision(trainer: TrainerSettings) -> str:
     """`precision: auto` is bf16-mixed on a GPU and on a CPU with bf16 instructions, and 32-true on
     other CPUs, where bf16 matmuls are about 100x slower than fp32."""
-    if trainer_cfg.precision != "auto":
-        return str(trainer_cfg.precision)
-    accelerator = trainer_cfg.accelerator
+    if trainer.precision != "auto":
+        return str(trainer.precision)
+    accelerator = trainer.accelerator
     on_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
     return "bf16-mixed" if on_gpu or cpu_multiplies_bf16() else "32-true"
 
 
-def make_logger(cfg: DictConfig, run_dir: Path, wandb_run_id: str | None = None):
-    kind = cfg.logger.kind
+def make_logger(run: TrainRun, run_dir: Path, wandb_run_id: str | None = None):
+    kind = run.logger.kind
     if kind == "none":
         return False
     if kind == "csv":
@@ -128,37 +122,37 @@ def make_logger(cfg: DictConfig, run_dir: Path, wandb_run_id: str | None = None)
         if "WANDB_MODE" not in os.environ and "WANDB_API_KEY" not in os.environ:
             os.environ["WANDB_MODE"] = "offline"
         # A resumed run continues its wandb run (same id) instead of starting a second one.
-        logger = WandbLogger(project=cfg.logger.project, name=cfg.run_name, save_dir=str(run_dir),
-                             config=OmegaConf.to_container(cfg, resolve=True), id=wandb_run_id,
+        logger = WandbLogger(project=run.logger.project, name=run.run_name, save_dir=str(run_dir),
+                             config=run.to_dict(), id=wandb_run_id,
                              resume="allow" if wandb_run_id else None)
         # Lightning always hands wandb.init an `anonymous` argument (None when unused), which wandb
         # has deprecated and warns about at every run; leaving it out means the same to wandb.
         logger._wandb_init.pop("anonymous", None)
         return logger
-    raise ConfigError(f"logger.kind={kind!r} is not one of 'wandb', 'csv', 'none'")
+    raise AssertionError(f"logger.kind={kind!r}: LoggerSettings admits {LOGGERS}")
 
 
-def make_strategy(trainer_cfg: DictConfig):
+def make_strategy(trainer: TrainerSettings):
     """`fsdp` shards each transformer Block as one unit; other names go to Lightning as they are."""
-    if trainer_cfg.strategy == "fsdp":
+    if trainer.strategy == "fsdp":
         from lightning.pytorch.strategies import FSDPStrategy
 
         from lm.model.transformer import Block
 
         return FSDPStrategy(auto_wrap_policy={Block}, state_dict_type="full")
-    return trainer_cfg.strategy
+    return trainer.strategy
 
 
-def progress_bar(trainer_cfg: DictConfig) -> list:
-    if not trainer_cfg.progress_bar:
+def progress_bar(trainer: TrainerSettings) -> list:
+    if not trainer.progress_bar:
         return []
-    return [L.pytorch.callbacks.TQDMProgressBar(refresh_rate=trainer_cfg.progress_refresh_steps)]
+    return [L.pytorch.callbacks.TQDMProgressBar(refresh_rate=trainer.progress_refresh_steps)]
 
 
-def early_stop(trainer_cfg: DictConfig) -> list:
+def early_stop(trainer: TrainerSettings) -> list:
     """Stop at the validation where val/accuracy first reaches `trainer.stop_at_accuracy` (Zoology
     stops its recall runs at 0.99); never for lack of progress."""
-    threshold = setting_value(trainer_cfg, TrainerSettings, "stop_at_accuracy")
+    threshold = trainer.stop_at_accuracy
     if threshold is None:
         return []
     return [L.pytorch.callbacks.EarlyStopping(monitor="val/accuracy", mode="max", stopping_threshold=threshold,

@@ -8,8 +8,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
-
+from lm.config.train import TrainRun
 from lm.formats.checkpoint import load, model_state_dict, read_checkpoint, stored_model_config
 from lm.model.config import ModelConfig
 from lm.model.transformer import Transformer
@@ -50,7 +49,7 @@ class Start:
         return model
 
 
-def starting_point(cfg: DictConfig, model_config: ModelConfig | None, weights: dict | None,
+def starting_point(run: TrainRun, model_config: ModelConfig | None, weights: dict | None,
                    tokenizer_json: str | None, provenance: dict | None) -> Start:
     """The given model (uptraining's conversion), else `init_from`'s weights and tokenizer, else the
     config's model, built now so that a bad setting stops the run before any time goes on data
@@ -58,9 +57,10 @@ def starting_point(cfg: DictConfig, model_config: ModelConfig | None, weights: d
     if model_config is not None:
         return Start(model_config, vocab_from_tokenizer=False, weights=weights, tokenizer_json=tokenizer_json,
                      provenance=provenance)
-    if cfg.get("init_from"):
-        return weights_from(cfg.init_from, provenance)
-    return Start(model_config_from(cfg, cfg.data.vocab_size), vocab_from_tokenizer=True, provenance=provenance)
+    if run.init_from:
+        return weights_from(run.init_from, provenance)
+    return Start(model_config_from(run.model, run.attn, run.data.vocab_size), vocab_from_tokenizer=True,
+                 provenance=provenance)
 
 
 def weights_from(path: str, provenance: dict | None = None) -> Start:
@@ -70,14 +70,14 @@ def weights_from(path: str, provenance: dict | None = None) -> Start:
                  tokenizer_json=tokenizer.to_str(), provenance=provenance)
 
 
-def continued(cfg: DictConfig, run_dir: Path, start: Start) -> Start:
+def continued(run: TrainRun, run_dir: Path, start: Start) -> Start:
     """`start` with the checkpoint the run continues, checked by the safe loader before Lightning
     opens it; a resumed run keeps the tokenizer its weights were trained with, whatever the corpus
     is now. A fresh run says when it is about to replace an earlier run's checkpoints."""
-    path = checkpoint_to_continue(cfg, run_dir)
+    path = checkpoint_to_continue(run, run_dir)
     if path is None:
         if (run_dir / "last.ckpt").exists():
-            say(f"note: starting run {cfg.run_name!r} afresh; its checkpoints will be replaced "
+            say(f"note: starting run {run.run_name!r} afresh; its checkpoints will be replaced "
                 "(resume=true continues it)")
         return start
     ckpt = read_checkpoint(path)  # weights_only: refuses code, names corruption
@@ -87,7 +87,7 @@ def continued(cfg: DictConfig, run_dir: Path, start: Start) -> Start:
     differences = [f"{k}={saved.get(k)!r} (config: {v!r})" for k, v in requested.items() if saved.get(k) != v]
     if differences:
         raise ConfigError(f"checkpoint {str(path)!r} does not match the configured model: {', '.join(differences)}")
-    changed = changed_data_settings(entry.get("run_config") or {}, cfg)
+    changed = changed_data_settings(entry.get("run_config") or {}, run)
     if changed:
         raise ConfigError(f"a resumed run cannot change {', '.join(changed)}: the checkpoint was trained on "
                           "other data settings; start afresh (resume=false or another run_name) to change them")
@@ -95,27 +95,27 @@ def continued(cfg: DictConfig, run_dir: Path, start: Start) -> Start:
                                tokenizer_json=start.tokenizer_json or entry.get("tokenizer"))
 
 
-def checkpoint_to_continue(cfg: DictConfig, run_dir: Path) -> Path | None:
+def checkpoint_to_continue(run: TrainRun, run_dir: Path) -> Path | None:
     """`ckpt_path`, or with `resume=true` the run's last.ckpt; None for a fresh run."""
-    if cfg.get("ckpt_path"):
-        path = resolve_path(cfg.ckpt_path)
+    if run.ckpt_path:
+        path = resolve_path(run.ckpt_path)
         if not path.is_file():
-            raise ConfigError(f"ckpt_path={str(cfg.ckpt_path)!r} does not exist")
+            raise ConfigError(f"ckpt_path={str(run.ckpt_path)!r} does not exist")
         return path
-    if cfg.resume:
+    if run.resume:
         path = run_dir / "last.ckpt"
         if not path.is_file():
-            raise ConfigError(f"resume=true but run {cfg.run_name!r} has no checkpoint at {path}")
+            raise ConfigError(f"resume=true but run {run.run_name!r} has no checkpoint at {path}")
         return path
     return None
 
 
-def changed_data_settings(stored_run_config: dict, cfg: DictConfig) -> list[str]:
+def changed_data_settings(stored_run_config: dict, run: TrainRun) -> list[str]:
     """`data.<key> (checkpoint: a, now: b)` for each data setting that differs from the stored run's."""
     stored = stored_run_config.get("data")
     if not isinstance(stored, dict):
         return []  # an uptrained or hand-made checkpoint records no data settings
-    now = OmegaConf.to_container(cfg.data, resolve=True)
+    now = dataclasses.asdict(run.data)
     keys = sorted((set(stored) | set(now)) - set(DATA_SETTINGS_FREE_ON_RESUME))
     return [f"data.{k} (checkpoint: {stored.get(k)!r}, now: {now.get(k)!r})"
             for k in keys if stored.get(k) != now.get(k)]

@@ -22,7 +22,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lm.attention.mla import LatentSpec
-from lm.config.settings import check_settings
+from lm.config.data import data_settings
+from lm.config.train import TrainRun
 from lm.config.uptrain import UptrainSettings
 from lm.data.modules import TokenDataModule
 from lm.formats.calibration import attention_inputs
@@ -43,6 +44,7 @@ from lm.training.scoring import evaluate_loss, inputs_and_targets
 from lm.util.errors import ConfigError, RunInterrupted
 from lm.util.files import run_folder
 from lm.util.paths import resolve_path
+from lm.util.settings import check_settings
 
 
 @dataclass(frozen=True)
@@ -165,7 +167,7 @@ class Calibration:
     RoPE ranking, aligned pooling) and the validation batches training reports on."""
 
     def __init__(self, source_run: dict, tokenizer_json: str, cfg: DictConfig):
-        self.data = TokenDataModule.from_config(OmegaConf.create(source_run["data"]),
+        self.data = TokenDataModule.from_settings(data_settings(source_run["data"]),
                                                 source_run["model"]["max_seq_len"], tokenizer_json=tokenizer_json)
         self.data.setup()
         self.batches = cfg.uptrain.calibration_batches
@@ -242,7 +244,7 @@ def uptrain(cfg: DictConfig) -> dict:
           + ("" if resuming else ", the converted model's is measured at step 0"))
     distilling = cfg.uptrain.distill
     try:
-        result = train(run, model_config=config, init_state=state, tokenizer_json=tokenizer_json,
+        result = train(TrainRun.from_config(run), model_config=config, init_state=state, tokenizer_json=tokenizer_json,
                        provenance=provenance, validate_first=not resuming, teacher=parent if distilling else None)
     except RunInterrupted as e:
         raise RunInterrupted(e.signum, e.step, e.saved, f"{resume_command()} continues the run") from None
