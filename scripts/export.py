@@ -8,8 +8,8 @@ from omegaconf import DictConfig
 import lm.config  # noqa: F401  the settings' schemas, also where hydra.searchpath=... replaces conf's
 from lm.config.attn import load_attention_kinds
 from lm.config.export import ExportSettings
+from lm.config.settings import typed
 from lm.util.cli import exit_on_user_error, run_script
-from lm.util.settings import check_settings
 
 
 @hydra.main(config_path="../conf", config_name="export", version_base="1.3")
@@ -20,7 +20,7 @@ def main(cfg: DictConfig) -> None:
     from lm.util.paths import resolve_path
 
     with exit_on_user_error():
-        check_settings(cfg, ExportSettings)
+        cfg = typed(ExportSettings, cfg)  # the one place the composed config becomes typed settings
         exporters = {"hf": export_hf, "safetensors": export_safetensors,
                      "gguf": lambda model, tokenizer, out: export_gguf(model, tokenizer, out, cfg.gguf_type)}
         model, tokenizer = load(resolve_path(cfg.ckpt))

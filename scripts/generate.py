@@ -12,10 +12,12 @@ from lm.util.cli import exit_on_user_error, quote_text_overrides, run_script
 
 @hydra.main(config_path="../conf", config_name="generate", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    from lm.config.settings import typed
+    from lm.generation.settings import GenerateSettings
     from lm.generation.text import generate_text
 
     with exit_on_user_error():
-        generate_text(cfg)
+        generate_text(typed(GenerateSettings, cfg))  # the one place the composed config becomes typed settings
 
 
 if __name__ == "__main__":

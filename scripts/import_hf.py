@@ -7,6 +7,8 @@ from omegaconf import DictConfig
 
 import lm.config  # noqa: F401  the settings' schemas, also where hydra.searchpath=... replaces conf's
 from lm.config.attn import load_attention_kinds
+from lm.config.import_hf import ImportHFSettings
+from lm.config.settings import typed
 from lm.util.cli import exit_on_user_error, run_script
 
 
@@ -18,6 +20,7 @@ def main(cfg: DictConfig) -> None:
     from lm.util.paths import resolve_path
 
     with exit_on_user_error():
+        cfg = typed(ImportHFSettings, cfg)  # the one place the composed config becomes typed settings
         src = resolve_path(cfg.src)
         if not is_hf_folder(src):
             raise CheckpointError(f"src={str(cfg.src)!r} is not a folder with a config.json")

@@ -12,10 +12,12 @@ from lm.util.cli import exit_on_user_error, run_script
 
 @hydra.main(config_path="../conf", config_name="serve", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    from lm.config.serve import ServeSettings
+    from lm.config.settings import typed
     from lm.serving.run import serve
 
     with exit_on_user_error():
-        serve(cfg)
+        serve(typed(ServeSettings, cfg))  # the one place the composed config becomes typed settings
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ import pytest
 from conftest import compose_config
 from test_command_fuzz import run_in_process
 
+from lm.config.settings import typed
+from lm.generation.settings import GenerateSettings
 from lm.generation.text import generate_text, read_stop_strings
 from lm.util.cli import quote_text_overrides
 from lm.util.errors import ConfigError, GenerationError
@@ -140,7 +142,7 @@ def test_generation_settings_are_checked_before_loading(tmp_path, override, mess
     cfg = compose_config("generate", quote_text_overrides([f"ckpt={tmp_path / 'none.ckpt'}", "prompt=x", override],
                                                           keys=("prompt",)))
     with pytest.raises((GenerationError, ConfigError), match=message.replace("[", r"\[").replace("]", r"\]")):
-        generate_text(cfg)
+        generate_text(typed(GenerateSettings, cfg))
 
 
 @pytest.mark.slow

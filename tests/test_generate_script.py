@@ -10,7 +10,9 @@ import torch
 from conftest import compose_config, train_small_run
 
 from lm import GenerationError, ModelConfig, Transformer, generate
+from lm.config.settings import typed
 from lm.generation.quantize import choose_kernel
+from lm.generation.settings import GenerateSettings
 from lm.generation.text import generate_text
 from lm.util.cli import exit_on_user_error, quote_text_overrides
 
@@ -61,8 +63,10 @@ def test_script_rejects_bad_input_in_one_line(checkpoint, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def compose_generate(*overrides):
-    return compose_config("generate", list(quote_text_overrides(list(overrides), keys=("prompt", "prompt_file"))))
+def compose_generate(*overrides) -> GenerateSettings:
+    """scripts/generate.py's settings, as the script builds them from its command line."""
+    quoted = quote_text_overrides(list(overrides), keys=("prompt", "prompt_file"))
+    return typed(GenerateSettings, compose_config("generate", list(quoted)))
 
 
 def test_prompt_file_decodes_a_batch(checkpoint, tmp_path, capsys):

@@ -26,13 +26,13 @@ from lm.config.compare import CompareSettings
 from lm.config.data import CorpusSettings, HubSettings, RecallSettings
 from lm.config.eval import EvalSettings
 from lm.config.export import ExportSettings
-from lm.config.generate import GenerateSettings
 from lm.config.import_hf import ImportHFSettings
 from lm.config.model import ModelSettings
 from lm.config.settings import SCHEMAS
 from lm.config.train import CheckpointSettings, TrainRun, TrainSettings
 from lm.config.trainer import TrainerSettings
 from lm.config.uptrain import UptrainSettings, UptrainStudySettings
+from lm.generation.settings import GenerateSettings
 from lm.util.cli import run_script
 from lm.util.errors import ConfigError
 from lm.util.settings import built, check_settings, defaults, described, each, integer, is_group

@@ -17,6 +17,8 @@ from conftest import compose_config  # noqa: E402
 from serving import CHAT_TEMPLATE, greedy_text, model, running, tokenizer, write_checkpoint  # noqa: E402
 
 from benchmarks.servers import find_llama_server  # noqa: E402
+from lm.config.serve import ServeSettings  # noqa: E402
+from lm.config.settings import typed  # noqa: E402
 from lm.serving.run import prepare  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,7 +54,7 @@ def test_a_checkpoint_served_as_the_script_serves_it(checkpoint, tmp_path):
     template = tmp_path / "chat.jinja"
     template.write_text(CHAT_TEMPLATE)
     cfg = compose_config("serve", [f"ckpt={checkpoint}", "port=0", "max_batch=2", f"chat_template={template}"])
-    server, sock = prepare(cfg, open(os.devnull, "w"))
+    server, sock = prepare(typed(ServeSettings, cfg), open(os.devnull, "w"))
     with running(server, sock) as url:
         assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "tiny-run"
         reply = httpx.post(f"{url}/v1/chat/completions", json={

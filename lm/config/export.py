@@ -10,13 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lm.config.settings import store
-from lm.util.settings import choice, setting
+from lm.util.settings import Checked, choice, setting
 
 FORMATS = ("safetensors", "hf", "gguf")
 
 
 @dataclass(kw_only=True)
-class ExportSettings:
+class ExportSettings(Checked):
     ckpt: str = setting(help="a training checkpoint")
     format: str = setting("safetensors", "safetensors: model.safetensors + config.json + tokenizer.json, which "
                                          "lm.load reads; hf: a transformers folder (Llama for softmax, Qwen3 "

@@ -7,11 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lm.config.settings import store
-from lm.util.settings import setting
+from lm.util.settings import Checked, setting
 
 
 @dataclass(kw_only=True)
-class ImportHFSettings:
+class ImportHFSettings(Checked):
     src: str = setting(help="a local transformers Llama or Mistral folder: config.json, *.safetensors, "
                             "tokenizer.json")
     out: str = setting(help="the folder for last.ckpt + tokenizer.json")

@@ -12,14 +12,14 @@ from dataclasses import dataclass
 from lm.config.settings import store
 from lm.generation.compiled import COMPILE_MODES
 from lm.util.checks import require_choice, require_int
-from lm.util.settings import Bound, boolean, choice, integer, setting
+from lm.util.settings import Bound, Checked, boolean, choice, integer, setting
 
 PORT = Bound("an integer in [0, 65535] (0: any free port)", lambda n, v: require_int(n, v, 0, 65535))
 INT8 = Bound("null or int8", lambda n, v: require_choice(n, v, ("int8",)), nullable=True)
 
 
 @dataclass(kw_only=True)
-class ServeSettings:
+class ServeSettings(Checked):
     ckpt: str = setting(help="a training checkpoint, its run folder, or an exported or Hugging Face folder")
     host: str = setting("127.0.0.1", "the address to listen on (0.0.0.0: every interface)")
     port: int = setting(8000, "the port to listen on", PORT)

@@ -1,4 +1,4 @@
-"""`generate_text(cfg)`: what scripts/generate.py runs. Loads a checkpoint, decodes the prompt(s)
+"""`generate_text(settings)`: what scripts/generate.py runs. Loads a checkpoint, decodes the prompt(s)
 and streams the text to stdout; settings are checked before anything is loaded."""
 
 from __future__ import annotations
@@ -7,13 +7,12 @@ import re
 import sys
 from typing import TextIO
 
-from omegaconf import DictConfig
-
 from lm.data.tokenizer import EOT
 from lm.formats.checkpoint import load
 from lm.generation.compiled import check_fits
 from lm.generation.decode import Generation, Sampling, check_settings, stop_strings
 from lm.generation.quantize import CHOICES, Int8Linear, quantize_int8, resolve_kernel, weight_bytes
+from lm.generation.settings import GenerateSettings
 from lm.util.checks import as_list, check_device, require_bool
 from lm.util.errors import GenerationError
 from lm.util.paths import resolve_path
@@ -22,15 +21,15 @@ from lm.util.paths import resolve_path
 PROMPT_KEYS = ("prompt", "prompt_file")
 
 
-def read_prompts(cfg: DictConfig) -> list[str]:
-    if (cfg.prompt is None) == (cfg.prompt_file is None):
+def read_prompts(settings: GenerateSettings) -> list[str]:
+    if (settings.prompt is None) == (settings.prompt_file is None):
         raise GenerationError("give exactly one of prompt=... or prompt_file=...")
-    if cfg.prompt is not None:
-        prompts = [str(cfg.prompt)]
+    if settings.prompt is not None:
+        prompts = [str(settings.prompt)]
     else:
-        path = resolve_path(cfg.prompt_file)
+        path = resolve_path(settings.prompt_file)
         if not path.is_file():
-            raise GenerationError(f"prompt_file={str(cfg.prompt_file)!r} does not exist")
+            raise GenerationError(f"prompt_file={str(settings.prompt_file)!r} does not exist")
         prompts = [line for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
     if not prompts or not all(prompts):
         raise GenerationError("the prompt is empty: give some text to continue")
@@ -54,22 +53,23 @@ def read_stop_strings(stop) -> list[str]:
     return stop_strings([re.sub(r"\\([ntr\\])", lambda m: ESCAPES[m.group(1)], s) for s in typed])
 
 
-def check_run_settings(cfg: DictConfig) -> tuple[Sampling, list[str]]:
+def check_run_settings(settings: GenerateSettings) -> tuple[Sampling, list[str]]:
     """Every setting, checked before the model is loaded, by the checks lm.generate makes; the
     sampling and the stop strings."""
-    sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p, cfg.repetition_penalty)
-    stop = check_settings(cfg.max_new_tokens, read_stop_strings(cfg.stop), cfg.seed, cfg.truncate, cfg.use_cache,
-                          cfg.compile, cfg.compile_mode)
-    check_device(cfg.device)
-    if cfg.quantize not in (None, "int8"):
-        raise GenerationError(f"quantize={cfg.quantize!r} must be null or int8")
-    check_fits(cfg.compile_mode, cfg.device, cfg.quantize is not None)
-    if cfg.int8_kernel not in CHOICES:
-        raise GenerationError(f"int8_kernel={cfg.int8_kernel!r} must be one of {list(CHOICES)}")
-    if cfg.quantize and cfg.int8_kernel == "dynamic" and str(cfg.device).startswith("cuda"):
+    s = settings
+    sampling = Sampling(s.temperature, s.top_k, s.top_p, s.min_p, s.repetition_penalty)
+    stop = check_settings(s.max_new_tokens, read_stop_strings(s.stop), s.seed, s.truncate, s.use_cache, s.compile,
+                          s.compile_mode)
+    check_device(settings.device)
+    if settings.quantize not in (None, "int8"):
+        raise GenerationError(f"quantize={settings.quantize!r} must be null or int8")
+    check_fits(settings.compile_mode, settings.device, settings.quantize is not None)
+    if settings.int8_kernel not in CHOICES:
+        raise GenerationError(f"int8_kernel={settings.int8_kernel!r} must be one of {list(CHOICES)}")
+    if settings.quantize and settings.int8_kernel == "dynamic" and str(settings.device).startswith("cuda"):
         # torch._int_mm on CUDA needs more than 16 rows, which a decoding step does not have.
         raise GenerationError("int8_kernel=dynamic runs on the CPU; on cuda use int8_kernel=dequant")
-    require_bool("stats", cfg.stats, GenerationError)
+    require_bool("stats", settings.stats, GenerationError)
     return sampling, stop
 
 
@@ -79,22 +79,22 @@ def cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
     return (text[: min(cuts)], True) if cuts else (text, False)
 
 
-def generate_text(cfg: DictConfig, out: TextIO | None = None, err: TextIO | None = None) -> list[str]:
+def generate_text(settings: GenerateSettings, out: TextIO | None = None, err: TextIO | None = None) -> list[str]:
     """Continue each prompt; returns the texts (prompt + continuation). Text goes to `out`
     (stdout), statistics to `err` (stderr)."""
     out, err = out or sys.stdout, err or sys.stderr
-    sampling, stop = check_run_settings(cfg)
-    prompts = read_prompts(cfg)
-    model, tokenizer = load(resolve_path(cfg.ckpt), device=cfg.device)
-    if cfg.quantize is not None:
-        kernel, why = resolve_kernel(cfg.int8_kernel, next(model.parameters()).device)
+    sampling, stop = check_run_settings(settings)
+    prompts = read_prompts(settings)
+    model, tokenizer = load(resolve_path(settings.ckpt), device=settings.device)
+    if settings.quantize is not None:
+        kernel, why = resolve_kernel(settings.int8_kernel, next(model.parameters()).device)
         if why is not None:
             print(why, file=err)
         model = quantize_int8(model, kernel)
     ids = [tokenizer.encode(p).ids for p in prompts]
-    run = Generation(model, ids, cfg.max_new_tokens, sampling, stop=stop, tokenizer=tokenizer,
-                     eos_id=tokenizer.token_to_id(EOT), use_cache=cfg.use_cache, seed=cfg.seed, truncate=cfg.truncate,
-                     compile=cfg.compile, compile_mode=cfg.compile_mode)
+    run = Generation(model, ids, settings.max_new_tokens, sampling, stop=stop, tokenizer=tokenizer,
+                     eos_id=tokenizer.token_to_id(EOT), use_cache=settings.use_cache, seed=settings.seed,
+                     truncate=settings.truncate, compile=settings.compile, compile_mode=settings.compile_mode)
     if len(prompts) == 1:
         texts = [_stream_one(run, prompts[0], len(ids[0]), tokenizer, stop, out)]
     else:
@@ -105,7 +105,7 @@ def generate_text(cfg: DictConfig, out: TextIO | None = None, err: TextIO | None
             continuation, _ = cut_at_stop(tokenizer.decode(tokens[len(ids[i]):]), stop)
             texts.append(prompt + continuation)
             out.write(f"=== {i + 1}/{len(prompts)} ===\n{texts[-1]}\n")
-    if cfg.stats:
+    if settings.stats:
         out.flush()  # the text first, then the statistics, also when both go to one terminal or file
         _print_stats(run, err)
     return texts

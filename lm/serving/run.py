@@ -1,4 +1,4 @@
-"""`serve(cfg)`: what scripts/serve.py runs. Checks the settings, loads the checkpoint, binds the port,
+"""`serve(settings)`: what scripts/serve.py runs. Checks the settings, loads the checkpoint, binds the port,
 then serves with uvicorn until SIGINT or SIGTERM: the listening socket closes, the running requests
 get `drain_s` seconds to finish, then the engine stops."""
 
@@ -9,8 +9,6 @@ import socket
 import sys
 from pathlib import Path
 from typing import TextIO
-
-from omegaconf import DictConfig
 
 from lm.attention import load_outside_kinds
 from lm.config.serve import ServeSettings
@@ -24,19 +22,19 @@ from lm.util.checks import check_device
 from lm.util.cli import quiet_known_warnings
 from lm.util.errors import ConfigError
 from lm.util.paths import resolve_path
-from lm.util.settings import check_settings
 
 API_KEY_VARIABLE = "LM_API_KEY"
 
 
-def check_run_settings(cfg: DictConfig) -> None:
-    check_settings(cfg, ServeSettings)
-    check_device(cfg.device)
-    check_compile_mode(cfg.compile_mode, cfg.compile)
-    check_fits(cfg.compile_mode, cfg.device, cfg.quantize is not None)
-    if cfg.int8_kernel not in CHOICES:
-        raise ConfigError(f"int8_kernel={cfg.int8_kernel!r} must be one of {list(CHOICES)}")
-    if cfg.model_name is not None and not str(cfg.model_name).strip():
+def check_run_settings(settings: ServeSettings) -> None:
+    """What each setting's bound (checked as the settings were built) does not say: the device this torch
+    reaches, and the compile mode and kernel this device runs."""
+    check_device(settings.device)
+    check_compile_mode(settings.compile_mode, settings.compile)
+    check_fits(settings.compile_mode, settings.device, settings.quantize is not None)
+    if settings.int8_kernel not in CHOICES:
+        raise ConfigError(f"int8_kernel={settings.int8_kernel!r} must be one of {list(CHOICES)}")
+    if settings.model_name is not None and not str(settings.model_name).strip():
         raise ConfigError("model_name='' is empty: give a name or null")
 
 
@@ -53,20 +51,20 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def model_name_of(cfg: DictConfig, checkpoint: Path) -> str:
+def model_name_of(settings: ServeSettings, checkpoint: Path) -> str:
     """The name clients pass as `model`: the setting, else the run folder's (checkpoints/<run>/last.ckpt)."""
-    if cfg.model_name is not None:
-        return str(cfg.model_name)
+    if settings.model_name is not None:
+        return str(settings.model_name)
     return checkpoint.name if checkpoint.is_dir() else checkpoint.parent.name or checkpoint.stem
 
 
-def serve(cfg: DictConfig, out: TextIO | None = None) -> None:
+def serve(settings: ServeSettings, out: TextIO | None = None) -> None:
     """Serve until SIGINT or SIGTERM."""
-    server, sock = prepare(cfg, out or sys.stderr)
+    server, sock = prepare(settings, out or sys.stderr)
     server.run(sockets=[sock])
 
 
-def prepare(cfg: DictConfig, out: TextIO):
+def prepare(settings: ServeSettings, out: TextIO):
     """(uvicorn server, bound socket), the engine started: `server.run(sockets=[sock])` serves.
     The server's start: the known warnings quieted and the kinds outside lm/ loaded, as at a script's
     (both done once a process; scripts/serve.py has done them already)."""
@@ -78,30 +76,30 @@ def prepare(cfg: DictConfig, out: TextIO):
         raise ConfigError(f"serving needs {e.name}, which is not installed: pip install -e '.[serve]'") from None
     quiet_known_warnings()
     load_outside_kinds()  # the checkpoint may hold a kind of an installed distribution's
-    check_run_settings(cfg)
-    checkpoint = checkpoint_file(resolve_path(cfg.ckpt))
-    template_source = read_chat_template(cfg.chat_template, checkpoint)
-    api_key = cfg.api_key if cfg.api_key is not None else os.environ.get(API_KEY_VARIABLE) or None
-    sock = bind(cfg.host, cfg.port)
-    model, tokenizer = load(checkpoint, device=cfg.device)
+    check_run_settings(settings)
+    checkpoint = checkpoint_file(resolve_path(settings.ckpt))
+    template_source = read_chat_template(settings.chat_template, checkpoint)
+    api_key = settings.api_key if settings.api_key is not None else os.environ.get(API_KEY_VARIABLE) or None
+    sock = bind(settings.host, settings.port)
+    model, tokenizer = load(checkpoint, device=settings.device)
     kernel_choice = None
-    if cfg.quantize is not None:
-        kernel, kernel_choice = resolve_kernel(cfg.int8_kernel, next(model.parameters()).device)
+    if settings.quantize is not None:
+        kernel, kernel_choice = resolve_kernel(settings.int8_kernel, next(model.parameters()).device)
         model = quantize_int8(model, kernel)
     chat_template = ChatTemplate(template_source, EOT) if template_source is not None else None
-    engine = Engine(model, tokenizer, cfg.max_batch, cfg.max_queue, tokenizer.token_to_id(EOT), cfg.compile,
-                    cfg.compile_mode)
-    name = model_name_of(cfg, checkpoint)
-    server = Server(engine, tokenizer, name, Limits(cfg.max_new_tokens, cfg.max_prompt_tokens), chat_template)
+    engine = Engine(model, tokenizer, settings.max_batch, settings.max_queue, tokenizer.token_to_id(EOT),
+                    settings.compile, settings.compile_mode)
+    name = model_name_of(settings, checkpoint)
+    server = Server(engine, tokenizer, name, Limits(settings.max_new_tokens, settings.max_prompt_tokens), chat_template)
     app = build_app(server, api_key, on_shutdown=lambda: engine.stop(timeout=0))
     host, port = sock.getsockname()[:2]
     out.write(f"serving {name!r} ({model.config.describe_attention()}; {model.num_params():,} parameters) at "
-              f"http://{host}:{port}/v1 with {cfg.max_batch} slots{'; API key required' if api_key else ''}\n")
+              f"http://{host}:{port}/v1 with {settings.max_batch} slots{'; API key required' if api_key else ''}\n")
     if kernel_choice is not None:  # after the line above, which clients starting a server wait for first
         out.write(f"{kernel_choice}\n")
     out.flush()
     engine.start()
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=cfg.drain_s, access_log=False)
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=settings.drain_s, access_log=False)
     return uvicorn.Server(config), sock
 
 
