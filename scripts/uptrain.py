@@ -14,15 +14,18 @@ from lm.util.cli import exit_on_user_error, run_script
 
 @hydra.main(config_path="../conf", config_name="uptrain", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    from lm.config.uptrain import UptrainRun
+
     with exit_on_user_error():
-        if cfg.get("study"):
+        run = UptrainRun.from_config(cfg)  # the one place the composed config becomes typed settings
+        if run.study is not None:
             from lm.studies.uptrain_ablation import run_study
 
-            run_study(cfg)
+            run_study(cfg)  # it composes each arm from the config, and types each as it plans it
         else:
             from lm.training.uptraining import uptrain
 
-            uptrain(cfg)
+            uptrain(run)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import pytest
 from conftest import compose_config
 
 import lm
+from lm.config.uptrain import UptrainRun
 from lm.formats.checkpoint import read_checkpoint
 from lm.studies.uptrain_ablation import run_study
 from lm.training.uptraining import uptrain
@@ -34,7 +35,7 @@ def uptrain_config(teacher, tmp_path, *overrides, name="uptrain"):
 def test_conversion_only_writes_a_normal_checkpoint_with_provenance(teacher, tmp_path):
     cfg = uptrain_config(teacher, tmp_path, "attn.n_kv_head=1", "uptrain.init=first", "uptrain.steps=0",
                          f"out={tmp_path / 'mqa'}")
-    result = uptrain(cfg)
+    result = uptrain(UptrainRun.from_config(cfg))
     model, tokenizer = lm.load(result["last"])
     assert model.config.n_kv_head == 1 and tokenizer.get_vocab_size() == 512
     provenance = read_checkpoint(result["last"])["lm"]["provenance"]
@@ -46,7 +47,7 @@ def test_conversion_only_writes_a_normal_checkpoint_with_provenance(teacher, tmp
 
 def test_uptraining_runs_fraction_of_source_steps_and_records_the_conversion(teacher, tmp_path):
     cfg = uptrain_config(teacher, tmp_path, "attn.n_kv_head=2", "uptrain.fraction=0.5")
-    result = uptrain(cfg)
+    result = uptrain(UptrainRun.from_config(cfg))
     assert result["steps"] == 3  # half of the teacher's 6 steps
     assert result["val_history"][0][0] == 0 and result["val_loss_before"] == result["val_history"][0][1]
     ckpt = read_checkpoint(result["last"])
@@ -112,7 +113,7 @@ def test_study_writes_json_table_and_plot(teacher, tmp_path, capsys):
 ])
 def test_an_invalid_target_is_one_line_before_anything_is_written(teacher, tmp_path, override, message):
     with pytest.raises(USER_ERRORS) as refused:
-        uptrain(uptrain_config(teacher, tmp_path, "attn.n_kv_head=2", override))
+        uptrain(UptrainRun.from_config(uptrain_config(teacher, tmp_path, "attn.n_kv_head=2", override)))
     assert f"error: {refused.value}" == message  # the line scripts/uptrain.py prints
     assert not list(tmp_path.glob("**/*.ckpt"))
 

@@ -11,6 +11,7 @@ from conftest import compose_config, train_small_run
 
 import lm
 from lm import ModelConfig, Transformer
+from lm.config.uptrain import UptrainRun
 from lm.formats import convert
 from lm.formats.checkpoint import read_checkpoint
 from lm.formats.convert import check_convertible, to_grouped
@@ -145,8 +146,9 @@ def gated_delta_run(tmp_path_factory, small_corpus) -> Path:
 
 
 def uptrain_config(ckpt, tmp_path, *overrides):
-    return compose_config("uptrain", [f"ckpt={ckpt}", f"checkpoint_dir={tmp_path}", "logger=none",
-                                      "progress_bar=false", "sample_tokens=0", *overrides])
+    overrides = [f"ckpt={ckpt}", f"checkpoint_dir={tmp_path}", "logger=none",
+                 "progress_bar=false", "sample_tokens=0", *overrides]
+    return UptrainRun.from_config(compose_config("uptrain", overrides))
 
 
 def test_a_gated_delta_checkpoint_converts_to_mqa_and_loads(gated_delta_run, tmp_path):

@@ -13,11 +13,17 @@ import pytest
 from conftest import compose_config, train_small_run
 from test_reliability import losses_by_step, wait_for_step
 
+from lm.config.uptrain import UptrainRun
 from lm.formats.checkpoint import read_checkpoint
 from lm.training.uptraining import uptrain
 from lm.util.errors import USER_ERRORS
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def uptrain_run(overrides: list[str]) -> UptrainRun:
+    """scripts/uptrain.py's settings, as the script builds them from its command line."""
+    return UptrainRun.from_config(compose_config("uptrain", overrides))
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +45,7 @@ def settings(teacher, checkpoints, *overrides):
 def test_a_stopped_uptraining_continues_with_the_command_it_prints_on_the_uninterrupted_curve(
         teacher, tmp_path, signum):
     checkpoints = tmp_path / "checkpoints"
-    straight = uptrain(compose_config("uptrain", settings(teacher, checkpoints, "run_name=straight")))
+    straight = uptrain(uptrain_run(settings(teacher, checkpoints, "run_name=straight")))
     expected = losses_by_step(Path(straight["run_dir"]), 0)
     assert sorted(expected) == list(range(40))
 
@@ -78,7 +84,7 @@ def test_resume_without_a_run_or_with_other_settings_is_one_line(teacher, tmp_pa
 
     def refused(*overrides) -> str:
         with pytest.raises(USER_ERRORS) as error:
-            uptrain(compose_config("uptrain", settings(teacher, checkpoints, *short, *overrides)))
+            uptrain(uptrain_run(settings(teacher, checkpoints, *short, *overrides)))
         line = f"error: {error.value}"
         assert "\n" not in line
         return line
@@ -86,7 +92,7 @@ def test_resume_without_a_run_or_with_other_settings_is_one_line(teacher, tmp_pa
     assert refused("resume=true") == (f"error: resume=true but run 'short' has no checkpoint at "
                                       f"{checkpoints / 'short' / 'last.ckpt'}")
     assert not checkpoints.exists()  # nothing written
-    uptrain(compose_config("uptrain", settings(teacher, checkpoints, *short)))
+    uptrain(uptrain_run(settings(teacher, checkpoints, *short)))
     last = checkpoints / "short" / "last.ckpt"
     written = last.read_bytes()
     assert refused("resume=true", "uptrain.distill=1.0") == (
@@ -99,5 +105,5 @@ def test_resume_without_a_run_or_with_other_settings_is_one_line(teacher, tmp_pa
         "error: resume=true continues an uptraining run; uptrain.steps=0 converts only, with no run to continue")
     assert last.read_bytes() == written  # the run refused left its checkpoint as it was
     # The same settings: the finished run resumes with no step left to take, and says where it is.
-    again = uptrain(compose_config("uptrain", settings(teacher, checkpoints, *short, "resume=true")))
+    again = uptrain(uptrain_run(settings(teacher, checkpoints, *short, "resume=true")))
     assert again["steps"] == 2 and again["val_loss_before"] == again["val_history"][0][1]

@@ -9,14 +9,16 @@ from conftest import compose_config
 
 import lm
 from lm.attention.mla import LatentSpec
+from lm.config.uptrain import UptrainRun
 from lm.formats.checkpoint import read_checkpoint
 from lm.training.uptraining import uptrain
 from lm.util.errors import USER_ERRORS
 
 
 def uptrain_config(teacher, tmp_path, *overrides):
-    return compose_config("uptrain", [f"ckpt={teacher}", f"checkpoint_dir={tmp_path}", "logger=none",
-                                      "progress_bar=false", "sample_tokens=0", *overrides])
+    overrides = [f"ckpt={teacher}", f"checkpoint_dir={tmp_path}", "logger=none",
+                 "progress_bar=false", "sample_tokens=0", *overrides]
+    return UptrainRun.from_config(compose_config("uptrain", overrides))
 
 
 def test_mla_conversion_writes_a_latent_model_whose_cache_decodes_exactly(uptrain_teacher, tmp_path):

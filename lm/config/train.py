@@ -17,13 +17,14 @@ from omegaconf import DictConfig
 
 from lm.config.attn import AttnSettings
 from lm.config.data import DataSettings, data_source
+from lm.config.logger import LoggerSettings
 from lm.config.model import ModelSettings
 from lm.config.optim import MuonConfig, OptimConfig, optimizer_class
 from lm.config.settings import plain, store
 from lm.config.trainer import TrainerSettings
 from lm.config.uptrain import Uptraining
 from lm.util.errors import ConfigError
-from lm.util.settings import Checked, boolean, built, choice, group, integer, number, setting, training_seed
+from lm.util.settings import Checked, boolean, built, group, integer, number, setting, training_seed
 
 RUN_NAME = "${attn.name}-${model.name}"  # the default run name: the attention's and the shape's
 
@@ -71,18 +72,6 @@ class TrainSettings(Checked):
 ADAMW_RECIPE = ("model=tiny", "optim=adamw", "trainer.max_steps=500", "loss_chunk=0")
 
 
-LOGGERS = ("wandb", "csv", "none")
-
-
-@dataclass(kw_only=True)
-class LoggerSettings(Checked):
-    """The `logger` group (conf/logger/*.yaml)."""
-
-    kind: str = setting("wandb", "wandb (offline unless WANDB_MODE or WANDB_API_KEY say otherwise) | csv | none",
-                        choice(LOGGERS))
-    project: str = setting("lm", "wandb's project")
-
-
 def uptrain_group(values: Mapping) -> type:
     return Uptraining
 
@@ -124,5 +113,4 @@ class TrainRun(TrainSettings):
 
 store("train_settings", TrainSettings)
 
-__all__ = ["ADAMW_RECIPE", "CheckpointSettings", "LOGGERS", "LoggerSettings", "RUN_NAME", "SampleSettings",
-           "TrainRun", "TrainSettings"]
+__all__ = ["ADAMW_RECIPE", "CheckpointSettings", "RUN_NAME", "SampleSettings", "TrainRun", "TrainSettings"]

@@ -9,11 +9,27 @@ The model, data, optimizer and the rest of the trainer are the source run's, so 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
+from omegaconf import DictConfig, OmegaConf
+
+from lm.config.logger import LoggerSettings
 from lm.config.settings import store
 from lm.formats.convert import INITS
-from lm.util.settings import Checked, boolean, choice, each, group, integer, number, positive, setting, training_seed
+from lm.util.settings import (
+    Checked,
+    boolean,
+    built,
+    choice,
+    each,
+    group,
+    integer,
+    number,
+    positive,
+    setting,
+    training_seed,
+)
 
 
 @dataclass(kw_only=True)
@@ -46,13 +62,13 @@ class Uptraining(UptrainOptions):
 
 
 @dataclass(kw_only=True)
-class UptrainTrainer:
+class UptrainTrainer(Checked):
     skip_nonfinite: bool = setting(False, "true: skip steps whose loss is NaN or inf instead of stopping (the rest "
                                           "of the trainer is the source run's)", boolean())
 
 
 @dataclass(kw_only=True)
-class UptrainSettings:
+class UptrainSettings(Checked):
     ckpt: str = setting(help="the multi-head (or grouped) source checkpoint")
     uptrain: UptrainOptions = group(UptrainOptions, "the conversion and the continued training")
     trainer: UptrainTrainer = group(UptrainTrainer)
@@ -67,7 +83,7 @@ class UptrainSettings:
 
 
 @dataclass(kw_only=True)
-class StudyGrid:
+class StudyGrid(Checked):
     kv_heads: list[int] = setting(help="the K/V heads each conversion targets", bound=each(integer()),
                                   factory=lambda: [1, 2])
     inits: list[str] = setting(help="the pooling of each group's heads", bound=each(choice(INITS)),
@@ -87,7 +103,33 @@ class UptrainStudySettings:
     study: StudyGrid = group(StudyGrid, "the ablation: every kv_heads x init x fraction from one source checkpoint")
 
 
+def study_group(values: Mapping) -> type:
+    return StudyGrid
+
+
+@dataclass(kw_only=True)
+class UptrainRun(UptrainSettings):
+    """What scripts/uptrain.py runs, typed: its settings, the logger group, the conversion's target and,
+    for a study (`--config-name uptrain_study`), its grid. `attn` is the target as given, `attn.n_kv_head=N`
+    or attn=mla with its options, which lm.training.uptraining.conversion_target reads and checks."""
+
+    logger: LoggerSettings = group(LoggerSettings)
+    attn: dict = field(default_factory=dict)
+    study: StudyGrid | None = field(default=None, metadata={"help": "the ablation's grid", "bound": None,
+                                                            "choose": study_group})
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig) -> UptrainRun:
+        """The run a composed config describes: the target's attn settings as given (their `${model.n_head}`
+        has no model group to resolve against here), everything else resolved, then built and checked."""
+        rest = [key for key in cfg if key != "attn"]
+        values = OmegaConf.to_container(OmegaConf.masked_copy(cfg, rest), resolve=True)
+        attn = OmegaConf.to_container(cfg.attn, resolve=False) if cfg.get("attn") is not None else {}
+        return built(cls, {**values, "attn": attn})
+
+
 store("uptrain_settings", UptrainSettings)
 store("uptrain_study_settings", UptrainStudySettings)
 
-__all__ = ["StudyGrid", "UptrainOptions", "Uptraining", "UptrainSettings", "UptrainStudySettings", "UptrainTrainer"]
+__all__ = ["StudyGrid", "UptrainOptions", "UptrainRun", "Uptraining", "UptrainSettings", "UptrainStudySettings",
+           "UptrainTrainer"]

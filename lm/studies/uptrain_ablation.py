@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lm.config.data import data_settings
 from lm.config.train import TrainRun
-from lm.config.uptrain import UptrainOptions, UptrainStudySettings
+from lm.config.uptrain import UptrainOptions, UptrainRun
 from lm.data.modules import TokenDataModule
 from lm.formats.checkpoint import load, model_state_dict, read_checkpoint, stored_model_config
 from lm.model.config import ModelConfig
@@ -45,7 +45,7 @@ from lm.training.uptraining import (
 from lm.util.checks import as_list
 from lm.util.errors import ConfigError
 from lm.util.paths import resolve_path
-from lm.util.settings import check_settings, defaults
+from lm.util.settings import defaults
 
 PROMPT_TOKENS = 32  # of the first validation sequence, at most a quarter of the context: the decoding prompt
 
@@ -127,7 +127,7 @@ def plan(cfg: DictConfig) -> list[Arm]:
                                                 "checkpoint_dir": str(runs),
                                                 "uptrain": {"init": init, "fraction": fraction, "steps": None}})
                 arms.append(Arm(name, {**uptrained_arm_settings(arm_cfg), **measured_with},
-                                lambda c=arm_cfg: trained_figures(uptrain(c), measuring),
+                                lambda c=arm_cfg: trained_figures(uptrain(UptrainRun.from_config(c)), measuring),
                                 labels={"kv_heads": kv_heads, "target": variant_name(kv_heads), "init": init,
                                         "fraction": fraction},
                                 log=runs / f"study-{name}" / "train.log"))
@@ -140,7 +140,7 @@ def plan(cfg: DictConfig) -> list[Arm]:
             name = f"{variant_name(kv_heads)}-scratch-{fraction}"
             steps = math.ceil(fraction * source_steps)
             # Same steps, schedule and data as the uptrained arms; only the weights start random.
-            run = continued_run_config(source_run, cfg, steps, kv_heads, f"study-{name}")
+            run = continued_run_config(source_run, UptrainRun.from_config(cfg), steps, kv_heads, f"study-{name}")
             with open_dict(run):
                 run.checkpoint_dir = str(runs)
                 run.uptrain = {"init": "scratch", "steps": steps}  # what the arm's record names it
@@ -177,8 +177,7 @@ def check_study_settings(cfg: DictConfig) -> None:
     """The grid's lists and numbers (UptrainStudySettings), named as typed; each arm's uptrain settings
     are checked as it is planned (lm.training.uptraining.check_uptrain_settings), all before the
     teacher is read."""
-    check_uptrain_settings(cfg)
-    check_settings(cfg, UptrainStudySettings)
+    check_uptrain_settings(UptrainRun.from_config(cfg))  # each setting checked as it is built
 
 
 METHOD_KEYS = {"name", "attn", "init", "distill", "temperature"}
@@ -202,16 +201,17 @@ def method_arm(cfg: DictConfig, method, fraction: float, runs: Path, measured_wi
     arm_cfg = OmegaConf.merge(base, {"attn": method["attn"], "run_name": f"study-{name}", "checkpoint_dir": str(runs),
                                     "uptrain": {**converting, "fraction": fraction, "steps": None}})
     try:
-        check_uptrain_settings(arm_cfg)
-        target = conversion_target(arm_cfg)
-        check_conversion(teacher, target, arm_cfg.uptrain.init)
+        arm = UptrainRun.from_config(arm_cfg)
+        check_uptrain_settings(arm)
+        target = conversion_target(arm)
+        check_conversion(teacher, target, arm.uptrain.init)
     except ConfigError as e:
         raise ConfigError(f"study.methods entry {method['name']!r}: {e}") from None
     init = "svd" if target.latent is not None else arm_cfg.uptrain.init
     kv_heads = target.n_kv_head if target.latent is None else \
         f"latent {target.latent.kv_rank}+{target.latent.rope_dim}"
     return Arm(name, {**uptrained_arm_settings(arm_cfg), **measured_with},
-               lambda: trained_figures(uptrain(arm_cfg), measuring),
+               lambda: trained_figures(uptrain(arm), measuring),
                labels={"kv_heads": kv_heads, "target": target.name,
                        "init": f"{init} + distill" if distill else init, "fraction": fraction},
                log=runs / f"study-{name}" / "train.log")

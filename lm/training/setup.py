@@ -12,7 +12,8 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lm.config.train import LOGGERS, TrainRun
+from lm.config.logger import LOGGERS
+from lm.config.train import TrainRun
 from lm.config.trainer import TrainerSettings
 from lm.data.modules import make_data_module
 from lm.model.transformer import Transformer

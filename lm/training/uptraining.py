@@ -12,6 +12,7 @@ the target, the seed, the source) must be the ones it started with.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -24,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from lm.attention.mla import LatentSpec
 from lm.config.data import data_settings
 from lm.config.train import TrainRun
-from lm.config.uptrain import UptrainSettings
+from lm.config.uptrain import UptrainRun
 from lm.data.modules import TokenDataModule
 from lm.formats.calibration import attention_inputs
 from lm.formats.checkpoint import (
@@ -44,7 +45,6 @@ from lm.training.scoring import evaluate_loss, inputs_and_targets
 from lm.util.errors import ConfigError, RunInterrupted
 from lm.util.files import run_folder
 from lm.util.paths import resolve_path
-from lm.util.settings import check_settings
 
 
 @dataclass(frozen=True)
@@ -71,9 +71,9 @@ def variant_name(n_kv_head: int) -> str:
     return "mqa" if n_kv_head == 1 else f"gqa{n_kv_head}"
 
 
-def conversion_target(cfg: DictConfig) -> Target:
+def conversion_target(cfg: UptrainRun) -> Target:
     """The `attn` settings as a target: attn=mla (with its attn.* options), or attn.n_kv_head=N."""
-    attn = OmegaConf.to_container(cfg.attn, resolve=False)
+    attn = cfg.attn
     kind = attn.get("kind")
     for key in ("pattern", "global_every", "last_kind"):  # a stack of kinds: the conversion makes one kind
         if attn.get(key) is not None:
@@ -105,15 +105,13 @@ def check_conversion(source_config: ModelConfig, target: Target, init: str) -> N
         check_parent(source_config, target.latent)
 
 
-def check_uptrain_settings(cfg: DictConfig) -> None:
-    """Every setting of UptrainSettings (lm/config/uptrain.py), named as typed, before the checkpoint
-    is read; also those this run leaves unused (`fraction` beside `steps`), which are mistakes all
-    the same; then what depends on two of them."""
-    check_settings(cfg, UptrainSettings)
+def check_uptrain_settings(cfg: UptrainRun) -> None:
+    """What depends on two settings, before the checkpoint is read (each setting's own bound, those this
+    run leaves unused such as `fraction` beside `steps` too, was checked as the settings were built)."""
     u = cfg.uptrain
     check_distillation(u.distill, u.temperature, None, teacher_needed=False)  # in float32, where the loss uses them
     resume = cfg.resume
-    if resume and cfg.get("study"):
+    if resume and cfg.study is not None:
         raise ConfigError("resume=true continues one uptraining run; a study continues its own arms when the same "
                           "command runs again")
     if resume and u.steps == 0:
@@ -121,14 +119,14 @@ def check_uptrain_settings(cfg: DictConfig) -> None:
                           "to continue")
 
 
-def budget(cfg: DictConfig, source_steps: int) -> int:
+def budget(cfg: UptrainRun, source_steps: int) -> int:
     """Uptraining steps: `uptrain.steps`, or `uptrain.fraction` of the source run's steps."""
     if cfg.uptrain.steps is not None:
         return cfg.uptrain.steps
     return math.ceil(cfg.uptrain.fraction * source_steps)
 
 
-def continued_run_config(source_run: dict, cfg: DictConfig, steps: int, target: Target | int,
+def continued_run_config(source_run: dict, cfg: UptrainRun, steps: int, target: Target | int,
                          run_name: str) -> DictConfig:
     """The source run's config with what uptraining changes: its length, warm-up, name, logger
     and the conversion, so the run's config records what was done."""
@@ -155,9 +153,9 @@ def continued_run_config(source_run: dict, cfg: DictConfig, steps: int, target: 
         run.trainer.skip_nonfinite = cfg.trainer.skip_nonfinite
         # The source run's optimizer and schedule shape (its own warm-up, then cosine or wsd) over the short budget.
         run.optim.warmup_steps = max(1, round(cfg.uptrain.warmup_fraction * steps))
-        run.logger = OmegaConf.to_container(cfg.logger, resolve=True)
+        run.logger = dataclasses.asdict(cfg.logger)
         run.sample.max_new_tokens = cfg.sample_tokens
-        run.uptrain = OmegaConf.to_container(cfg.uptrain, resolve=True)
+        run.uptrain = dataclasses.asdict(cfg.uptrain)
         run.uptrain.source = str(cfg.ckpt)
     return run
 
@@ -166,7 +164,7 @@ class Calibration:
     """The source run's data, read once: a few training batches to fit a conversion to (MHA2MLA's
     RoPE ranking, aligned pooling) and the validation batches training reports on."""
 
-    def __init__(self, source_run: dict, tokenizer_json: str, cfg: DictConfig):
+    def __init__(self, source_run: dict, tokenizer_json: str, cfg: UptrainRun):
         self.data = TokenDataModule.from_settings(data_settings(source_run["data"]),
                                                 source_run["model"]["max_seq_len"], tokenizer_json=tokenizer_json)
         self.data.setup()
@@ -184,7 +182,7 @@ class Calibration:
         return evaluate_loss(model, itertools.islice(self.data.val_dataloader(), self.val_batches)).loss
 
 
-def convert(parent: Transformer, source_state: dict, target: Target, cfg: DictConfig,
+def convert(parent: Transformer, source_state: dict, target: Target, cfg: UptrainRun,
             calibration) -> tuple[dict, ModelConfig]:
     """The converted (state dict, config); `calibration()` reads data only when the method fits to activations."""
     init, source_config = cfg.uptrain.init, parent.config
@@ -196,7 +194,7 @@ def convert(parent: Transformer, source_state: dict, target: Target, cfg: DictCo
     return to_grouped(source_state, source_config, target.n_kv_head, init=init, seed=cfg.seed, layer_inputs=inputs)
 
 
-def uptrain(cfg: DictConfig) -> dict:
+def uptrain(cfg: UptrainRun) -> dict:
     """Convert `cfg.ckpt` to the `cfg.attn` target and uptrain it (or, with resume=true, continue the
     run a signal stopped); returns train()'s result plus the val loss right after conversion, the
     parent's and the provenance."""
@@ -255,7 +253,7 @@ def uptrain(cfg: DictConfig) -> dict:
     return result
 
 
-def converted_only(cfg: DictConfig, state: dict, config: ModelConfig, tokenizer_json: str, source_run: dict,
+def converted_only(cfg: UptrainRun, state: dict, config: ModelConfig, tokenizer_json: str, source_run: dict,
                    provenance: dict, conversion: str) -> dict:
     """uptrain.steps=0: the converted checkpoint in `out`, written only once the converted weights
     have built their model (a checkpoint that would not load is never written)."""
@@ -273,7 +271,7 @@ def converted_only(cfg: DictConfig, state: dict, config: ModelConfig, tokenizer_
 RESUME_FIXED = ("seed", "attn", "uptrain")
 
 
-def check_resumable(run: DictConfig, cfg: DictConfig) -> None:
+def check_resumable(run: DictConfig, cfg: UptrainRun) -> None:
     """One line unless the run folder holds a last.ckpt of this uptraining (same source, target,
     uptrain.* and seed) to continue; read before any data or conversion work."""
     last = run_folder(resolve_path(cfg.checkpoint_dir), run.run_name) / "last.ckpt"
