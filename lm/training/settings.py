@@ -7,12 +7,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from omegaconf import DictConfig, OmegaConf
-
 from lm.attention import layer_specs
 from lm.attention.projections import ProjectionOptions
 from lm.config.attn import AttnSettings
 from lm.config.model import ModelSettings
+from lm.config.settings import plain
 from lm.config.train import TrainRun
 from lm.config.uptrain import UptrainOptions
 from lm.model.config import ModelConfig, check_layers_build
@@ -39,7 +38,7 @@ def model_config_from(shape: ModelSettings, attn: AttnSettings, vocab_size: int)
 
 def model_config_of(cfg: Mapping, vocab_size: int) -> ModelConfig:
     """model_config_from the `model` and `attn` groups of a composed or stored config (a study's arm)."""
-    values = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
+    values = plain(cfg)
     return model_config_from(built(ModelSettings, values["model"], "model."), AttnSettings.from_dict(values["attn"]),
                              vocab_size)
 

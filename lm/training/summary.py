@@ -9,8 +9,8 @@ from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
-from omegaconf import DictConfig
 
+from lm.config.train import SampleSettings
 from lm.formats.checkpoint import load
 from lm.generation.decode import generate
 from lm.model.transformer import Transformer
@@ -99,12 +99,12 @@ def sampling_model(trainer: L.Trainer, model: Transformer, last_checkpoint: str)
     return load(last_checkpoint, device=next(model.parameters()).device)[0]
 
 
-def sample_text(model: Transformer, tokenizer, sample_cfg: DictConfig) -> str:
+def sample_text(model: Transformer, tokenizer, sample: SampleSettings) -> str:
     model.eval()
-    prompt_ids = tokenizer.encode(sample_cfg.prompt).ids
-    max_new = sample_cfg.max_new_tokens
+    prompt_ids = tokenizer.encode(sample.prompt).ids
+    max_new = sample.max_new_tokens
     if model.context_limited:
         max_new = min(max_new, model.config.max_seq_len - len(prompt_ids))
-    out = generate(model, [prompt_ids], max_new, temperature=sample_cfg.temperature, top_k=sample_cfg.top_k,
-                   seed=sample_cfg.seed)
+    out = generate(model, [prompt_ids], max_new, temperature=sample.temperature, top_k=sample.top_k,
+                   seed=sample.seed)
     return tokenizer.decode(out[0])

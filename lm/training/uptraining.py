@@ -3,7 +3,8 @@ multi-head latent attention (MHA2MLA, lm/formats/to_latent.py), then continue tr
 on the source run's data and tokenizer with a fresh optimizer, optionally distilling the frozen
 parent's next-token distribution into it.
 
-`uptrain(cfg)` is what scripts/uptrain.py runs; lm.studies.uptrain_ablation runs the ablation with it.
+`uptrain(run)` is what scripts/uptrain.py runs, on its typed settings (lm.config.uptrain.UptrainRun);
+lm.studies.uptrain_ablation runs the ablation with it.
 A run stopped by SIGINT or SIGTERM keeps its last.ckpt and prints the command that continues it
 (the same one with resume=true): the conversion is redone (deterministic), the checkpoint's
 weights, optimizer, schedule and step replace it, and the settings that decide the run (uptrain.*,
