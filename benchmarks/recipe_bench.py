@@ -5,7 +5,7 @@
     python scripts/bench.py recipe --recipe "muon=" --recipe "adamw=optim=adamw" --recipe "relu2=model.mlp=relu2"
 
 Each contender is a training run composed from conf/train.yaml with its own overrides (any Hydra
-overrides: optimizer, schedule, model shape, batch, vocabulary ...), built from the pieces `train(cfg)`
+overrides: optimizer, schedule, model shape, batch, vocabulary ...), built from the pieces `train(run)`
 uses: the data module, the model config, LitLM's optimizer and schedule, gradient clipping and the
 precision `trainer.precision` resolves to. They take turns, one optimizer step each, so load from
 elsewhere on the machine slows all alike. Every `--eval-every` training tokens a contender's model

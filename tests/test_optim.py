@@ -20,6 +20,7 @@ from lm.attention.additive import AdditiveAttention
 from lm.attention.gated_delta import DeltaRuleLayer
 from lm.attention.mla import LatentAttention
 from lm.attention.projections import GroupedQKV, qkv_rows
+from lm.config.optim import optim_settings
 from lm.config.train import TrainRun
 from lm.model.config import ModelConfig
 from lm.model.transformer import Transformer
@@ -32,7 +33,6 @@ from lm.training.optim import (
     declarations,
     lr_multiplier,
     ns_dtype,
-    optim_config,
     placement,
     schedule_of,
 )
@@ -312,11 +312,11 @@ def test_constant_warms_up_then_holds_the_peak_past_any_total():
 def test_the_muon_yaml_composes_the_dataclass_and_states_no_value():
     stated = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "optim" / "muon.yaml"))
     assert stated == {"defaults": [{"/optim/settings@_here_": "muon"}]}
-    assert optim_config(compose_config("train", ["optim=muon"]).optim) == MuonConfig()
+    assert optim_settings(compose_config("train", ["optim=muon"]).optim) == MuonConfig()
 
 
 def test_a_run_config_written_before_a_key_existed_takes_its_default():
-    assert optim_config({"lr": 1e-3, "warmup_steps": 5}) == OptimConfig(lr=1e-3, warmup_steps=5)
+    assert optim_settings({"lr": 1e-3, "warmup_steps": 5}) == OptimConfig(lr=1e-3, warmup_steps=5)
 
 
 @pytest.mark.parametrize("overrides, message", [

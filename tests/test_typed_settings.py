@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 from conftest import compose_config
+from omegaconf.errors import MissingMandatoryValue
 
 from lm.config.attn import AttnSettings
 from lm.config.data import CorpusSettings, RecallSettings, data_settings
@@ -96,8 +97,23 @@ def test_a_value_out_of_its_bound_is_refused_as_the_settings_are_built(build, me
     assert str(refused.value).startswith(message)
 
 
+def test_a_required_setting_left_out_on_the_command_line_is_omegaconfs_one_line_naming_it():
+    """What reading it from the composed config said before the settings were typed (the scripts print it as
+    `error: ckpt: Missing mandatory value: ckpt`), not a checkpoint or an output folder named `???`."""
+    for script, cls, overrides in [("export", ExportSettings, ["out=x"]), ("import_hf", ImportHFSettings, ["src=s"]),
+                                   ("serve", ServeSettings, [])]:
+        with pytest.raises(MissingMandatoryValue) as missing:
+            typed(cls, compose_config(script, overrides))
+        assert missing.value.full_key in ("ckpt", "out")
+
+
 def test_a_stored_config_with_a_key_the_settings_lack_is_one_line_naming_it():
-    with pytest.raises(ConfigError, match=r"^trainer\.epochs is not a setting here; trainer\. takes trainer\.accel"):
+    with pytest.raises(ConfigError, match=r"^trainer\.epochs is not a setting here; trainer takes trainer\.accel"):
         TrainRun.from_config({**compose_config("train", []), "trainer": {"epochs": 3}})
     with pytest.raises(DataError, match=r"^data\.source='tape' is not one of"):
         data_settings({"source": "tape"})
+    with pytest.raises(ConfigError, match=r"^data\.source is required: give data\.source=\.\.\.$"):
+        TrainRun.from_config({**compose_config("train", []), "data": {"batch_size": 4}})
+    with pytest.raises(ConfigError, match=r"^checkpoint=5 must be a mapping of its settings$"):
+        TrainRun.from_config({**compose_config("train", []), "checkpoint": 5})
+    assert TrainRun.from_config({**compose_config("train", []), "checkpoint": None}).checkpoint.every_n_steps == 100

@@ -15,6 +15,7 @@ from typing import Any
 from lm.config.settings import plain, store
 from lm.data.corpora import unknown_source
 from lm.data.recall_task import RecallTask
+from lm.util.errors import ConfigError
 from lm.util.settings import Checked, boolean, built, fraction, integer, library_setting, redefault, setting
 
 
@@ -95,7 +96,9 @@ SOURCES: dict[str, type[DataSettings]] = {"pystdlib": CorpusSettings, "pystdlib_
 def data_source(values: Mapping) -> type[DataSettings]:
     """The settings class of the source `values["source"]` names; one line naming the sources for
     any other."""
-    source = values.get("source")
+    if values.get("source", "???") == "???":
+        raise ConfigError("data.source is required: give data.source=...")
+    source = values["source"]
     if source not in SOURCES:
         raise unknown_source(source)
     return SOURCES[source]

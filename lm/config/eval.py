@@ -1,8 +1,9 @@
 """scripts/eval.py's settings: each one's default, meaning and bound, declared once here.
 
 conf/eval.yaml composes them (`eval_settings`) beside the `data` group (the corpus, as training
-reads it), its --help lists them, and lm.evaluation.perplexity checks them before the checkpoint is
-read. `device` is checked by lm.util.checks.check_device, which knows what this torch can reach.
+reads it), its --help lists them, and scripts/eval.py builds them (EvalRun, each setting checked as it
+is built) before the checkpoint is read. `device` is checked by lm.util.checks.check_device, which
+knows what this torch can reach.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 
 from lm.config.data import CorpusSettings, DataSettings, data_source
 from lm.config.settings import store
-from lm.util.settings import Checked, boolean, choice, group, integer, setting
+from lm.util.settings import Checked, boolean, choice, integer, required_group, setting
 
 # val: the documents training held out (the same hash of the document id, lm.data.corpora); train: the
 # others; all: every document.
@@ -33,7 +34,7 @@ class EvalSettings(Checked):
 class EvalRun(EvalSettings):
     """What scripts/eval.py runs: its settings and the `data` group, the corpus as training reads it."""
 
-    data: DataSettings = group(CorpusSettings, "the corpus (data=<option>)", choose=data_source)
+    data: DataSettings = required_group(CorpusSettings, "the corpus (data=<option>)", choose=data_source)
 
 
 store("eval_settings", EvalSettings)

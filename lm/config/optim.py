@@ -12,10 +12,10 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from lm.config.settings import store
+from lm.config.settings import plain, store
 from lm.util.checks import require_choice, require_int, require_unit
 from lm.util.errors import ConfigError
-from lm.util.settings import Bound, Checked, boolean, choice, integer, number, positive, redefault, setting
+from lm.util.settings import Bound, Checked, boolean, built, choice, integer, number, positive, redefault, setting
 
 SCHEDULES = ("cosine", "wsd", "linear", "constant")
 ADJUST_LR = ("original", "match_rms_adamw")  # torch.optim.Muon's adjust_lr_fn
@@ -99,7 +99,14 @@ def optimizer_class(settings: Mapping) -> type[OptimConfig]:
         raise ConfigError(f"optim.name={name} takes its settings from its group: choose it with optim={name}")
     return CONFIGS[name]
 
+
+def optim_settings(values: Mapping) -> OptimConfig:
+    """An `optim` group as composed or stored, typed and checked, each setting named as typed (`optim.lr`)."""
+    values = plain(values)
+    return built(optimizer_class(values), values, "optim.")
+
 for _name, _cls in CONFIGS.items():
     store(_name, _cls, group="optim/settings")
 
-__all__ = ["ADJUST_LR", "CONFIGS", "NS_DTYPE", "SCHEDULES", "MuonConfig", "OptimConfig", "optimizer_class"]
+__all__ = ["ADJUST_LR", "CONFIGS", "NS_DTYPE", "SCHEDULES", "MuonConfig", "OptimConfig", "optim_settings",
+           "optimizer_class"]

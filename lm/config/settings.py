@@ -33,7 +33,9 @@ def settings_help(name: str, prefix: str = "") -> str:
 
 def plain(cfg) -> Any:
     """A composed config (or a section of one) as plain data, its interpolations resolved; plain data as it is."""
-    return OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, (DictConfig, ListConfig)) else cfg
+    if isinstance(cfg, (DictConfig, ListConfig)):  # a required setting left `???` is OmegaConf's one line, naming it
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    return cfg
 
 
 def typed(cls: type, cfg) -> Any:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
@@ -24,7 +24,18 @@ from lm.config.settings import plain, store
 from lm.config.trainer import TrainerSettings
 from lm.config.uptrain import Uptraining
 from lm.util.errors import ConfigError
-from lm.util.settings import Checked, boolean, built, group, integer, number, setting, training_seed
+from lm.util.settings import (
+    Checked,
+    boolean,
+    built,
+    group,
+    integer,
+    number,
+    optional_group,
+    required_group,
+    setting,
+    training_seed,
+)
 
 RUN_NAME = "${attn.name}-${model.name}"  # the default run name: the attention's and the shape's
 
@@ -72,10 +83,6 @@ class TrainSettings(Checked):
 ADAMW_RECIPE = ("model=tiny", "optim=adamw", "trainer.max_steps=500", "loss_chunk=0")
 
 
-def uptrain_group(values: Mapping) -> type:
-    return Uptraining
-
-
 @dataclass(kw_only=True)
 class TrainRun(TrainSettings):
     """One training run, every setting typed and checked: TrainSettings with the groups conf/train.yaml
@@ -83,18 +90,17 @@ class TrainRun(TrainSettings):
     set by uptraining (lm.training.uptraining), which continues a converted model with this run."""
 
     attn: AttnSettings
-    model: ModelSettings = group(ModelSettings, "the shape (model=<option>)")
-    data: DataSettings = group(DataSettings, "the data (data=<option>)", choose=data_source)
+    model: ModelSettings = required_group(ModelSettings, "the shape (model=<option>)")
+    data: DataSettings = required_group(DataSettings, "the data (data=<option>)", choose=data_source)
     trainer: TrainerSettings = group(TrainerSettings, "Lightning's Trainer and what training adds to it")
     optim: OptimConfig = group(MuonConfig, "the optimizer and its schedule (optim=<option>)", choose=optimizer_class)
     logger: LoggerSettings = group(LoggerSettings)
-    uptrain: Uptraining | None = field(default=None, metadata={"help": "the conversion a run continues",
-                                                                   "bound": None, "choose": uptrain_group})
+    uptrain: Uptraining | None = optional_group(Uptraining, "the uptraining this run is (lm.training.uptraining)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.run_name == RUN_NAME:  # a run built in Python: the default as composing would resolve it
-            self.run_name = f"{self.attn.name}-{self.model.name}"
+            self.run_name = f"{self.attn.name or self.attn.kind or 'hybrid'}-{self.model.name}"
 
     @classmethod
     def from_config(cls, cfg: DictConfig | Mapping) -> TrainRun:

@@ -2,14 +2,14 @@
 `uptrain_methods`): each one's default, meaning and bound, declared once here.
 
 conf/uptrain_base.yaml composes `uptrain_settings` first (the logger and attn groups on top), and
-conf/uptrain_study_base.yaml adds `uptrain_study_settings`; uptraining checks them before the checkpoint
-is read (lm.training.uptraining.check_uptrain_settings, which adds what depends on two settings).
+conf/uptrain_study_base.yaml adds `uptrain_study_settings`; scripts/uptrain.py builds them (UptrainRun,
+each setting checked as it is built) before the checkpoint is read, and uptraining adds what depends on two
+settings (lm.training.uptraining.check_uptrain_settings).
 The model, data, optimizer and the rest of the trainer are the source run's, so they are not here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from omegaconf import DictConfig, OmegaConf
@@ -26,6 +26,7 @@ from lm.util.settings import (
     group,
     integer,
     number,
+    optional_group,
     positive,
     setting,
     training_seed,
@@ -103,10 +104,6 @@ class UptrainStudySettings:
     study: StudyGrid = group(StudyGrid, "the ablation: every kv_heads x init x fraction from one source checkpoint")
 
 
-def study_group(values: Mapping) -> type:
-    return StudyGrid
-
-
 @dataclass(kw_only=True)
 class UptrainRun(UptrainSettings):
     """What scripts/uptrain.py runs, typed: its settings, the logger group, the conversion's target and,
@@ -115,8 +112,7 @@ class UptrainRun(UptrainSettings):
 
     logger: LoggerSettings = group(LoggerSettings)
     attn: dict = field(default_factory=dict)
-    study: StudyGrid | None = field(default=None, metadata={"help": "the ablation's grid", "bound": None,
-                                                            "choose": study_group})
+    study: StudyGrid | None = optional_group(StudyGrid, "the ablation's grid (--config-name uptrain_study)")
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> UptrainRun:

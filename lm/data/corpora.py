@@ -147,7 +147,8 @@ def hf_corpus(name: str, config_name: str | None, split: str, text_field: str,
 
 
 def build_corpus(data) -> Corpus:
-    """The corpus a run's `data` settings describe (lm.config.data: a source's settings)."""
+    """The corpus a run's `data` settings describe (lm.config.data: a source's settings; a composed `data`
+    group, which the comparison's plans and the benchmarks hold, reads the same by attribute)."""
     source = data.source
     if source in ("pystdlib", "pystdlib_tests"):
         if data.paths:

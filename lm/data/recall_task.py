@@ -158,7 +158,7 @@ def mix_tasks(data, mix: list) -> list[RecallTask]:
     if counts is None:
         counts = [math.ceil(data.examples / len(mix))] * len(mix)
     elif isinstance(counts, (str, bytes)) or not hasattr(counts, "__len__") or len(counts) != len(mix):
-        raise DataError(f"data.mix_examples={_plain(counts)!r} must be a list of one count per data.mix cell "
+        raise DataError(f"data.mix_examples={counts!r} must be a list of one count per data.mix cell "
                         f"({len(mix)})")
     tasks = []
     for entry, examples in zip(mix, counts, strict=True):
@@ -169,10 +169,5 @@ def mix_tasks(data, mix: list) -> list[RecallTask]:
             tasks.append(RecallTask(seq_len=seq_len, pairs=pairs, examples=examples,
                                     val_examples=math.ceil(data.val_examples / len(mix)), **shared))
         except ValueError as e:  # a count out of its bound, named as the mix's
-            raise DataError(f"data.mix_examples entry {_plain(examples)!r} for [{seq_len}, {pairs}]: {e}") from None
+            raise DataError(f"data.mix_examples entry {examples!r} for [{seq_len}, {pairs}]: {e}") from None
     return tasks
-
-
-def _plain(value):
-    """An OmegaConf list or value as plain Python, for a message."""
-    return list(value) if hasattr(value, "__len__") and not isinstance(value, (str, bytes)) else value

@@ -124,6 +124,7 @@ ADDED_SINCE_RECORDS = {
     "model.qk_norm": None,  # the shape's QK-norm switch, since model=nano turned it on; null: each kind's own
     "model.rope_theta": 10000.0,  # ModelConfig's, before the model group took every field of it ...
     "model.init_std": 0.02,  # ... (lm/config/model.py)
+    "logger.project": "lm",  # an uptraining arm's run records its typed logger group whole, wandb's project too
     "loss_chunk": 0,  # every run made its whole logits at once before lm.model.linear_cross_entropy
 }
 

@@ -19,14 +19,14 @@ subclasses; the model's own layers (lm.model) are declared here, beside the plac
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from lm.attention.base import WeightDeclarations
-from lm.config.optim import MuonConfig, OptimConfig, optimizer_class
+from lm.config.optim import MuonConfig, OptimConfig
 from lm.model.layers import SwiGLU
 from lm.model.short_conv import ShortConv
 from lm.model.transformer import Transformer
@@ -34,13 +34,6 @@ from lm.training.muon import MuonAdamW, SplitMuon
 from lm.util.distributed import say
 from lm.util.errors import ConfigError
 from lm.util.hardware import multiplies_bf16
-from lm.util.settings import built
-
-
-def optim_config(settings: Mapping) -> OptimConfig:
-    """The config of the optimizer `settings["name"]` names (lm.config.optim.optimizer_class), each
-    setting checked against its bound and named as typed (`optim.lr`)."""
-    return built(optimizer_class(settings), settings, "optim.")
 
 
 def check_optim_settings(o: OptimConfig, strategy: str | None = None) -> None:

@@ -135,6 +135,17 @@ def group(cls: type, help: str = "", choose: Callable[[Mapping], type] | None = 
     return field(default_factory=cls, metadata={"help": help, "bound": None, "choose": choose})
 
 
+def required_group(cls: type, help: str = "", choose: Callable[[Mapping], type] | None = None) -> Any:
+    """A group with no default: a run built in Python names it, as the command line's defaults list
+    does (a training run's data and model shape)."""
+    return field(metadata={"help": help, "bound": None, "choose": choose or (lambda values: cls)})
+
+
+def optional_group(cls: type, help: str = "") -> Any:
+    """A group a run may leave out (None): the uptraining a training run continues, a study's grid."""
+    return field(default=None, metadata={"help": help, "bound": None, "choose": lambda values: cls})
+
+
 # The dotted prefix a group being built is named by (`trainer.`), for its settings' one-line errors.
 _NAMED_AS = contextvars.ContextVar("settings_prefix", default="")
 
@@ -159,12 +170,19 @@ def built(cls: type, values: Mapping | None, prefix: str = "") -> Any:
     values = dict(values or {})
     for key in values:
         if key not in fields:
-            raise ConfigError(f"{prefix}{key} is not a setting here; {prefix or 'this'} takes "
+            raise ConfigError(f"{prefix}{key} is not a setting here; {prefix.rstrip('.') or 'it'} takes "
                               f"{', '.join(prefix + name for name in fields)}")
+    for name, f in fields.items():
+        if values.get(name, MISSING) in (MISSING, "???") and f.default is MISSING and f.default_factory is MISSING:
+            raise ConfigError(f"{prefix}{name} is required: give {prefix}{name}=...")
     kwargs = {}
     for name, value in values.items():
         f = fields[name]
-        if is_group(f) and isinstance(value, Mapping):
+        if is_group(f) and (value is not None or f.default is MISSING):
+            if value is None:  # a group given as null: its defaults
+                value = {}
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{prefix}{name}={value!r} must be a mapping of its settings")
             choose = f.metadata.get("choose")
             kwargs[name] = built(choose(value) if choose else group_class(f), value, f"{prefix}{name}.")
         else:
@@ -247,5 +265,5 @@ def check_settings(cfg: Mapping, cls: type, prefix: str = "") -> None:
 
 
 __all__ = ["Bound", "Checked", "TRAINING_SEED_MAX", "boolean", "built", "check_settings", "choice", "each", "fraction",
-           "group", "integer", "library_setting", "number", "options_help", "positive", "redefault", "setting",
-           "training_seed"]
+           "group", "integer", "library_setting", "number", "optional_group", "options_help", "positive", "redefault",
+           "required_group", "setting", "training_seed"]
