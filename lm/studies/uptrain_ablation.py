@@ -136,11 +136,12 @@ def plan(cfg: DictConfig) -> list[Arm]:
             arms.append(method_arm(cfg, method, fraction, runs, measured_with, measuring, teacher))
     if cfg.study.scratch:
         kv_heads = max(as_list("study.kv_heads", cfg.study.kv_heads))
+        study = UptrainRun.from_config(cfg)  # the settings every scratch arm continues the source run with
         for fraction in as_list("study.fractions", cfg.study.fractions):
             name = f"{variant_name(kv_heads)}-scratch-{fraction}"
             steps = math.ceil(fraction * source_steps)
             # Same steps, schedule and data as the uptrained arms; only the weights start random.
-            run = continued_run_config(source_run, UptrainRun.from_config(cfg), steps, kv_heads, f"study-{name}")
+            run = continued_run_config(source_run, study, steps, kv_heads, f"study-{name}")
             with open_dict(run):
                 run.checkpoint_dir = str(runs)
                 run.uptrain = {"init": "scratch", "steps": steps}  # what the arm's record names it
