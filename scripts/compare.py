@@ -14,9 +14,10 @@ from lm.util.cli import exit_on_user_error, run_script
 @hydra.main(config_path="../conf", config_name="compare", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     with exit_on_user_error():
+        from lm.config.compare import CompareRun
         from lm.studies.compare import run_study
 
-        run_study(cfg)
+        run_study(CompareRun.from_config(cfg))
 
 
 if __name__ == "__main__":

@@ -56,12 +56,21 @@ TRAIN = [
     ("model.mlp=gelu",),
     ("model.zero_init_out=maybe",),
     ("optim=muon", "optim.ns_dtype=float16"),
+    # finite in Python's float64, zero, subnormal or infinite in float32, where the model computes with them
+    ("attn=mha", "attn.softcap=1e-300"),
+    ("attn=sliding", "attn.softcap=1e39"),
+    ("attn=linear", "attn.eps=1e-40"),
+    ("model.rope_theta=1e39",),
+    ("model.init_std=1e-300",),
+    ("model.norm_eps=1e-45",),
 ]
 TRAIN_KEYS = ["data.examples", "data.examples", "data.pairs", "data.seq_len", "data.val_fraction",
               "data.val_fraction", "data.val_fraction", "data.paths", "optim.lr", "optim.lr", "trainer.max_steps",
               "data.batch_size", "short_conv", "short_conv", "trainer.stop_at_accuracy", "data.filler",
               "data.query_power", "seed", "pattern=[]", "attn.q_rank=100000", "kv_rank=100000", "rope_dim=64",
-              "mlp='gelu'", "zero_init_out", "optim.ns_dtype"]
+              "mlp='gelu'", "zero_init_out", "optim.ns_dtype", "softcap=1e-300 is zero in float32",
+              "softcap=1e+39 overflows float32", "eps=1e-40 is subnormal in float32", "rope_theta=1e+39 overflows",
+              "init_std=1e-300 is zero", "norm_eps=1e-45 is subnormal"]
 
 COMPARE = [
     ("lm.steps=0", "lm.steps"), ("lm.steps=abc", "lm.steps"), ("lm.steps=1.5", "lm.steps"),
@@ -94,6 +103,11 @@ COMPARE = [
     (("tasks=[frontier]", "frontier.test=[[64,4]]"), "frontier.test"),  # nothing beyond the trained length
     (("tasks=[frontier]", "frontier.train=[[16,8]]"), "frontier.train"),  # 8 pairs do not fit 16 tokens
     (("tasks=[frontier]", "frontier.knobs.mqa=[{window: 8}]"), "frontier.knobs.mqa"),  # not an option of softmax
+    ("extra_kinds=[{name: capped, attn: sliding, softcap: 1e-300}]", "softcap=1e-300 is zero in float32"),
+    # a key added with + where the study has none: refused, not ignored (an added kind's knobs included)
+    ("+frontier.knobs.bogus=[{width: 8}]", "frontier.knobs.bogus names no kind"),
+    ("+mqar.bogus=1", "mqar.bogus"), ("+frontier.bogus=1", "frontier.bogus"), ("+speed.bogus=2", "speed.bogus"),
+    ("+bogus=1", "bogus"), ("+lm.model.bogus=1", "lm.model.bogus"),
     (("hydra/launcher=joblib", "hydra.launcher.n_jobs=0"), "hydra.launcher.n_jobs=0"),
     (("hydra/launcher=joblib", "hydra.launcher.timeout=-1"), "hydra.launcher.timeout"),
 ]

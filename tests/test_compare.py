@@ -18,6 +18,7 @@ from test_command_fuzz import run_in_process as run_script_in_process
 import lm
 from lm.attention import available_kinds
 from lm.attention.base import spec_class
+from lm.config.compare import CompareRun
 from lm.model.config import ConfigError
 from lm.training.run import model_config_of
 from lm.util.errors import DataError
@@ -35,7 +36,7 @@ def planned(*overrides: str):
     from lm.studies.compare import plan
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return plan(compose(config_name="compare", overrides=list(overrides)))
+        return plan(CompareRun.from_config(compose(config_name="compare", overrides=list(overrides))))
 
 
 def check_figures(r: dict, runs: Path | None = None, stopped_early: bool = False) -> None:
@@ -84,7 +85,7 @@ def run_in_process(*overrides: str) -> dict:
     from lm.studies.compare import run_study
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return run_study(compose(config_name="compare", overrides=list(overrides)))
+        return run_study(CompareRun.from_config(compose(config_name="compare", overrides=list(overrides))))
 
 
 def test_a_tiny_study_in_process_measures_reuses_and_reruns_what_a_setting_touches(tmp_path, small_corpus, capsys):
@@ -267,7 +268,8 @@ def test_plans_reuse_their_compositions_until_a_config_file_or_the_config_store_
     def heads(*overrides) -> set:
         composed.clear()
         with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-            arms = plan(compose(config_name="compare", overrides=["preset=quick", "kinds=[mqa]", *overrides]))
+            arms = plan(CompareRun.from_config(compose(config_name="compare",
+                                                      overrides=["preset=quick", "kinds=[mqa]", *overrides])))
         return {arm.settings["attn"]["n_kv_head"] for arm in arms if arm.labels["task"] != "speed"}
 
     assert heads() == {1} and composed

@@ -23,6 +23,8 @@ import pytest
 from conftest import compose_config
 from hydra import initialize_config_dir
 
+from lm.config.compare import CompareRun
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 HYDRA_SCRIPT = re.compile(r'config_name="(\w+)"')
@@ -151,7 +153,7 @@ def check_composed(script: str, cfg, plan: bool = False) -> None:
             return
         # The pages' corpora (my/texts/) are examples: reading the corpus is test_compare's to check.
         with mock.patch.object(compare, "corpus_key", lambda cfg: "a corpus"):
-            assert compare.plan(planned), "the comparison plans no arm"
+            assert compare.plan(CompareRun.from_config(planned)), "the comparison plans no arm"
         PLANNED.add(settings)
 
 

@@ -11,6 +11,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import lm
+from lm.config.compare import CompareRun
 from lm.model.config import ConfigError
 from lm.model.generation_cache import GenerationCache
 from lm.studies.frontier_report import on_plateau, pareto_front, state_points, still_learning
@@ -30,14 +31,14 @@ def run_in_process(*overrides: str) -> dict:
     from lm.studies.compare import run_study
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return run_study(compose(config_name="compare", overrides=list(overrides)))
+        return run_study(CompareRun.from_config(compose(config_name="compare", overrides=list(overrides))))
 
 
 def planned(*overrides: str):
     from lm.studies.compare import plan
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return plan(compose(config_name="compare", overrides=list(overrides)))
+        return plan(CompareRun.from_config(compose(config_name="compare", overrides=list(overrides))))
 
 
 @pytest.fixture(scope="module")
@@ -351,6 +352,9 @@ def test_based_block_puts_a_gated_convolution_before_each_mixer_layer_and_no_mlp
     (["frontier.knobs.based=[{width: 16, window: 8}]", "extra_kinds=[{name: based, attn: hybrid, "
       "pattern: [linear, linear]}]"], r"^frontier.knobs.based width=16, window=8: .*option\(s\) \['window'\]"),
     (["frontier.knobs.mha=[16]"], r"^frontier.knobs.mha entry 16 must be a mapping of knobs"),
+    # a kind added as the hint to `frontier.knobs={bogus: ...}` says: refused, where it was once ignored
+    (["+frontier.knobs.bogus=[{width: 16}]"], r"^frontier.knobs.bogus names no kind this study could compare; "
+                                              r"the kinds are .*linear-taylor"),
     (["frontier.knobs.mha=[{window: 4}]"], r"^frontier.knobs.mha window=4: window is not an option of mha's attention"),
     (["frontier.knobs.mha=[{width: 30}]"], r"^frontier.knobs.mha width=30: .*head_dim=15"),
     (["frontier.still_learning=-1"], r"^frontier.still_learning=-1 must be"),

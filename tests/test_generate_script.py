@@ -78,6 +78,41 @@ def test_prompt_file_decodes_a_batch(checkpoint, tmp_path, capsys):
     assert capsys.readouterr().out.count("=== ") == 3
 
 
+# A prompt with a byte that is no UTF-8 (0xff): refused alike however it arrives, never replaced by U+FFFD.
+UNDECODABLE = b"def f():\n    return '\xff'\n"
+
+
+@pytest.mark.parametrize("source", ["prompt", "prompt_file", "stdin"])
+def test_undecodable_prompt_bytes_are_refused_alike_from_every_source(source, tmp_path):
+    from lm.generation.text import read_prompts
+
+    stdin = None
+    if source == "prompt":  # what the shell hands Python for bytes it cannot decode: lone surrogates
+        settings = GenerateSettings(ckpt="x", prompt=UNDECODABLE.decode("utf-8", "surrogateescape"))
+    elif source == "prompt_file":
+        (tmp_path / "p.txt").write_bytes(UNDECODABLE)
+        settings = GenerateSettings(ckpt="x", prompt_file=str(tmp_path / "p.txt"))
+    else:
+        import io
+
+        settings, stdin = GenerateSettings(ckpt="x", prompt_file="-"), io.BytesIO(UNDECODABLE)
+    with pytest.raises(GenerationError, match=r"not valid UTF-8 text"):
+        read_prompts(settings, stdin)
+
+
+def test_prompts_read_from_standard_input_and_refused_in_one_line_there(checkpoint, tmp_path):
+    good = subprocess.run([sys.executable, str(ROOT / "scripts" / "generate.py"), f"ckpt={checkpoint}",
+                           "prompt_file=-", "max_new_tokens=3", "temperature=0"], input=b"import os\n\nclass A:\n",
+                          capture_output=True, timeout=120, cwd=tmp_path)
+    assert good.returncode == 0, good.stderr
+    assert good.stdout.decode().count("=== ") == 2  # two prompts, the blank line skipped
+    bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "generate.py"), f"ckpt={checkpoint}",
+                          "prompt_file=-"], input=UNDECODABLE, capture_output=True, timeout=120, cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stdout == b""
+    assert bad.stderr.decode().strip().splitlines() == [
+        f"error: prompt_file=- is not valid UTF-8 text: byte 0xff at offset {UNDECODABLE.index(0xff)}"]
+
+
 def test_stop_string_cuts_the_streamed_text(checkpoint, capsys):
     free = generate_text(compose_generate(f"ckpt={checkpoint}", "prompt=def f(x):", "max_new_tokens=20",
                                           "temperature=0"))[0]

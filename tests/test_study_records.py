@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+from lm.config.compare import CompareRun
 from lm.config.train import ADAMW_RECIPE
 from lm.studies.engine import ADDED_SINCE_RECORDS, Arm, as_json_data, import_records, same_settings
 
@@ -52,7 +53,8 @@ def default_recall_plan(tmp_path_factory):
     from lm.studies import compare
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        return compare.plan(compose("compare", overrides=[f"out={tmp_path_factory.mktemp('plan')}", "tasks=[mqar]"]))
+        return compare.plan(CompareRun.from_config(compose("compare", overrides=[
+            f"out={tmp_path_factory.mktemp('plan')}", "tasks=[mqar]"])))
 
 
 def test_the_committed_frontier_pilot_arms_are_taken_by_todays_plan(tmp_path):
@@ -62,10 +64,10 @@ def test_the_committed_frontier_pilot_arms_are_taken_by_todays_plan(tmp_path):
 
     source = ROOT / "docs" / "compare-frontier" / "pilot-block" / "based" / "results.json"
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        arms = compare.plan(compose("compare", overrides=[
+        arms = compare.plan(CompareRun.from_config(compose("compare", overrides=[
             "preset=frontier", "kinds=[mha]", "extra_kinds=[]", "seeds=2", "frontier.knobs.mha=[{width: 64}]",
             "frontier.block=based", "frontier.n_layer=1", "frontier.lr=[0.003, 0.01]", "frontier.rates_at=grid",
-            "frontier.schedule=cosine", f"out={tmp_path}"]))
+            "frontier.schedule=cosine", f"out={tmp_path}"])))
     results = json.loads(source.read_text())
     finished = results["records"] + results.get("waiting", [])
     said = import_records(arms, tmp_path / "records", source)

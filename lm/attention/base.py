@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from lm.util.checks import require_float32
 from lm.util.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -188,6 +189,8 @@ class AttentionSpec:
 
     def __post_init__(self) -> None:
         self.check()
+        for name, value in self.options().items():  # every kind's float options, where the model uses them
+            require_float32(name, value)
 
     def check(self) -> None:
         """Raise ConfigError, one line naming the field, when an option value cannot work."""

@@ -13,14 +13,33 @@ setting's bound can say: the settings of the `data` group, `mqar.seq_len` agains
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lm.config.settings import store
+from omegaconf import DictConfig, OmegaConf
+
+from lm.config.data import DataSettings, data_source
+from lm.config.settings import plain, store
 from lm.data.recall_task import FILLERS
 from lm.util.checks import as_list, require_int
 from lm.util.errors import ConfigError
-from lm.util.settings import Bound, boolean, choice, each, fraction, group, integer, number, positive, setting
+from lm.util.settings import (
+    Bound,
+    Checked,
+    boolean,
+    built,
+    choice,
+    each,
+    fraction,
+    group,
+    integer,
+    number,
+    positive,
+    required_group,
+    setting,
+)
 
 # recall, language modelling, decoding speed and cache size, then recall against state size, in the study's order
 TASKS = ("mqar", "lm", "speed", "frontier")
@@ -106,7 +125,7 @@ def _plain(value: Any) -> Any:
 
 
 @dataclass(kw_only=True)
-class RecallSettings:
+class RecallSettings(Checked):
     """Zoology's recall task (lm/data/mqar.py) with the recipe that learns on a CPU budget."""
 
     # Zoology: recurrent kinds need a wider model (a bigger state) to recall as well.
@@ -144,7 +163,7 @@ class RecallSettings:
 
 
 @dataclass(kw_only=True)
-class ModelShape:
+class ModelShape(Checked):
     """The language-modelling model, the same for every kind (ModelConfig checks it)."""
 
     n_layer: int = setting(2, "layers")
@@ -155,7 +174,7 @@ class ModelShape:
 
 
 @dataclass(kw_only=True)
-class LanguageSettings:
+class LanguageSettings(Checked):
     """Language modelling on the `data` corpus: 1250 x 16 x 256 = 5.12M training tokens per kind and seed."""
 
     model: ModelShape = group(ModelShape, "the model's shape, every kind alike")
@@ -168,7 +187,7 @@ class LanguageSettings:
 
 
 @dataclass(kw_only=True)
-class SpeedSettings:
+class SpeedSettings(Checked):
     """Decoding and training speed of the language-modelling shape, freshly initialised."""
 
     contexts: list[int] = setting(help="decode tokens/s and cache bytes at these context lengths (each above "
@@ -219,7 +238,7 @@ RATES_AT = ("grid", "every", "middle")
 
 
 @dataclass(kw_only=True)
-class FrontierSettings:
+class FrontierSettings(Checked):
     """Recall against decoding-state size (Based's Figure 2, Arora et al. 2024, arXiv 2402.18668;
     HazyResearch/zoology experiments/arxiv24_based_figure2): every arm trains on the whole mix, is
     tested at each test cell, and records its state bytes at each test length from its own
@@ -307,7 +326,7 @@ def default_per_kind() -> dict:
 
 
 @dataclass(kw_only=True)
-class CompareSettings:
+class CompareSettings(Checked):
     kinds: list[str] | None = setting(None, "attn configs (conf/attn/) and registered kinds; null: mha, mqa, gqa, "
                                             "then every other registered kind at its defaults")
     extra_kinds: list[Any] = setting(help="more, with options: [{name: linear-taylor, attn: linear, "
@@ -335,7 +354,30 @@ class CompareSettings:
     frontier: FrontierSettings = group(FrontierSettings, "recall against decoding-state size (tasks=[frontier])")
 
 
+@dataclass(kw_only=True)
+class CompareRun(CompareSettings):
+    """The whole study, every setting typed and checked: CompareSettings with the language-modelling
+    corpus conf/compare.yaml composes beside them. scripts/compare.py builds it once from its command
+    line (`from_config`); lm.studies.compare plans and runs it."""
+
+    data: DataSettings = required_group(DataSettings, "the language-modelling corpus (data=<option>)",
+                                        choose=data_source)
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig | Mapping) -> CompareRun:
+        """The study a composed config (or one kind's settings merged onto it) describes: a key the
+        study has no setting for, added with `+`, is one line naming what it takes, never ignored."""
+        return built(cls, plain(cfg))
+
+    def as_config(self) -> DictConfig:
+        """The settings as the struct DictConfig the plan merges each kind's per_kind onto (OmegaConf
+        merges, as the command line composes), and the records' `settings` are written from."""
+        cfg = OmegaConf.create(dataclasses.asdict(self))
+        OmegaConf.set_struct(cfg, True)
+        return cfg
+
+
 store("compare_settings", CompareSettings)
 
-__all__ = ["TASKS", "DEFAULT_TASKS", "KNOB_MODEL_KEYS", "CompareSettings", "FrontierSettings", "LanguageSettings",
-           "ModelShape", "RecallSettings", "SpeedSettings", "learning_rates"]
+__all__ = ["TASKS", "DEFAULT_TASKS", "KNOB_MODEL_KEYS", "CompareRun", "CompareSettings", "FrontierSettings",
+           "LanguageSettings", "ModelShape", "RecallSettings", "SpeedSettings", "learning_rates"]

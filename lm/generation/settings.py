@@ -18,7 +18,7 @@ from lm.util.settings import Checked, setting
 class GenerateSettings(Checked):
     ckpt: str = setting(help="a training checkpoint (last.ckpt / best.ckpt)")
     prompt: str | None = setting(None, "the text to continue (or prompt_file)")
-    prompt_file: str | None = setting(None, "one prompt per line, decoded together as one batch")
+    prompt_file: str | None = setting(None, "one prompt per line, decoded together as one batch; -: standard input")
     max_new_tokens: int = setting(200, "tokens to add")
     temperature: float = setting(0.8, "0 is greedy")
     top_k: int | None = setting(50, "keep the k likeliest tokens; null: no top-k filter")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 import sys
-from typing import TextIO
+from typing import BinaryIO, TextIO
 
 from lm.data.tokenizer import EOT
 from lm.formats.checkpoint import load
@@ -21,24 +21,41 @@ from lm.util.paths import resolve_path
 PROMPT_KEYS = ("prompt", "prompt_file")
 
 
-def read_prompts(settings: GenerateSettings) -> list[str]:
+def read_prompts(settings: GenerateSettings, stdin: BinaryIO | None = None) -> list[str]:
+    """The prompts as text: `prompt` alone, or `prompt_file`'s non-blank lines (`-`: standard input).
+    Every source is held to UTF-8 alike: bytes that are not are refused in one line, never replaced."""
     if (settings.prompt is None) == (settings.prompt_file is None):
         raise GenerationError("give exactly one of prompt=... or prompt_file=...")
     if settings.prompt is not None:
-        prompts = [str(settings.prompt)]
+        try:  # bytes the shell could not decode arrive as lone surrogates: back to those bytes
+            raw = str(settings.prompt).encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:
+            raise GenerationError("prompt is not valid UTF-8 text") from None
+        prompts = [utf8_text(raw, "prompt")]
     else:
-        path = resolve_path(settings.prompt_file)
-        if not path.is_file():
-            raise GenerationError(f"prompt_file={str(settings.prompt_file)!r} does not exist")
-        prompts = [line for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+        text = utf8_text(prompt_file_bytes(settings.prompt_file, stdin), f"prompt_file={settings.prompt_file!s}")
+        prompts = [line for line in text.splitlines() if line.strip()]
     if not prompts or not all(prompts):
         raise GenerationError("the prompt is empty: give some text to continue")
-    for prompt in prompts:
-        try:
-            prompt.encode("utf-8")
-        except UnicodeEncodeError:  # bytes the shell could not decode arrive as lone surrogates
-            raise GenerationError("the prompt is not valid UTF-8 text") from None
     return prompts
+
+
+def prompt_file_bytes(name: str, stdin: BinaryIO | None) -> bytes:
+    if str(name) == "-":
+        return (stdin or sys.stdin.buffer).read()
+    path = resolve_path(name)
+    if not path.is_file():
+        raise GenerationError(f"prompt_file={str(name)!r} does not exist")
+    return path.read_bytes()
+
+
+def utf8_text(raw: bytes, source: str) -> str:
+    """`raw` decoded as UTF-8, or one line naming the first byte that is not."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise GenerationError(f"{source} is not valid UTF-8 text: byte 0x{raw[e.start]:02x} at offset "
+                              f"{e.start}") from None
 
 
 ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}

@@ -12,7 +12,7 @@ from typing import Any
 
 from lm.attention import AttentionSpec, LayerShape, as_layer_specs, layer_specs
 from lm.model.layers import MLPS, NO_MLP
-from lm.util.checks import require_bool, require_int, require_positive
+from lm.util.checks import require_bool, require_float32, require_int, require_positive
 from lm.util.errors import ConfigError
 
 
@@ -59,6 +59,7 @@ class ModelConfig:
             require_int(name, getattr(self, name))
         for name in ("rope_theta", "norm_eps", "init_std"):
             require_positive(name, getattr(self, name))
+            require_float32(name, getattr(self, name))
         require_bool("tie_embeddings", self.tie_embeddings)
         require_bool("zero_init_out", self.zero_init_out)
         if self.mlp not in (*MLPS, NO_MLP):

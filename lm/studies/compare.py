@@ -28,6 +28,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from lm.attention import available_kinds
+from lm.config.compare import CompareRun
 from lm.config.compose import forget_changed_compositions
 from lm.data.corpora import build_corpus
 from lm.evaluation.perplexity import split_documents
@@ -35,6 +36,7 @@ from lm.studies.compare_arms import (
     BASES,
     attn_configs,
     language_arms,
+    preset_kinds,
     recall_arms,
     speed_arm,
     study_entries,
@@ -44,7 +46,7 @@ from lm.studies.compare_runs import unless_diverged
 from lm.studies.compare_settings import check_per_kind, check_study_settings, for_kind, study_seeds, study_tasks
 from lm.studies.compare_tables import comparison_table
 from lm.studies.engine import Arm, finished_records, import_records, machine, run_arms
-from lm.studies.frontier import check_frontier, describe_frontier, frontier_arms
+from lm.studies.frontier import check_frontier, check_knob_kinds, describe_frontier, frontier_arms
 from lm.studies.frontier_report import frontier_plot, frontier_tables
 from lm.studies.jobs import check_launcher, chosen_launcher, only_arm, run_as_jobs
 from lm.studies.report import write_results
@@ -68,16 +70,22 @@ def corpus_key(cfg: DictConfig) -> str:
     return corpus.fingerprint
 
 
-def plan(cfg: DictConfig) -> list[Arm]:
+def plan(study: CompareRun) -> list[Arm]:
     """Every arm of the study, each checked before any training starts: per kind, the recall
     cells (width x pairs) at each swept learning rate and seed, the language-modelling runs at each
     learning rate and seed, and one speed arm."""
+    if not isinstance(study, CompareRun):
+        raise TypeError(f"plan() takes a CompareRun (lm.config.compare), not {type(study).__name__}: build one "
+                        "from a composed config with CompareRun.from_config(cfg)")
+    cfg = study.as_config()  # each kind's per_kind merges onto it as the command line would
     check_study_settings(cfg)
     # the config files may have changed since the last plan of this process: what they changed composes again
     forget_changed_compositions()
     BASES.clear()
     entries = study_entries(cfg)
-    check_per_kind(cfg, sorted({*attn_configs(), *available_kinds(), *(e.name for e in entries)}))
+    known = sorted({*attn_configs(), *available_kinds(), *preset_kinds(), *(e.name for e in entries)})
+    check_per_kind(cfg, known)
+    check_knob_kinds(cfg, known)
     tasks = study_tasks(cfg)
     if "frontier" in tasks:
         check_frontier(cfg)
@@ -140,7 +148,7 @@ def reported_records(arms: list[Arm], records: Path) -> tuple[list[dict], list[d
     return shown, waiting, [arm.name for arm in unfinished]
 
 
-def run_study(cfg: DictConfig) -> dict | None:
+def run_study(study: CompareRun) -> dict | None:
     """What scripts/compare.py runs: every arm (reusing finished ones; as jobs of the chosen Hydra
     launcher, lm.studies.jobs), then the outputs. `arm=<i>` runs that arm alone, as a job does,
     and writes no report (None); `report_only=true` runs no arm and reports the finished ones."""
@@ -148,7 +156,8 @@ def run_study(cfg: DictConfig) -> dict | None:
     launcher = chosen_launcher()
     if launcher is not None:
         check_launcher(launcher)
-    arms = plan(cfg)
+    arms = plan(study)
+    cfg = study.as_config()
     out = resolve_path(cfg.out)
     if cfg.arm is not None:
         run_arms(arms, out / "records", describe, only=only_arm(arms, cfg.arm))

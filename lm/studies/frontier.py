@@ -58,10 +58,19 @@ def test_cells(f: DictConfig) -> list[tuple[int, int]]:
     return [(int(s), int(p)) for s, p in f.test]
 
 
+def check_knob_kinds(cfg: DictConfig, known: list[str]) -> None:
+    """The knob table may name kinds a study leaves out (a preset's table serves `kinds=[...]` subsets
+    too) but only kinds it could compare (`known`, as per_kind's), whatever the tasks: a misspelt one
+    would be ignored while its kind swept the width."""
+    for name in cfg.frontier.knobs or {}:
+        if name not in known:
+            raise ConfigError(f"frontier.knobs.{name} names no kind this study could compare; the kinds are "
+                              f"{', '.join(sorted(known))}")
+
+
 def check_frontier(cfg: DictConfig) -> None:
     """What frontier.* says beyond each setting's own bound: every train and test cell fits the
-    vocabulary and its sequence, and a test reaches beyond the trained length. The knob table may
-    name kinds a study leaves out (a preset's table serves `kinds=[...]` subsets too); a kind it
+    vocabulary and its sequence, and a test reaches beyond the trained length. A kind the knob table
     does not name sweeps the width, which its points' labels (width=...) show."""
     f = cfg.frontier
     for key in ("train", "test"):

@@ -52,6 +52,27 @@ def require_in_interval(name: str, value: Any, low: float, high: float, open_low
     raise error(f"{name}={value!r} must be in {'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}")
 
 
+# float32's smallest normal number and its largest: the model's weights, activations and options compute in
+# float32 (bf16, under autocast, shares its exponent range).
+FLOAT32_TINY = 2.0**-126
+FLOAT32_MAX = (2 - 2.0**-23) * 2.0**127
+
+
+def require_float32(name: str, value: Any, error: type[Exception] = ConfigError) -> None:
+    """0, or a float that is a normal number in float32, where the model computes with it: a value that
+    passes its bound in Python's float64 (`softcap=1e-300`) but is zero, subnormal or infinite there
+    would surface only as non-finite weights after the first step."""
+    if not isinstance(value, float) or value == 0 or not math.isfinite(value):
+        return  # ints are exact or overflow as ints; NaN and inf are their bounds' to refuse
+    if abs(value) < FLOAT32_TINY:
+        what = "zero" if abs(value) < 2.0**-150 else "subnormal"
+        raise error(f"{name}={value!r} is {what} in float32, the dtype the model computes in (its smallest "
+                    f"normal number is {FLOAT32_TINY:.3g})")
+    if abs(value) > FLOAT32_MAX:
+        raise error(f"{name}={value!r} overflows float32, the dtype the model computes in (its largest number is "
+                    f"{FLOAT32_MAX:.4g})")
+
+
 def require_unit(name: str, value: Any) -> None:
     """A real number from 0 to 1, both ends included (a decay rate, a ratio)."""
     if not is_real(value) or not 0 <= value <= 1:
