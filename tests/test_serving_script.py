@@ -62,6 +62,105 @@ def test_a_checkpoint_served_as_the_script_serves_it(checkpoint, tmp_path):
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] <= 5
 
 
+def wait_for(condition, seconds: float = 30) -> None:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def open_requests(url: str, streams: int, max_tokens: int) -> tuple[dict, list]:
+    """`streams` streamed completions and one whole one, each on a thread of its own: (what each got, threads)."""
+    import threading
+
+    got: dict = {}
+    body = {"model": "tiny-run", "prompt": "def f(", "max_tokens": max_tokens, "temperature": 0}
+
+    def stream(i: int) -> None:
+        try:
+            with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=120) as reply:
+                got[i] = [line for line in reply.iter_lines() if line]
+        except httpx.HTTPError as e:  # cut off: what the test then says it got
+            got[i] = [repr(e)]
+
+    def whole() -> None:
+        try:
+            got["whole"] = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        except httpx.HTTPError as e:
+            got["whole"] = e
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(streams)] + [threading.Thread(target=whole)]
+    for t in threads:
+        t.start()
+    return got, threads
+
+
+def test_shutdown_past_the_drain_ends_every_stream_with_an_error_event_and_done(checkpoint):
+    """Requests that outlast the drain, running and waiting, streamed and whole: each stream's last events
+    are an error (code shutting_down) and [DONE], the whole one a 503 in OpenAI's error shape, and none is
+    cut off. The drain starts as a signal starts it, from uvicorn's exit flag."""
+    cfg = compose_config("serve", [f"ckpt={checkpoint}", "port=0", "max_batch=2", "drain_s=1",
+                                   "max_new_tokens=1000000"])
+    server, sock = prepare(typed(ServeSettings, cfg), open(os.devnull, "w"))
+    with running(server, sock) as url:
+        got, threads = open_requests(url, streams=4, max_tokens=1000000)  # 2 rows: 3 requests wait
+        wait_for(lambda: httpx.get(f"{url}/health").json()["waiting"] == 3)
+        server.should_exit = True
+        for t in threads:
+            t.join(60)
+    for i in range(4):
+        lines = got[i]
+        assert lines[-1] == "data: [DONE]", lines[-3:]
+        error = json.loads(lines[-2].removeprefix("data: "))["error"]
+        assert error["code"] == "shutting_down" and "drain of 1 s ended" in error["message"]
+    whole = got["whole"]
+    assert whole.status_code == 503 and whole.json()["error"]["code"] == "shutting_down"
+
+
+def start_server(checkpoint, *settings) -> tuple[subprocess.Popen, str]:
+    process = subprocess.Popen([sys.executable, str(ROOT / "scripts/serve.py"), f"ckpt={checkpoint}", "port=0",
+                                *settings], stderr=subprocess.PIPE, text=True)
+    banner = process.stderr.readline()
+    return process, banner.split(" at ")[1].split()[0].removesuffix("/v1")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_past_the_drain_ends_every_stream_then_the_process_as_the_signal_does(checkpoint, signum):
+    process, url = start_server(checkpoint, "max_batch=2", "drain_s=1", "max_new_tokens=1000000")
+    try:
+        got, threads = open_requests(url, streams=3, max_tokens=1000000)
+        wait_for(lambda: httpx.get(f"{url}/health").json()["waiting"] == 2)
+        process.send_signal(signum)
+        for t in threads:
+            t.join(60)
+        assert process.wait(60) == -signum  # a shell reports 128 + the signal: 143, 130
+    finally:
+        process.kill()
+    assert all(got[i][-1] == "data: [DONE]" and '"shutting_down"' in got[i][-2] for i in range(3)), got
+    assert got["whole"].status_code == 503, got["whole"]
+    assert "Traceback" not in process.stderr.read()
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_stops_at_once_and_quietly(checkpoint):
+    import time
+
+    process, url = start_server(checkpoint, "max_batch=2", "drain_s=600", "max_new_tokens=1000000")
+    try:
+        got, threads = open_requests(url, streams=2, max_tokens=1000000)
+        wait_for(lambda: httpx.get(f"{url}/health").json()["running"] == 2)
+        process.send_signal(signal.SIGINT)
+        time.sleep(0.2)
+        process.send_signal(signal.SIGINT)
+        assert process.wait(10) == -signal.SIGINT  # not the 600 s drain
+    finally:
+        process.kill()
+    assert process.stderr.read() == ""
+
+
 @pytest.mark.slow
 def test_sigterm_lets_the_running_requests_finish_then_exits(checkpoint):
     from lm import load

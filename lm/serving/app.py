@@ -266,7 +266,7 @@ class Exchange:
         while len(results) < len(self.tickets):
             index, event = await self.inbox.queue.get()
             if isinstance(event, Failed):
-                raise RequestError(500, event.message, kind="server_error")
+                raise RequestError(event.status, event.message, kind="server_error", code=event.code)
             if isinstance(event, Finished):
                 results[index] = event
 
@@ -295,9 +295,10 @@ class Exchange:
                 index, event = await self.inbox.queue.get()
                 first = index not in started
                 started.add(index)
-                if isinstance(event, Failed):
+                if isinstance(event, Failed):  # an error event, then the stream's end as every stream ends
                     yield sse({"error": {"message": event.message, "type": "server_error", "param": None,
-                                         "code": None}})
+                                         "code": event.code}})
+                    yield "data: [DONE]\n\n"
                     return
                 if isinstance(event, Piece):
                     yield sse(self.envelope([self._delta(index, event.text, None, first)], chunk=True))
@@ -318,13 +319,37 @@ def sse(data: dict) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-def build_app(server: Server, api_key: str | None = None, on_shutdown: Callable[[], None] | None = None) -> FastAPI:
-    """The FastAPI application serving `server`; with `api_key`, /v1 routes need `Authorization: Bearer <key>`."""
+async def drain_at_shutdown(engine: Engine, shutting_down: Callable[[], bool], drain_s: float) -> None:
+    """Once `shutting_down()` (the HTTP server has stopped listening): the running and waiting requests get
+    `drain_s` seconds to finish, then each one left ends with a 503 (a stream: an error event and `[DONE]`),
+    so every client reads an end, and the HTTP server's own wait finds the responses complete."""
+    while not shutting_down():
+        await asyncio.sleep(0.1)
+    engine.close()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + drain_s
+    while engine.busy() and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    if engine.busy():
+        # abort joins the engine's thread, at most one step: off the event loop, which the streams need
+        await asyncio.to_thread(engine.abort, f"the server is shutting down: its drain of {drain_s:g} s ended "
+                                              "before this request finished")
+
+
+def build_app(server: Server, api_key: str | None = None, on_shutdown: Callable[[], None] | None = None,
+              shutting_down: Callable[[], bool] | None = None, drain_s: float = 30) -> FastAPI:
+    """The FastAPI application serving `server`; with `api_key`, /v1 routes need `Authorization: Bearer <key>`.
+    `shutting_down` (the HTTP server's exit flag) starts the drain of `drain_s` seconds (drain_at_shutdown)."""
     from contextlib import asynccontextmanager
 
     @asynccontextmanager
     async def lifespan(_app):
+        drain = None
+        if shutting_down is not None:
+            drain = asyncio.create_task(drain_at_shutdown(server.engine, shutting_down, drain_s))
         yield
+        if drain is not None:
+            drain.cancel()
         if on_shutdown is not None:
             on_shutdown()
 

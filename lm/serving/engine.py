@@ -75,9 +75,12 @@ class Finished:
 
 @dataclass(frozen=True)
 class Failed:
-    """The request could not be decoded (an error inside the model); the engine goes on serving."""
+    """The request could not be decoded: an error inside the model (500; the engine goes on serving), or
+    the server shutting down before it finished (503)."""
 
     message: str
+    status: int = 500
+    code: str | None = None  # OpenAI's error code: shutting_down for a 503
 
 
 Event = Piece | Finished | Failed
@@ -142,6 +145,7 @@ class Engine:
         self.waiting: collections.deque[Ticket] = collections.deque()
         self.lock = threading.Condition()
         self.stopping = False
+        self.aborting: str | None = None  # abort's message, once asked: the loop ends every request with it
         self.thread: threading.Thread | None = None
         # The weights stay as they are while the engine serves, as compile_mode=max-autotune's frozen step needs.
         self.step_fn = compiled_step(model, compile_mode) if compile else model.decode_step
@@ -197,20 +201,37 @@ class Engine:
         self.thread.start()
         return self
 
-    def stop(self, timeout: float | None = None) -> None:
-        """Let the running and waiting requests finish, then end the loop; past `timeout` seconds the
-        ones still running are cancelled."""
+    def close(self) -> None:
+        """Admit no new request (submit raises Busy); the running and waiting ones go on."""
         with self.lock:
             self.stopping = True
             self.lock.notify()
+
+    def busy(self) -> bool:
+        """Whether a request is running or waiting."""
+        with self.lock:
+            return bool(self.waiting) or any(r is not None for r in self.rows)
+
+    def abort(self, message: str) -> None:
+        """End every running and waiting request now with Failed(message, 503), and the loop with them:
+        the end of a shutdown's drain. The loop does it between steps, so no row is cut mid-step."""
+        with self.lock:
+            self.stopping, self.aborting = True, message
+            self.lock.notify()
+        if self.thread is not None:
+            self.thread.join()
+        else:
+            self._abort_all()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Let the running and waiting requests finish, then end the loop; past `timeout` seconds the
+        ones still there end with a 503 (abort)."""
+        self.close()
         if self.thread is None:
             return
         self.thread.join(timeout)
         if self.thread.is_alive():
-            with self.lock:
-                for ticket in [*self.waiting, *(r.ticket for r in self.rows if r is not None)]:
-                    ticket.cancel()
-            self.thread.join()
+            self.abort("the server stopped before this request finished")
 
     # ------------------------------------------------------------------ the loop: the engine's thread
 
@@ -219,6 +240,8 @@ class Engine:
             with self.lock:
                 while not self.waiting and not any(self.rows) and not self.stopping:
                     self.lock.wait()
+                if self.aborting is not None:
+                    break
                 if self.stopping and not self.waiting and not any(self.rows):
                     return
                 free = [r for r, run in enumerate(self.rows) if run is None]
@@ -229,6 +252,15 @@ class Engine:
                 self._drop_cancelled()
                 if any(self.rows):
                     self._step()
+        self._abort_all()
+
+    def _abort_all(self) -> None:
+        """Every running and waiting request ends with abort's message: its text so far was sent as it settled."""
+        with self.lock:
+            tickets = [*(r.ticket for r in self.rows if r is not None), *self.waiting]
+            self.rows, self.waiting = [None] * self.max_batch, collections.deque()
+        for ticket in tickets:
+            ticket.send(Failed(self.aborting or "the server stopped", status=503, code="shutting_down"))
 
     def _admit(self, row: int, ticket: Ticket) -> None:
         if ticket.cancelled.is_set():  # withdrawn while it waited: it ends without a row

@@ -5,8 +5,10 @@ get `drain_s` seconds to finish, then the engine stops."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
+import threading
 from pathlib import Path
 from typing import TextIO
 
@@ -24,6 +26,7 @@ from lm.util.errors import ConfigError
 from lm.util.paths import resolve_path
 
 API_KEY_VARIABLE = "LM_API_KEY"
+DRAIN_GRACE_S = 5  # past drain_s: for the last events to be written before uvicorn cancels what remains
 
 
 def check_run_settings(settings: ServeSettings) -> None:
@@ -59,9 +62,18 @@ def model_name_of(settings: ServeSettings, checkpoint: Path) -> str:
 
 
 def serve(settings: ServeSettings, out: TextIO | None = None) -> None:
-    """Serve until SIGINT or SIGTERM."""
+    """Serve until SIGINT or SIGTERM: the drain (lm.serving.app.drain_at_shutdown), then the process ends
+    as that signal ends a process (uvicorn raises it again once it has shut down). A second Ctrl-C
+    stops at once: uvicorn skips its wait, and the signal, back at its default action, ends the
+    process without Python's KeyboardInterrupt unwinding the event loop's tasks."""
     server, sock = prepare(settings, out or sys.stderr)
-    server.run(sockets=[sock])
+    if threading.current_thread() is not threading.main_thread():  # no signals reach this thread: uvicorn's too
+        return server.run(sockets=[sock])
+    previous = signal.signal(signal.SIGINT, signal.SIG_DFL)  # what uvicorn restores and raises again at its end
+    try:
+        server.run(sockets=[sock])
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def prepare(settings: ServeSettings, out: TextIO):
@@ -91,7 +103,9 @@ def prepare(settings: ServeSettings, out: TextIO):
                     settings.compile, settings.compile_mode)
     name = model_name_of(settings, checkpoint)
     server = Server(engine, tokenizer, name, Limits(settings.max_new_tokens, settings.max_prompt_tokens), chat_template)
-    app = build_app(server, api_key, on_shutdown=lambda: engine.stop(timeout=0))
+    # uvicorn's exit flag (set by SIGINT or SIGTERM) starts the drain; `http` is bound below, before any signal
+    app = build_app(server, api_key, on_shutdown=lambda: engine.stop(timeout=0),
+                    shutting_down=lambda: http.should_exit, drain_s=settings.drain_s)
     host, port = sock.getsockname()[:2]
     out.write(f"serving {name!r} ({model.config.describe_attention()}; {model.num_params():,} parameters) at "
               f"http://{host}:{port}/v1 with {settings.max_batch} slots{'; API key required' if api_key else ''}\n")
@@ -99,8 +113,11 @@ def prepare(settings: ServeSettings, out: TextIO):
         out.write(f"{kernel_choice}\n")
     out.flush()
     engine.start()
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=settings.drain_s, access_log=False)
-    return uvicorn.Server(config), sock
+    # uvicorn cancels what is still running DRAIN_GRACE_S after our drain: by then every response has its end
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=settings.drain_s + DRAIN_GRACE_S,
+                            access_log=False)
+    http = uvicorn.Server(config)
+    return http, sock
 
 
 __all__ = ["API_KEY_VARIABLE", "bind", "prepare", "serve"]
