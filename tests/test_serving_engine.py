@@ -159,3 +159,24 @@ def test_the_compiled_step_serves_the_same_tokens(name, mode):
     for i, (prompt, events) in enumerate(zip(prompts, results, strict=True)):
         assert prompt + events[-1].tokens == generate(model, [prompt], 8 + 3 * i)[0]
     assert not engine.step_fn.fell_back
+
+
+def test_abort_ends_running_and_waiting_requests_with_a_503_after_the_text_they_had():
+    """The end of a shutdown's drain: every request still there gets Failed(503, shutting_down) as its
+    last event, the running ones after the text they had decoded, which is generate's own prefix."""
+    model, tokenizer = make_model("softmax-gqa", max_seq_len=4096), word_tokenizer()
+    prompt = [3, 1, 4, 1, 5]
+    engine = Engine(model, tokenizer, max_batch=1, max_queue=4, eos_id=None).start()
+    collector = Collector(2)
+    engine.submit([Completion(prompt, 4000), Completion(prompt, 4000)], collector.sink_for)  # one runs, one waits
+    first = collector.queues[0].get(timeout=60)  # the first is decoding
+    engine.abort("the drain ended")
+    assert not engine.thread.is_alive() and not engine.busy()
+    running, waiting = [first, *collector.wait(0)], collector.wait(1)
+    assert waiting == [Failed("the drain ended", status=503, code="shutting_down")]
+    assert running[-1] == Failed("the drain ended", status=503, code="shutting_down")
+    text = "".join(e.text for e in running[:-1])
+    ids = generate(model, [prompt], len(text.split()))[0][len(prompt):]
+    assert text.split() == [f"w{i}" for i in ids]
+    with pytest.raises(Busy, match="shutting down"):
+        engine.submit([Completion(prompt, 4)], collector.sink_for)

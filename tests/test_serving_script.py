@@ -97,19 +97,39 @@ def open_requests(url: str, streams: int, max_tokens: int) -> tuple[dict, list]:
     return got, threads
 
 
-def test_shutdown_past_the_drain_ends_every_stream_with_an_error_event_and_done(checkpoint):
-    """Requests that outlast the drain, running and waiting, streamed and whole: each stream's last events
-    are an error (code shutting_down) and [DONE], the whole one a 503 in OpenAI's error shape, and none is
-    cut off. The drain starts as a signal starts it, from uvicorn's exit flag."""
+def test_shutdown_past_the_drain_ends_every_stream_with_an_error_event_and_done(checkpoint, tmp_path):
+    """Requests that outlast the drain, running and waiting, streamed and whole, on both routes: each
+    stream's last events are an error (code shutting_down) and [DONE], the whole one a 503 in OpenAI's
+    error shape, and none is cut off; the official client raises the error it reads. The drain starts
+    as a signal starts it, from uvicorn's exit flag."""
+    import threading
+
+    openai = pytest.importorskip("openai")
+    template = tmp_path / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
     cfg = compose_config("serve", [f"ckpt={checkpoint}", "port=0", "max_batch=2", "drain_s=1",
-                                   "max_new_tokens=1000000"])
+                                   "max_new_tokens=1000000", f"chat_template={template}"])
     server, sock = prepare(typed(ServeSettings, cfg), open(os.devnull, "w"))
     with running(server, sock) as url:
         got, threads = open_requests(url, streams=4, max_tokens=1000000)  # 2 rows: 3 requests wait
         wait_for(lambda: httpx.get(f"{url}/health").json()["waiting"] == 3)
+
+        def chat() -> None:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+            try:
+                for _ in client.chat.completions.create(model="tiny-run", messages=[{"role": "user", "content": "hi"}],
+                                                        max_tokens=1000000, stream=True):
+                    pass
+            except openai.APIError as e:
+                got["chat"] = e
+
+        threads.append(threading.Thread(target=chat))
+        threads[-1].start()
+        wait_for(lambda: httpx.get(f"{url}/health").json()["waiting"] == 4)
         server.should_exit = True
         for t in threads:
             t.join(60)
+    assert "shutting down" in got["chat"].message, got.get("chat")
     for i in range(4):
         lines = got[i]
         assert lines[-1] == "data: [DONE]", lines[-3:]
