@@ -132,6 +132,26 @@ def test_a_body_json_cannot_hold_is_a_400_in_openai_s_shape_and_the_server_keeps
     assert client.completions.create(model="tiny", prompt="ok", max_tokens=2).usage.completion_tokens <= 2
 
 
+@pytest.mark.parametrize(("route", "body", "param"), [
+    ("completions", {"prompt": "a\ud800b"}, "prompt"),
+    ("completions", {"prompt": ["ok", "\udfff"]}, "prompt"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "\udcff"}]}, "messages.0.content"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"},
+                                       {"role": "user", "content": [{"type": "text", "text": "x\ud800"}]}]},
+     "messages.1.content"),
+])
+def test_text_no_encoding_holds_is_a_400_naming_the_field(server, client, route, body, param):
+    """JSON's \\ud800 escapes decode to lone surrogates, which the tokenizer refuses with a TypeError: a
+    400 naming the field, and the server keeps serving. (The official client cannot send them: it encodes
+    its JSON as UTF-8 first and raises; json.dumps writes them as the escapes a raw client sends.)"""
+    raw = json.dumps({"model": "tiny", "max_tokens": 2, **body}).encode()
+    reply = httpx.post(f"{server[0]}/v1/{route}", content=raw, headers={"content-type": "application/json"})
+    error = reply.json()["error"]
+    assert reply.status_code == 400 and error["param"] == param and error["type"] == "invalid_request_error"
+    assert "not valid Unicode text: a lone surrogate" in error["message"]
+    assert client.completions.create(model="tiny", prompt="ok", max_tokens=2).usage.completion_tokens <= 2
+
+
 def test_malformed_bodies_unknown_models_and_routes(server, client):
     url = server[0]
     for raw in (b"{not json", b"[1, 2]", b"\xff\xfe"):

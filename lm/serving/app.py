@@ -88,6 +88,7 @@ class Server:
     def encode(self, prompt, field: str) -> list[int]:
         """One prompt's token ids: text encoded, ids checked against the vocabulary."""
         if isinstance(prompt, str):
+            require_unicode(prompt, field)
             ids = self.tokenizer.encode(prompt).ids
             if not ids:  # nothing to continue from: start a new document, as training saw them start
                 if self.eot_id is None:
@@ -158,8 +159,11 @@ class Server:
             raise RequestError(400, f"the model {self.model_name!r} has no chat template (a model trained on plain "
                                     "text has none): use /v1/completions, or start the server with "
                                     "chat_template=<a Jinja file>", "messages")
+        messages = [m.as_text() for m in req.messages]
+        for i, message in enumerate(messages):
+            require_unicode(message["content"], f"messages.{i}.content")
         try:
-            text = self.chat_template.render([m.as_text() for m in req.messages])
+            text = self.chat_template.render(messages)
         except ValueError as e:
             raise RequestError(400, str(e), "messages") from None
         return self.encode(text, "messages")
@@ -175,6 +179,16 @@ class Server:
                 raise RequestError(503, str(e), kind="server_error", code="shutting_down") from None
             raise RequestError(429, f"{e}: try again shortly", kind="rate_limit_error", code="busy",
                                headers={"Retry-After": "1"}) from None
+
+
+def require_unicode(text: str, field: str) -> None:
+    """A 400 for text no encoding holds: JSON's `\\ud800` escapes decode to lone surrogates, which the
+    tokenizer refuses with a TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(400, f"{field} is not valid Unicode text: a lone surrogate "
+                                f"(\\u{ord(text[e.start]):04x}) at character {e.start}", field) from None
 
 
 def usage(prompts: list[list[int]], results: dict[int, Finished]) -> dict:
