@@ -63,6 +63,10 @@ TRAIN = [
     ("model.rope_theta=1e39",),
     ("model.init_std=1e-300",),
     ("model.norm_eps=1e-45",),
+    ("optim.lr=1e-300",),
+    ("optim=adamw", "optim.weight_decay=1e-320"),
+    ("optim=muon", "optim.adamw_lr=1e-39"),
+    ("trainer.gradient_clip_val=1e39",),
 ]
 TRAIN_KEYS = ["data.examples", "data.examples", "data.pairs", "data.seq_len", "data.val_fraction",
               "data.val_fraction", "data.val_fraction", "data.paths", "optim.lr", "optim.lr", "trainer.max_steps",
@@ -70,7 +74,9 @@ TRAIN_KEYS = ["data.examples", "data.examples", "data.pairs", "data.seq_len", "d
               "data.query_power", "seed", "pattern=[]", "attn.q_rank=100000", "kv_rank=100000", "rope_dim=64",
               "mlp='gelu'", "zero_init_out", "optim.ns_dtype", "softcap=1e-300 is zero in float32",
               "softcap=1e+39 overflows float32", "eps=1e-40 is subnormal in float32", "rope_theta=1e+39 overflows",
-              "init_std=1e-300 is zero", "norm_eps=1e-45 is subnormal"]
+              "init_std=1e-300 is zero", "norm_eps=1e-45 is subnormal", "optim.lr=1e-300 is zero",
+              "optim.weight_decay=1e-320 is zero", "optim.adamw_lr=1e-39 is subnormal",
+              "trainer.gradient_clip_val=1e+39 overflows"]
 
 COMPARE = [
     ("lm.steps=0", "lm.steps"), ("lm.steps=abc", "lm.steps"), ("lm.steps=1.5", "lm.steps"),

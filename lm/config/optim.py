@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 from lm.config.settings import plain, store
 from lm.util.checks import require_choice, require_int, require_unit
@@ -30,6 +31,7 @@ NS_STEPS = Bound("an integer from 1 to 99", lambda n, v: require_int(n, v, minim
 @dataclass
 class OptimConfig(Checked):
     """`optim=adamw`: AdamW for every parameter, then a learning-rate schedule over trainer.max_steps."""
+    in_float32: ClassVar[bool] = True  # its rates and decays scale float32 tensors
 
     name: str = setting("adamw", "the optimizer: adamw | muon (optim=muon chooses its group)")
     lr: float = setting(2e-3, "peak learning rate, reached when warm-up ends", positive())

@@ -10,7 +10,7 @@ accelerator, devices and strategy.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from lm.config.settings import store
 from lm.util.checks import require_choice
@@ -23,6 +23,7 @@ PRECISION = Bound(" | ".join(PRECISIONS), lambda n, v: require_choice(n, str(v),
 
 @dataclass(kw_only=True)
 class TrainerSettings(Checked):
+    in_float32: ClassVar[bool] = True  # gradient_clip_val scales float32 gradients
     accelerator: str = setting("auto", "cpu | gpu | auto (a GPU where CUDA is present)")
     devices: Any = setting(1, "devices per machine (processes, with strategy=ddp), or auto")
     strategy: str = setting("auto", "auto | ddp | fsdp (trainer=ddp and trainer=fsdp choose them)")

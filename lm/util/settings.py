@@ -20,12 +20,13 @@ import dataclasses
 import math
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import MISSING, dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from lm.util.checks import (
     as_list,
     require_bool,
     require_choice,
+    require_float32,
     require_fraction,
     require_in_interval,
     require_int,
@@ -155,11 +156,19 @@ class Checked:
     run built in Python and one from the command line are refused alike, in one line naming the
     setting as typed (`trainer.max_steps`, where `built` builds the group)."""
 
+    # True where the settings' floats reach tensors (an optimizer's rates and decays, the gradient clip):
+    # each is then also checked in float32, where 1e-300 is zero (lm.util.checks.require_float32)
+    in_float32: ClassVar[bool] = False
+
     def __post_init__(self) -> None:
         prefix = _NAMED_AS.get()
         for f in dataclasses.fields(self):
-            if f.metadata.get("bound") is not None and not is_group(f):
+            if is_group(f):
+                continue
+            if f.metadata.get("bound") is not None:
                 f.metadata["bound"](prefix + f.name, getattr(self, f.name))
+            if self.in_float32:
+                require_float32(prefix + f.name, getattr(self, f.name))
 
 
 def built(cls: type, values: Mapping | None, prefix: str = "") -> Any:
