@@ -63,6 +63,23 @@ def test_every_attn_config_decodes_with_its_caches_as_it_recomputes(name):
     assert [len(row) for row in cached] == [133, 21]
 
 
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_preset_quantizes_to_int8_and_decodes_as_its_rounded_float_twin(name):
+    """Every preset at its own settings (its mixes of kinds, gates, sinks, latents) takes int8 weights:
+    its cached decoding gives the logits of the float model whose weights are the int8-rounded ones
+    (test_generation.rounded_twin), to float32's rounding. Every kind alone: test_generation."""
+    from test_generation import rounded_twin
+
+    model = tiny_model(name).float()
+    quantized = lm.quantize_int8(model, "dequant")
+    idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = rounded_twin(model)(idx)  # (2, 16, V)
+        cache = GenerationCache(quantized, pad=torch.zeros(2, dtype=torch.long), max_len=16)
+        pieces = [quantized(idx[:, :9], cache=cache)] + [quantized(idx[:, t:t + 1], cache=cache) for t in range(9, 16)]
+    torch.testing.assert_close(torch.cat(pieces, dim=1), expected, atol=1e-4, rtol=1e-4)
+
+
 def test_each_preset_at_the_tiny_models_four_layers():
     kinds = {name: [spec.kind for spec in model_config(name).attention] for name in PRESETS}
     assert kinds == {
