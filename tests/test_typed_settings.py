@@ -9,6 +9,8 @@ from conftest import compose_config
 from omegaconf.errors import MissingMandatoryValue
 
 from lm.config.attn import AttnSettings
+from lm.config.compare import CompareRun
+from lm.config.compare import RecallSettings as RecallStudySettings
 from lm.config.data import CorpusSettings, RecallSettings, data_settings
 from lm.config.eval import EvalRun
 from lm.config.export import ExportSettings
@@ -78,7 +80,19 @@ def test_eval_and_uptrain_settings_from_the_command_line_are_those_built_in_pyth
                                  uptrain=UptrainOptions(fraction=0.1))
 
 
+def test_the_comparisons_settings_from_the_command_line_are_those_built_in_python():
+    composed = CompareRun.from_config(compose_config("compare", ["kinds=[mha]", "seeds=1", "data=text",
+                                                                 "data.paths=[d]", "mqar.widths=[32]"]))
+    assert composed == CompareRun(kinds=["mha"], seeds=1, data=CorpusSettings(source="text", paths=["d"]),
+                                  mqar=RecallStudySettings(widths=[32]))
+    with pytest.raises(ConfigError, match=r"^mqar.bogus is not a setting here; mqar takes mqar.widths, "):
+        CompareRun.from_config({**compose_config("compare", []), "mqar": {"bogus": 1}})
+
+
 @pytest.mark.parametrize("build, message", [
+    (lambda: OptimConfig(lr=1e-300), "lr=1e-300 is zero in float32"),
+    (lambda: TrainRun.from_config(compose_config("train", ["trainer.gradient_clip_val=1e39"])),
+     "trainer.gradient_clip_val=1e+39 overflows float32"),
     (lambda: TrainerSettings(max_steps=0), "max_steps=0 must be an integer >= 1"),
     (lambda: TrainRun.from_config(compose_config("train", ["trainer.max_steps=0"])),
      "trainer.max_steps=0 must be an integer >= 1"),
