@@ -100,12 +100,14 @@ def test_undecodable_prompt_bytes_are_refused_alike_from_every_source(source, tm
         read_prompts(settings, stdin)
 
 
-def test_prompts_read_from_standard_input_and_refused_in_one_line_there(checkpoint, tmp_path):
-    good = subprocess.run([sys.executable, str(ROOT / "scripts" / "generate.py"), f"ckpt={checkpoint}",
-                           "prompt_file=-", "max_new_tokens=3", "temperature=0"], input=b"import os\n\nclass A:\n",
-                          capture_output=True, timeout=120, cwd=tmp_path)
-    assert good.returncode == 0, good.stderr
-    assert good.stdout.decode().count("=== ") == 2  # two prompts, the blank line skipped
+def test_prompts_read_from_standard_input_and_refused_in_one_line_there(checkpoint, tmp_path, monkeypatch, capsys):
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"import os\n\nclass A:\n")))
+    texts = generate_text(compose_generate(f"ckpt={checkpoint}", "prompt_file=-", "max_new_tokens=3",
+                                           "temperature=0"))
+    assert [t[:8] for t in texts] == ["import o", "class A:"]  # two prompts, the blank line skipped
+    assert capsys.readouterr().out.count("=== ") == 2
     bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "generate.py"), f"ckpt={checkpoint}",
                           "prompt_file=-"], input=UNDECODABLE, capture_output=True, timeout=120, cwd=tmp_path)
     assert bad.returncode == 2 and bad.stdout == b""
