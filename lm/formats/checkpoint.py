@@ -101,12 +101,6 @@ def stored_model_config(entry: dict, weights: dict, what: str) -> ModelConfig:
         raise CheckpointError(f"{what} has an unusable model config: {e}") from None
 
 
-
-
-
-
-
-
 def model_state_dict(ckpt: dict) -> dict[str, torch.Tensor]:
     """The Transformer's own parameters out of a LightningModule state dict."""
     prefix = "model."
