@@ -61,6 +61,7 @@ TRAIN = [
     ("attn=sliding", "attn.softcap=1e39"),
     ("attn=linear", "attn.eps=1e-40"),
     ("model.rope_theta=1e39",),
+    ("model.rope_theta=1000000000000000000000000000000000000000",),  # an int: float32 overflows all the same
     ("model.init_std=1e-300",),
     ("model.norm_eps=1e-45",),
     ("optim.lr=1e-300",),
@@ -74,6 +75,7 @@ TRAIN_KEYS = ["data.examples", "data.examples", "data.pairs", "data.seq_len", "d
               "data.query_power", "seed", "pattern=[]", "attn.q_rank=100000", "kv_rank=100000", "rope_dim=64",
               "mlp='gelu'", "zero_init_out", "optim.ns_dtype", "softcap=1e-300 is zero in float32",
               "softcap=1e+39 overflows float32", "eps=1e-40 is subnormal in float32", "rope_theta=1e+39 overflows",
+              "rope_theta=1000000000000000000000000000000000000000 overflows",
               "init_std=1e-300 is zero", "norm_eps=1e-45 is subnormal", "optim.lr=1e-300 is zero",
               "optim.weight_decay=1e-320 is zero", "optim.adamw_lr=1e-39 is subnormal",
               "trainer.gradient_clip_val=1e+39 overflows"]

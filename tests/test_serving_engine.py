@@ -180,3 +180,14 @@ def test_abort_ends_running_and_waiting_requests_with_a_503_after_the_text_they_
     assert text.split() == [f"w{i}" for i in ids]
     with pytest.raises(Busy, match="shutting down"):
         engine.submit([Completion(prompt, 4)], collector.sink_for)
+
+
+def test_abort_without_a_running_loop_still_ends_every_request():
+    """An engine whose thread never started (or has died) leaves its requests to abort itself."""
+    engine = Engine(make_model("softmax-gqa"), word_tokenizer(), max_batch=1, max_queue=4, eos_id=None)
+    collector = Collector(2)
+    engine.submit([Completion([1, 2], 3), Completion([3], 3)], collector.sink_for)
+    engine.abort("stopped")
+    engine.abort("a second abort")  # ends nothing twice, and the first message stands
+    assert [collector.wait(i) for i in range(2)] == [[Failed("stopped", status=503, code="shutting_down")]] * 2
+    assert all(q.empty() for q in collector.queues) and not engine.busy()

@@ -42,7 +42,8 @@ class ServeSettings(Checked):
     int8_kernel: str = setting("auto", "with quantize=int8: auto (chosen by the device's int8 instructions, and "
                                        "said), dynamic, native, dequant or int8pack")
     device: str = setting("cpu", "cpu, cuda[:n] or mps")
-    drain_s: int = setting(30, "on SIGTERM: seconds the running requests get to finish", integer(0))
+    drain_s: int = setting(30, "on SIGTERM or Ctrl-C: seconds the running and waiting requests get to finish; "
+                               "each one left then ends with a 503", integer(0))
 
 
 store("serve_settings", ServeSettings)

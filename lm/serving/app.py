@@ -339,13 +339,13 @@ async def drain_at_shutdown(engine: Engine, shutting_down: Callable[[], bool], d
     so every client reads an end, and the HTTP server's own wait finds the responses complete."""
     while not shutting_down():
         await asyncio.sleep(0.1)
-    engine.close()
+    engine.stop_admitting()
     loop = asyncio.get_running_loop()
     deadline = loop.time() + drain_s
     while engine.busy() and loop.time() < deadline:
         await asyncio.sleep(0.05)
     if engine.busy():
-        # abort joins the engine's thread, at most one step: off the event loop, which the streams need
+        # abort waits for the prefill or step in progress: off the event loop, which the streams need
         await asyncio.to_thread(engine.abort, f"the server is shutting down: its drain of {drain_s:g} s ended "
                                               "before this request finished")
 

@@ -146,6 +146,7 @@ class Engine:
         self.lock = threading.Condition()
         self.stopping = False
         self.aborting: str | None = None  # abort's message, once asked: the loop ends every request with it
+        self.admitting = 0  # requests taken off the queue whose prefill has not yet put them in a row
         self.thread: threading.Thread | None = None
         # The weights stay as they are while the engine serves, as compile_mode=max-autotune's frozen step needs.
         self.step_fn = compiled_step(model, compile_mode) if compile else model.decode_step
@@ -201,32 +202,34 @@ class Engine:
         self.thread.start()
         return self
 
-    def close(self) -> None:
+    def stop_admitting(self) -> None:
         """Admit no new request (submit raises Busy); the running and waiting ones go on."""
         with self.lock:
             self.stopping = True
             self.lock.notify()
 
     def busy(self) -> bool:
-        """Whether a request is running or waiting."""
+        """Whether a request is running, being admitted or waiting."""
         with self.lock:
-            return bool(self.waiting) or any(r is not None for r in self.rows)
+            return bool(self.waiting) or self.admitting > 0 or any(r is not None for r in self.rows)
 
     def abort(self, message: str) -> None:
         """End every running and waiting request now with Failed(message, 503), and the loop with them:
-        the end of a shutdown's drain. The loop does it between steps, so no row is cut mid-step."""
+        the end of a shutdown's drain. The loop ends them after the prefill or step it is in (no row is
+        cut mid-step); a thread that has died, or never started, leaves them to this call."""
         with self.lock:
-            self.stopping, self.aborting = True, message
+            self.stopping = True
+            if self.aborting is None:  # the first abort's message stands
+                self.aborting = message
             self.lock.notify()
         if self.thread is not None:
             self.thread.join()
-        else:
-            self._abort_all()
+        self._abort_all()  # ends nothing twice: the loop's own call emptied the rows and the queue
 
     def stop(self, timeout: float | None = None) -> None:
         """Let the running and waiting requests finish, then end the loop; past `timeout` seconds the
         ones still there end with a 503 (abort)."""
-        self.close()
+        self.stop_admitting()
         if self.thread is None:
             return
         self.thread.join(timeout)
@@ -246,12 +249,20 @@ class Engine:
                     return
                 free = [r for r, run in enumerate(self.rows) if run is None]
                 admitted = [(free.pop(0), self.waiting.popleft()) for _ in range(min(len(free), len(self.waiting)))]
+                self.admitting = len(admitted)  # off the queue, not yet in a row: still work (busy)
             with torch.inference_mode():
-                for row, ticket in admitted:
+                for i, (row, ticket) in enumerate(admitted):
+                    if self.aborting is not None:  # the drain has ended: the rest are not prefilled, only ended
+                        with self.lock:
+                            self.waiting.extendleft(t for _, t in reversed(admitted[i:]))
+                        break
                     self._admit(row, ticket)
-                self._drop_cancelled()
-                if any(self.rows):
-                    self._step()
+                with self.lock:
+                    self.admitting = 0
+                if self.aborting is None:
+                    self._drop_cancelled()
+                    if any(self.rows):
+                        self._step()
         self._abort_all()
 
     def _abort_all(self) -> None:

@@ -1,6 +1,7 @@
 """`serve(settings)`: what scripts/serve.py runs. Checks the settings, loads the checkpoint, binds the port,
-then serves with uvicorn until SIGINT or SIGTERM: the listening socket closes, the running requests
-get `drain_s` seconds to finish, then the engine stops."""
+then serves with uvicorn until SIGINT or SIGTERM: the listening socket closes, the running and waiting
+requests get `drain_s` seconds to finish, each one left then ends with a 503, and the process ends as the
+signal ends a process."""
 
 from __future__ import annotations
 

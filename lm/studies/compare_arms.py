@@ -13,7 +13,7 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
 from lm.attention import available_kinds, spec_class
-from lm.config.compose import CONF_DIR, composed, search_path
+from lm.config.compose import composed, search_path
 from lm.config.train import ADAMW_RECIPE, TrainRun
 from lm.data.recall_task import RecallTask, mix_tasks
 from lm.studies.compare_runs import language_run, recall_run, speed_figures, unless_diverged
@@ -41,12 +41,14 @@ def attn_configs() -> list[str]:
 
 
 def preset_kinds() -> list[str]:
-    """The names of the extra kinds the presets define (conf/preset/*.yaml): a preset's knob table and
-    per_kind name them, and stay valid in a study that leaves them out (`extra_kinds=[]`)."""
+    """The names of the extra kinds the presets define (preset/*.yaml of the config folders Hydra searches,
+    the first of a name as Hydra takes it): a preset's knob table and per_kind name them, and stay valid in
+    a study that leaves them out (`extra_kinds=[]`)."""
+    folders = [Path(path) for _, path in search_path() if "://" not in path]  # folders: lm's packages hold no preset
     names = set()
     for option in GlobalHydra.instance().config_loader().get_group_options("preset"):
-        path = CONF_DIR / "preset" / f"{option}.yaml"
-        extra = OmegaConf.load(path).get("extra_kinds") if path.is_file() else None
+        path = next((p for p in (f / "preset" / f"{option}.yaml" for f in folders) if p.is_file()), None)
+        extra = OmegaConf.load(path).get("extra_kinds") if path is not None else None
         names |= {entry.get("name") for entry in extra or [] if hasattr(entry, "get")}
     return sorted(n for n in names if isinstance(n, str))
 

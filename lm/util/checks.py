@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import struct
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -52,25 +53,27 @@ def require_in_interval(name: str, value: Any, low: float, high: float, open_low
     raise error(f"{name}={value!r} must be in {'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}")
 
 
-# float32's smallest normal number and its largest: the model's weights, activations and options compute in
-# float32 (bf16, under autocast, shares its exponent range).
+# float32's smallest normal number: below it a value is subnormal (precision lost) or zero.
 FLOAT32_TINY = 2.0**-126
-FLOAT32_MAX = (2 - 2.0**-23) * 2.0**127
 
 
 def require_float32(name: str, value: Any, error: type[Exception] = ConfigError) -> None:
-    """0, or a float that is a normal number in float32, where the model computes with it: a value that
-    passes its bound in Python's float64 (`softcap=1e-300`) but is zero, subnormal or infinite there
-    would surface only as non-finite weights after the first step."""
-    if not isinstance(value, float) or value == 0 or not math.isfinite(value):
-        return  # ints are exact or overflow as ints; NaN and inf are their bounds' to refuse
-    if abs(value) < FLOAT32_TINY:
-        what = "zero" if abs(value) < 2.0**-150 else "subnormal"
-        raise error(f"{name}={value!r} is {what} in float32, the dtype the model computes in (its smallest "
-                    f"normal number is {FLOAT32_TINY:.3g})")
-    if abs(value) > FLOAT32_MAX:
-        raise error(f"{name}={value!r} overflows float32, the dtype the model computes in (its largest number is "
-                    f"{FLOAT32_MAX:.4g})")
+    """0, or a number that is a normal number once rounded to float32, where the model computes with it:
+    a value that passes its bound in Python (`softcap=1e-300`, `rope_theta=10**39`) but is zero,
+    subnormal or infinite there would surface only as non-finite weights after the first step."""
+    if not is_real(value) or value == 0 or (isinstance(value, float) and not math.isfinite(value)):
+        return  # NaN and inf are their bounds' to refuse; 0 is exact
+    try:
+        rounded = struct.unpack("f", struct.pack("f", float(value)))[0]  # as float32 rounds it
+    except OverflowError:  # an int past float64's range
+        rounded = math.inf
+    if math.isinf(rounded):  # beyond float32's largest number (3.4028235e38) even after rounding
+        shown = repr(value) if len(repr(value)) <= 40 else f"<an integer of {len(str(abs(value)))} digits>"
+        raise error(f"{name}={shown} overflows float32, the dtype the model computes in (its largest number is "
+                    "3.4028235e+38)")
+    if abs(rounded) < FLOAT32_TINY:
+        raise error(f"{name}={value!r} is {'zero' if rounded == 0 else 'subnormal'} in float32, the dtype the "
+                    f"model computes in (its smallest normal number is {FLOAT32_TINY:.3g})")
 
 
 def require_unit(name: str, value: Any) -> None:

@@ -167,7 +167,7 @@ class Checked:
                 continue
             if f.metadata.get("bound") is not None:
                 f.metadata["bound"](prefix + f.name, getattr(self, f.name))
-            if self.in_float32:
+            if self.in_float32 and isinstance(getattr(self, f.name), float):  # its ints are counts, not factors
                 require_float32(prefix + f.name, getattr(self, f.name))
 
 
