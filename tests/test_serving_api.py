@@ -248,3 +248,50 @@ def test_64_concurrent_streams_each_equal_generate_alone_and_no_slot_leaks(serve
     assert texts == [expected[PROMPTS[i % 8], budgets[i]] for i in range(64)]
     assert engine.steps - steps_before < sum(budgets) / 4  # decoded side by side, not one after another
     assert wait_until_idle(url, engine)
+
+
+def scraped(url: str) -> dict:
+    """/metrics read by Prometheus's own text parser: {(sample name, labels as a sorted tuple): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    reply = httpx.get(f"{url}/metrics")
+    assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/plain")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(reply.text) for s in family.samples}
+
+
+def test_metrics_count_what_the_official_client_was_told(net, tok):
+    """A fresh server; completions, chat and a stream through the official client, and two refusals: the
+    request counts by route and status, the tokens in and out equal the usage each answer reported, and
+    every token but each completion's first was one gap of the inter-token histogram."""
+    with served(net, tok, max_batch=2) as (url, engine):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        answers = [client.completions.create(model="tiny", prompt=p, max_tokens=m, temperature=0, n=2)
+                   for p, m in (("def main(", 6), ("import os\n", 3))]
+        answers.append(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                      max_tokens=4, temperature=0))
+        chunks = list(client.completions.create(model="tiny", prompt="class Text", max_tokens=5, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}))
+        for bad in ({"prompt": "x", "max_tokens": "5"}, {"prompt": []}):
+            assert httpx.post(f"{url}/v1/completions", json={"model": "tiny", **bad}).status_code == 400
+        assert wait_until_idle(url, engine)
+        metrics = scraped(url)
+    usages = [a.usage for a in answers] + [chunks[-1].usage]
+    finishes = [c.finish_reason for a in answers for c in a.choices] + [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert metrics[("lm_requests_total", (("route", "/v1/completions"), ("status", "200")))] == 3
+    assert metrics[("lm_requests_total", (("route", "/v1/chat/completions"), ("status", "200")))] == 1
+    assert metrics[("lm_requests_total", (("route", "/v1/completions"), ("status", "400")))] == 2
+    # each completion prefills its prompt: n=2 twice, where the usage counts the prompt once per request
+    choices = [len(a.choices) for a in answers] + [1]
+    assert metrics[("lm_prompt_tokens_total", ())] == sum(u.prompt_tokens * n for u, n in zip(usages, choices,
+                                                                                               strict=True))
+    generated = sum(u.completion_tokens for u in usages)
+    assert metrics[("lm_generation_tokens_total", ())] == generated
+    completions = len(finishes)  # 2 + 2 + 1 + 1
+    assert metrics[("lm_time_to_first_token_seconds_count", ())] == completions == 6
+    # a completion ended by the end-of-text token picked one token more than it returned
+    picks = generated + finishes.count("stop")
+    assert metrics[("lm_inter_token_latency_seconds_count", ())] == picks - completions
+    assert metrics[("lm_requests_running", ())] == metrics[("lm_requests_waiting", ())] == 0
+    assert metrics[("lm_slots", ())] == 2

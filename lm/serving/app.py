@@ -33,6 +33,7 @@ from lm.data.tokenizer import EOT
 from lm.generation.decode import Sampling, stop_strings
 from lm.serving.chat import ChatTemplate
 from lm.serving.engine import Busy, Completion, Engine, Event, Failed, Finished, NeverFits, Piece, Ticket
+from lm.serving.metrics import ServingMetrics
 from lm.serving.requests import ChatRequest, CompletionRequest, Sampled
 from lm.util.checks import require_seed
 from lm.util.errors import GenerationError
@@ -333,6 +334,26 @@ def sse(data: dict) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
+class CountResponses:
+    """ASGI middleware: each response's route and status to the metrics, as its headers go out (a stream's
+    status is fixed then). Plain ASGI rather than Starlette's BaseHTTPMiddleware, which would sit between
+    a stream and its client and change how a client's leaving is seen."""
+
+    def __init__(self, app, metrics: ServingMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                self.metrics.answered(scope["path"], message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+
 async def drain_at_shutdown(engine: Engine, shutting_down: Callable[[], bool], drain_s: float) -> None:
     """Once `shutting_down()` (the HTTP server has stopped listening): the running and waiting requests get
     `drain_s` seconds to finish, then each one left ends with a 503 (a stream: an error event and `[DONE]`),
@@ -368,6 +389,15 @@ def build_app(server: Server, api_key: str | None = None, on_shutdown: Callable[
             on_shutdown()
 
     app = FastAPI(title="lm", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    metrics = ServingMetrics(server.engine.load, server.engine.max_batch)
+    server.engine.report_to(metrics)
+    app.add_middleware(CountResponses, metrics=metrics)
+
+    @app.get("/metrics")
+    async def prometheus():
+        """Prometheus's text format; open like /health (counts and timings, no request's content)."""
+        body, content_type = metrics.exposition()
+        return Response(body, media_type=content_type)
 
     def authorized(request: Request) -> None:
         if api_key is None:

@@ -28,9 +28,11 @@ import collections
 import itertools
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -41,6 +43,16 @@ from lm.model.generation_cache import GenerationCache
 from lm.model.transformer import Transformer
 
 GREEDY = Sampling()
+
+
+class Metrics(Protocol):
+    """What the engine reports (lm.serving.metrics.ServingMetrics), called on its thread."""
+
+    def first_token(self, seconds: float) -> None: ...
+
+    def token_gap(self, seconds: float) -> None: ...
+
+    def finished(self, prompt_tokens: int, generated_tokens: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -103,6 +115,7 @@ class Ticket:
         self.completion, self.sink = completion, sink
         self.id = next(self._ids)
         self.cancelled = threading.Event()
+        self.submitted_at = time.perf_counter()
 
     def cancel(self) -> None:
         """Withdraw the request: a waiting one is never admitted, a running one frees its row at the next step."""
@@ -123,6 +136,7 @@ class Running:
     text: StreamedText
     generator: torch.Generator | None
     tokens: list[int] = field(default_factory=list)
+    last_token_at: float | None = None  # when its last token was picked (None: none yet)
 
 
 class Engine:
@@ -151,6 +165,12 @@ class Engine:
         # The weights stay as they are while the engine serves, as compile_mode=max-autotune's frozen step needs.
         self.step_fn = compiled_step(model, compile_mode) if compile else model.decode_step
         self.steps = 0
+        self.metrics: Metrics | None = None  # report_to: token timings and counts, for /metrics
+
+    def report_to(self, metrics: Metrics) -> Engine:
+        """Send each completion's token timings and counts to `metrics` (lm.serving.metrics.ServingMetrics)."""
+        self.metrics = metrics
+        return self
 
     def _empty_cache(self) -> GenerationCache:
         pad = torch.zeros(self.max_batch, dtype=torch.long, device=self.device)
@@ -331,6 +351,13 @@ class Engine:
     def _take(self, row: int, token: int) -> None:
         """Row `row`'s request gets `token`: its settled text now, and its end if it has come."""
         run = self.rows[row]
+        if self.metrics is not None:
+            now = time.perf_counter()
+            if run.last_token_at is None:
+                self.metrics.first_token(now - run.ticket.submitted_at)
+            else:
+                self.metrics.token_gap(now - run.last_token_at)
+            run.last_token_at = now
         if token == self.eos_id:
             return self._finish(row, "stop")
         run.tokens.append(token)
@@ -349,6 +376,8 @@ class Engine:
         if rest and reason != "cancelled":
             run.ticket.send(Piece(rest))
         run.ticket.send(Finished(reason, len(run.ticket.completion.prompt), run.tokens, run.text.text))
+        if self.metrics is not None:
+            self.metrics.finished(len(run.ticket.completion.prompt), len(run.tokens))
         with self.lock:
             self.rows[row] = None
 
