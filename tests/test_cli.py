@@ -148,7 +148,9 @@ def test_generation_settings_are_checked_before_loading(tmp_path, override, mess
 @pytest.mark.slow
 def test_a_prompt_of_invalid_utf8_is_one_line(tmp_path):
     done = run("generate.py", f"ckpt={tmp_path / 'none.ckpt'}", "prompt=caf\udce9", cwd=tmp_path)
-    assert done.returncode == 2 and done.stderr == "error: the prompt is not valid UTF-8 text\n", done.stderr
+    # the shell's undecodable byte reaches Python as a lone surrogate; the line names the byte itself
+    assert done.returncode == 2 and done.stderr == "error: prompt is not valid UTF-8 text: byte 0xe9 at offset 3\n", \
+        done.stderr
 
 
 # ------------------------------------------------------------------ run_name and Hydra's run folder
